@@ -1,0 +1,5 @@
+"""``python -m pitstop``: the command-line interface."""
+
+from pitstop.cli import main
+
+raise SystemExit(main())

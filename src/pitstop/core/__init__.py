@@ -1,0 +1,71 @@
+# The pure planning core.
+#
+# Rules: no torch, os, pathlib, time, threading, signal or pitstop.shell here (a test enforces
+# it). Every input — the clock, a directory's contents, metrics — arrives as an argument; every
+# decision leaves as a frozen value for the shell to carry out.
+
+"""pitstop's pure planning core: every decision, as functions over frozen records."""
+
+from pitstop.core.config import CheckpointConfig, parse_checkpoint_config, resolve_directory
+from pitstop.core.layout import Layout, Span, TensorExtent, layout_tensors
+from pitstop.core.naming import EntryKind, checkpoint_name, classify, parse_name, temp_name
+from pitstop.core.plan import SavePlan, plan_save
+from pitstop.core.pointers import reconcile_pointers
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    Catalog,
+    CheckpointEntry,
+    KeepReason,
+    NoCheckpoint,
+    PointerName,
+    Pointers,
+    Policy,
+    Progress,
+    SaveReason,
+)
+from pitstop.core.resume import resume_order
+from pitstop.core.retention import RetentionPlan, plan_retention
+from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save
+from pitstop.core.targets import RunTarget, new_updates, plan_run, target_epoch, target_step
+
+__all__ = [
+    "NO_CHECKPOINT",
+    "Best",
+    "Call",
+    "Catalog",
+    "CheckpointConfig",
+    "CheckpointEntry",
+    "EntryKind",
+    "KeepReason",
+    "Layout",
+    "NoCheckpoint",
+    "PointerName",
+    "Pointers",
+    "Policy",
+    "Progress",
+    "RetentionPlan",
+    "RunTarget",
+    "SaveDecision",
+    "SavePlan",
+    "SaveReason",
+    "ScheduleState",
+    "Span",
+    "TensorExtent",
+    "checkpoint_name",
+    "classify",
+    "decide_save",
+    "layout_tensors",
+    "new_updates",
+    "parse_checkpoint_config",
+    "parse_name",
+    "plan_retention",
+    "plan_run",
+    "plan_save",
+    "reconcile_pointers",
+    "resolve_directory",
+    "resume_order",
+    "target_epoch",
+    "target_step",
+    "temp_name",
+]

@@ -1,0 +1,121 @@
+# Names in a checkpoint directory.
+#
+# Rules: a checkpoint is `step_<12 digits>.pitstop`, the step zero-padded; nothing else is one.
+# Steps that need more than 12 digits are an error (names must sort the way steps do).
+# Every other name is classified — temp file of a writer, pointer, latest.json, lock, or
+# foreign — so the shell can scan a directory without ever guessing.
+# How: a strict regular expression for parsing; formatting is the exact inverse.
+
+"""Checkpoint file names: formatting, parsing and classifying directory entries."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Final
+
+from pitstop.errors import SaveError
+
+__all__ = [
+    "LATEST_JSON",
+    "LOCK_NAME",
+    "MAX_STEP",
+    "SUFFIX",
+    "TEMP_PREFIX",
+    "EntryKind",
+    "NotACheckpoint",
+    "checkpoint_name",
+    "classify",
+    "parse_name",
+    "temp_name",
+]
+
+SUFFIX: Final = ".pitstop"
+STEP_DIGITS: Final = 12
+MAX_STEP: Final = 10**STEP_DIGITS - 1
+LATEST_JSON: Final = "latest.json"
+LOCK_NAME: Final = ".lock"
+TEMP_PREFIX: Final = ".tmp-"
+POINTER_NAMES: Final = frozenset({"last", "best", "final"})
+
+_CHECKPOINT_RE: Final = re.compile(rf"step_([0-9]{{{STEP_DIGITS}}}){re.escape(SUFFIX)}")
+_TOKEN_RE: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class NotACheckpoint(enum.Enum):
+    """Sentinel returned by :func:`parse_name` for a name that is not a checkpoint."""
+
+    NOT_A_CHECKPOINT = "not a checkpoint"
+
+    def __repr__(self) -> str:
+        return "NOT_A_CHECKPOINT"
+
+
+NOT_A_CHECKPOINT: Final = NotACheckpoint.NOT_A_CHECKPOINT
+
+
+class EntryKind(enum.Enum):
+    """What a name in a checkpoint directory is."""
+
+    CHECKPOINT = "checkpoint"
+    TEMP = "temp"
+    POINTER = "pointer"
+    LATEST_JSON = "latest.json"
+    LOCK = "lock"
+    FOREIGN = "foreign"
+
+
+def checkpoint_name(step: int) -> str:
+    """Return the file name of the checkpoint at ``step``: ``step_000000000100.pitstop``.
+
+    Raises :class:`~pitstop.errors.SaveError` for a negative step or one of more than
+    12 digits, naming the step.
+    """
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise SaveError(f"checkpoint step must be an int, got {step!r}")
+    if step < 0:
+        raise SaveError(f"checkpoint step must be >= 0, got {step}")
+    if step > MAX_STEP:
+        raise SaveError(
+            f"step {step} needs more than {STEP_DIGITS} digits; checkpoint names hold steps "
+            f"up to {MAX_STEP}"
+        )
+    return f"step_{step:0{STEP_DIGITS}d}{SUFFIX}"
+
+
+def parse_name(name: str) -> int | NotACheckpoint:
+    """Return the step a checkpoint file name encodes, or ``NOT_A_CHECKPOINT``.
+
+    The exact inverse of :func:`checkpoint_name`: ``step_2.pitstop``, temp files, pointers and
+    any other name are not checkpoints.
+    """
+    match = _CHECKPOINT_RE.fullmatch(name)
+    if match is None:
+        return NOT_A_CHECKPOINT
+    return int(match.group(1))
+
+
+def temp_name(final_name: str, token: str) -> str:
+    """Return the name of a writer's temp file for ``final_name``.
+
+    ``token`` identifies the writer (e.g. a run id); it must be non-empty and made of
+    letters, digits, ``_`` and ``-``, so the temp name is unambiguous.
+    """
+    if not _TOKEN_RE.fullmatch(token):
+        raise ValueError(f"temp token must match [A-Za-z0-9_-]+, got {token!r}")
+    return f"{TEMP_PREFIX}{token}-{final_name}"
+
+
+def classify(name: str) -> EntryKind:
+    """Say what the directory entry ``name`` is; unknown names are ``FOREIGN``."""
+    if parse_name(name) is not NOT_A_CHECKPOINT:
+        return EntryKind.CHECKPOINT
+    if name.startswith(TEMP_PREFIX):
+        return EntryKind.TEMP
+    if name in POINTER_NAMES:
+        return EntryKind.POINTER
+    if name == LATEST_JSON:
+        return EntryKind.LATEST_JSON
+    if name == LOCK_NAME:
+        return EntryKind.LOCK
+    return EntryKind.FOREIGN

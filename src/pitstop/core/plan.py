@@ -1,0 +1,98 @@
+# What one save does to a checkpoint directory.
+#
+# Rules: a decision that writes gets a new entry with the next save sequence number; if a file
+# of the same name exists (an abandoned timeline: the run resumed from an older checkpoint and
+# reached this step again) the new file replaces it, and every pointer that went to the old file
+# is recomputed first. Then the decision's pointer moves apply, then retention is planned over
+# the catalog with the new entry, so the new save and every pointer target survive.
+# (The recomputation sees the new entry, so it can win best by its own metric.)
+# A decision that only moves pointers goes to the existing file of that step; if that file is
+# gone (removed by hand), the decision is carried out as a write instead, so no pointer is ever
+# planned to a missing file.
+# How: the shell executes the plan in order: write the entry (temp, fsync, rename, fsync dir),
+# replace pointers the same way, then delete `retention.delete`.
+
+"""Plan one save: the new entry, the pointers after it, and what retention deletes."""
+
+from __future__ import annotations
+
+import attrs
+
+from pitstop.core.naming import checkpoint_name
+from pitstop.core.pointers import move_pointers, recompute_pointers_to
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Catalog,
+    CheckpointEntry,
+    Metrics,
+    NoCheckpoint,
+    PointerName,
+    Pointers,
+    Policy,
+    Progress,
+)
+from pitstop.core.retention import RetentionPlan, plan_retention
+from pitstop.core.schedule import SaveDecision
+
+__all__ = ["SavePlan", "plan_save"]
+
+
+@attrs.frozen(kw_only=True)
+class SavePlan:
+    """The steps the shell carries out for one save, in order.
+
+    ``entry``: the checkpoint to write, or ``NO_CHECKPOINT`` when only pointers move.
+    ``replaces``: whether ``entry`` replaces a file of the same name. ``pointers``: the
+    pointers once it is published. ``catalog``: the directory after the write, before
+    deletions. ``retention``: what to delete afterwards, and why the rest stays.
+    """
+
+    entry: CheckpointEntry | NoCheckpoint
+    replaces: bool
+    pointers: Pointers
+    catalog: Catalog
+    retention: RetentionPlan
+
+    @property
+    def catalog_after(self) -> Catalog:
+        """The directory once the plan, deletions included, is carried out."""
+        return self.catalog.without(self.retention.delete)
+
+
+def plan_save(
+    catalog: Catalog,
+    pointers: Pointers,
+    decision: SaveDecision,
+    *,
+    progress: Progress,
+    policy: Policy,
+    metrics: Metrics | None = None,
+    detail: str = "",
+) -> SavePlan:
+    """Plan carrying out ``decision`` at ``progress`` in a directory holding ``catalog``."""
+    name = checkpoint_name(progress.step)
+    write = decision.write or (bool(decision.moves) and name not in catalog)
+    entry: CheckpointEntry | NoCheckpoint = NO_CHECKPOINT
+    replaces = False
+    after = catalog
+    if write:
+        entry = CheckpointEntry(
+            progress=progress,
+            seq=catalog.next_seq(),
+            reason=decision.reason,
+            detail=detail,
+            metrics=metrics,
+        )
+        replaces = name in catalog
+        after = catalog.with_entry(entry)
+        if replaces:
+            pointers = recompute_pointers_to(pointers, name, after, policy.best)
+    moves = decision.moves | {PointerName.LAST} if write else decision.moves
+    pointers = move_pointers(pointers, name, moves, decision.best_value)
+    return SavePlan(
+        entry=entry,
+        replaces=replaces,
+        pointers=pointers,
+        catalog=after,
+        retention=plan_retention(after, pointers, policy),
+    )

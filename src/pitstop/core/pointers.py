@@ -1,0 +1,161 @@
+# Where the named pointers go.
+#
+# Rules:
+# * last is the most recently published checkpoint: highest save sequence number, never mtime.
+# * final is the newest checkpoint written at a normal end; best the checkpoint whose Best metric
+#   is best (ties: the earlier one, as a tie never improves).
+# * A save moves the pointers its decision names. When a save replaces a file of the same name
+#   from an abandoned timeline, every pointer that went to the old file is recomputed over what
+#   remains before the moves apply.
+# * Pointers read from disk (symlinks, latest.json) are advice, not truth: last is always
+#   recomputed; a pointer whose target is not in the catalog is dropped and recomputed; every
+#   disagreement is reported as a warning string naming both sides.
+# How: recompute_* derive one pointer from a catalog; move_pointers applies a decision;
+# reconcile_pointers turns what the shell found on disk into trustworthy Pointers.
+
+"""Pointer arithmetic: moving, recomputing and reconciling last / best / final."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    Catalog,
+    CheckpointEntry,
+    NoCheckpoint,
+    PointerName,
+    Pointers,
+    SaveReason,
+)
+
+__all__ = [
+    "move_pointers",
+    "recompute_best",
+    "recompute_final",
+    "recompute_pointers_to",
+    "reconcile_pointers",
+]
+
+
+def recompute_final(catalog: Catalog) -> str | NoCheckpoint:
+    """Return the newest checkpoint saved at a normal end, or ``NO_CHECKPOINT``."""
+    for entry in reversed(catalog.entries):
+        if entry.reason is SaveReason.FINAL:
+            return entry.name
+    return NO_CHECKPOINT
+
+
+def recompute_best(catalog: Catalog, best: Best | None) -> tuple[str | NoCheckpoint, float | None]:
+    """Return the best checkpoint by ``best``'s metric and its value.
+
+    Entries that did not record the metric, or recorded NaN, are not candidates.
+    """
+    if best is None:
+        return NO_CHECKPOINT, None
+    winner: CheckpointEntry | None = None
+    for entry in catalog.entries:  # oldest first: a tie keeps the earlier one
+        value = entry.metrics.get(best.metric)
+        if value is None:
+            continue
+        if best.improves(value, None if winner is None else winner.metrics[best.metric]):
+            winner = entry
+    if winner is None:
+        return NO_CHECKPOINT, None
+    return winner.name, winner.metrics[best.metric]
+
+
+def recompute_pointers_to(
+    pointers: Pointers, name: str, catalog: Catalog, best: Best | None
+) -> Pointers:
+    """Recompute every pointer that goes to ``name`` over ``catalog``.
+
+    ``catalog`` is the directory as it is after ``name`` was replaced or removed.
+    """
+    changes: dict[str, object] = {}
+    if pointers.last == name:
+        newest = catalog.newest()
+        changes["last"] = NO_CHECKPOINT if newest is NO_CHECKPOINT else newest.name
+    if pointers.final == name:
+        changes["final"] = recompute_final(catalog)
+    if pointers.best == name:
+        changes["best"], changes["best_value"] = recompute_best(catalog, best)
+    return attrs.evolve(pointers, **changes) if changes else pointers  # type: ignore[arg-type]
+
+
+def move_pointers(
+    pointers: Pointers,
+    name: str,
+    moves: Iterable[PointerName],
+    best_value: float | None,
+) -> Pointers:
+    """Return ``pointers`` with each pointer in ``moves`` going to ``name``.
+
+    ``best_value`` becomes the best value when ``best`` moves.
+    """
+    changes: dict[str, object] = {PointerName(p).value: name for p in moves}
+    if "best" in changes:
+        changes["best_value"] = best_value
+    return attrs.evolve(pointers, **changes) if changes else pointers  # type: ignore[arg-type]
+
+
+def reconcile_pointers(
+    catalog: Catalog,
+    *,
+    links: Pointers,
+    manifest: Pointers,
+    best: Best | None,
+) -> tuple[Pointers, tuple[str, ...]]:
+    """Derive trustworthy pointers for ``catalog`` from what the shell found on disk.
+
+    ``links`` are the pointer symlinks, ``manifest`` the pointers in ``latest.json`` (with the
+    best value); both are already parsed and may be stale, dangling or missing. Returns the
+    pointers to use and a warning for every disagreement.
+    """
+    warnings: list[str] = []
+
+    newest = catalog.newest()
+    last: str | NoCheckpoint = NO_CHECKPOINT if newest is NO_CHECKPOINT else newest.name
+    for source, found in (("symlink", links.last), ("latest.json", manifest.last)):
+        if found is not NO_CHECKPOINT and found != last:
+            seq = "" if newest is NO_CHECKPOINT else f" (seq {newest.seq})"
+            warnings.append(
+                f"pointer last ({source}) -> {found} is stale; the most recently published "
+                f"checkpoint is {last}{seq}"
+            )
+
+    def pick(pointer: PointerName) -> str | NoCheckpoint:
+        for source, found in (
+            ("symlink", links.target(pointer)),
+            ("latest.json", manifest.target(pointer)),
+        ):
+            if found is NO_CHECKPOINT:
+                continue
+            if found in catalog:
+                return found
+            warnings.append(
+                f"pointer {pointer.value} ({source}) -> {found} names no published checkpoint; "
+                "ignored"
+            )
+        return NO_CHECKPOINT
+
+    final = pick(PointerName.FINAL)
+    if final is NO_CHECKPOINT:
+        final = recompute_final(catalog)
+
+    best_name = pick(PointerName.BEST)
+    best_value: float | None = None
+    if best_name is NO_CHECKPOINT:
+        best_name, best_value = recompute_best(catalog, best)
+    elif manifest.best == best_name and manifest.best_value is not None:
+        best_value = manifest.best_value
+    else:
+        entry = catalog.get(best_name)
+        if best is not None and entry is not NO_CHECKPOINT:
+            best_value = entry.metrics.get(best.metric)
+
+    pointers = Pointers(last=last, final=final, best=best_name, best_value=best_value)
+    return pointers, tuple(warnings)

@@ -1,0 +1,138 @@
+# When to save.
+#
+# Rules:
+# * interval: the step is an exact multiple of every_steps (step 0 never is: nothing trained);
+# * time: every_seconds passed since the last write (the clock is an argument, never read here);
+# * best: the reported Best metric strictly improves on the best pointer's value;
+# * stop: a stop was requested; final: the normal end of the run (finish) with save_final;
+# * manual: Checkpointer.save() always writes.
+# A step already written in this timeline is never written twice: a later reason at the same
+# step (the final end, an improved metric) only moves pointers to the file already there.
+# With save_final=False nothing is written at the end, so the seed's "final-step gap" holds.
+# How: decide_save collects the reasons that fire, then chooses write / move pointers / nothing,
+# and returns the schedule state to adopt once the shell has carried the decision out.
+
+"""The save schedule: which calls write a checkpoint, why, and which pointers move."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    REASON_PRIORITY,
+    Metrics,
+    NoCheckpoint,
+    PointerName,
+    Pointers,
+    Policy,
+    Progress,
+    SaveReason,
+)
+
+__all__ = ["Call", "SaveDecision", "ScheduleState", "decide_save"]
+
+
+class Call(enum.Enum):
+    """Which Checkpointer call asks the schedule."""
+
+    MAYBE = "maybe_save"  # once per step from the training loop; the policy decides
+    FINISH = "finish"  # the end of the run (normal or stopped)
+    MANUAL = "save"  # an explicit save: always writes
+
+
+@attrs.frozen(kw_only=True)
+class ScheduleState:
+    """What the schedule remembers between calls.
+
+    ``last_saved_step`` is the step of the newest checkpoint written *in this timeline* that is
+    in the checkpoint directory (after a resume from that directory: the restored step), or
+    ``NO_CHECKPOINT``. ``timer_start`` is the clock reading (seconds, monotonic) the
+    ``every_seconds`` timer counts from.
+    """
+
+    timer_start: float
+    last_saved_step: int | NoCheckpoint = NO_CHECKPOINT
+
+
+@attrs.frozen(kw_only=True)
+class SaveDecision:
+    """What one call should do.
+
+    ``write``: write a new checkpoint of the current step. ``moves``: pointers that go to the
+    current step's checkpoint (always ``last`` when writing). ``best_value``: the best metric
+    value after the decision. ``state``: the schedule state once the decision is carried out.
+    """
+
+    write: bool
+    reasons: frozenset[SaveReason]
+    moves: frozenset[PointerName]
+    best_value: float | None
+    state: ScheduleState
+
+    @property
+    def reason(self) -> SaveReason:
+        """The reason recorded in the checkpoint: the most telling of ``reasons``."""
+        for reason in REASON_PRIORITY:
+            if reason in self.reasons:
+                return reason
+        raise ValueError("a decision with no reasons has no recorded reason")
+
+    @property
+    def acts(self) -> bool:
+        """Whether the decision writes a file or moves a pointer."""
+        return self.write or bool(self.moves)
+
+
+def decide_save(
+    policy: Policy,
+    state: ScheduleState,
+    pointers: Pointers,
+    *,
+    call: Call,
+    progress: Progress,
+    now: float,
+    metrics: Metrics | None = None,
+    stop: bool = False,
+) -> SaveDecision:
+    """Decide what ``call`` at ``progress`` should do under ``policy``.
+
+    ``pointers`` supplies the best value so far; ``now`` is the caller's monotonic clock;
+    ``stop`` says a stop has been requested.
+    """
+    reasons: set[SaveReason] = set()
+    step = progress.step
+    if call is Call.MANUAL:
+        reasons.add(SaveReason.MANUAL)
+    if policy.every_steps is not None and step > 0 and step % policy.every_steps == 0:
+        reasons.add(SaveReason.INTERVAL)
+    if policy.every_seconds is not None and now - state.timer_start >= policy.every_seconds:
+        reasons.add(SaveReason.TIME)
+    best_value = pointers.best_value
+    if policy.best is not None and metrics is not None and policy.best.metric in metrics:
+        value = metrics[policy.best.metric]
+        if policy.best.improves(value, best_value):
+            reasons.add(SaveReason.BEST)
+            best_value = value
+    if stop:
+        reasons.add(SaveReason.STOP)
+    elif call is Call.FINISH and policy.save_final:
+        reasons.add(SaveReason.FINAL)
+
+    already_saved = state.last_saved_step == step
+    write = bool(reasons) and (call is Call.MANUAL or not already_saved)
+    moves = {PointerName.LAST} if write else set()
+    if SaveReason.FINAL in reasons:
+        moves.add(PointerName.FINAL)
+    if SaveReason.BEST in reasons:
+        moves.add(PointerName.BEST)
+    next_state = ScheduleState(timer_start=now, last_saved_step=step) if write else state
+    return SaveDecision(
+        write=write,
+        reasons=frozenset(reasons),
+        moves=frozenset(moves),
+        best_value=best_value,
+        state=next_state,
+    )

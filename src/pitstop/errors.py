@@ -1,0 +1,83 @@
+"""Every exception pitstop raises.
+
+All of them derive from :class:`PitstopError`, so ``except pitstop.PitstopError`` catches
+anything pitstop reports on purpose. Each message names the offending key, path, step or value.
+This module imports nothing, so the pure core may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "CheckpointCorrupt",
+    "ConfigError",
+    "DirectoryLocked",
+    "IncompatibleCheckpoint",
+    "InvalidValue",
+    "PitstopError",
+    "SaveError",
+]
+
+
+class PitstopError(Exception):
+    """Base class of every error pitstop raises on purpose."""
+
+
+class CheckpointCorrupt(PitstopError):
+    """A checkpoint file is incomplete, truncated, or fails an integrity check."""
+
+
+class IncompatibleCheckpoint(PitstopError):
+    """A checkpoint does not fit the live objects it would be restored into.
+
+    ``differences`` lists every mismatch found, not only the first.
+    """
+
+    def __init__(self, differences: Iterable[str]) -> None:
+        self.differences: tuple[str, ...] = tuple(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(
+            f"checkpoint is incompatible ({len(self.differences)} difference(s)):\n{lines}"
+        )
+
+
+class ConfigError(PitstopError, ValueError):
+    """A configuration value or record field is invalid.
+
+    ``problems`` lists every bad key path with what is wrong with it. It is also a
+    :class:`ValueError`, so code that validates arguments generically still catches it.
+    """
+
+    def __init__(self, problems: str | Iterable[str]) -> None:
+        self.problems: tuple[str, ...] = (
+            (problems,) if isinstance(problems, str) else tuple(problems)
+        )
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} configuration problems:\n" + "\n".join(
+                f"  - {p}" for p in self.problems
+            )
+        super().__init__(message)
+
+
+class InvalidValue(ConfigError):
+    """One field of a record holds an invalid value.
+
+    ``field`` names it (``Policy.keep_last``); ``requirement`` says what is wrong
+    (``must be a positive int or None, got 0``).
+    """
+
+    def __init__(self, field: str, requirement: str) -> None:
+        self.field = field
+        self.requirement = requirement
+        super().__init__(f"{field} {requirement}")
+
+
+class DirectoryLocked(PitstopError):
+    """Another writer holds the checkpoint directory's lock."""
+
+
+class SaveError(PitstopError):
+    """A checkpoint could not be written or published; nothing was published."""
