@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
-# Both create .venv once (torch pinned to the CPU build) and reuse it afterwards.
+# Both create .venv once (torch pinned to 2.13.0; this workplace's wheel cache holds its CPU
+# build) and reuse it afterwards.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

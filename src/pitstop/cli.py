@@ -81,7 +81,7 @@ def _demo(console: Console) -> int:
             )
     console.print(table)
     kept = ", ".join(checkpoint_name(e.step) for e in catalog)
-    console.print(f"\nkept on disk: {kept}")
+    console.print(f"\nwhat a real run would keep on disk: {kept}")
     return 0
 
 

@@ -239,7 +239,7 @@ def structure(data: object, cls: type[Any], *, path: str) -> Any:
     try:
         return converter.structure(data, cls)
     except (cattrs.BaseValidationError, ConfigError, TypeError, ValueError, KeyError) as exc:
-        raise ConfigError(_problems(exc, path) or [f"{path}: {exc}"]) from None
+        raise ConfigError(sorted(_problems(exc, path)) or [f"{path}: {exc}"]) from None
 
 
 def parse_checkpoint_config(

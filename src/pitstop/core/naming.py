@@ -50,6 +50,8 @@ class NotACheckpoint(enum.Enum):
     def __repr__(self) -> str:
         return "NOT_A_CHECKPOINT"
 
+    __str__ = __repr__
+
 
 NOT_A_CHECKPOINT: Final = NotACheckpoint.NOT_A_CHECKPOINT
 

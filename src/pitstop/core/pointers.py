@@ -8,8 +8,9 @@
 #   from an abandoned timeline, every pointer that went to the old file is recomputed over what
 #   remains before the moves apply.
 # * Pointers read from disk (symlinks, latest.json) are advice, not truth: last is always
-#   recomputed; a pointer whose target is not in the catalog is dropped and recomputed; every
-#   disagreement is reported as a warning string naming both sides.
+#   recomputed; a pointer whose target is not in the catalog is dropped and recomputed; a best
+#   pointer that a checkpoint's recorded metric beats is moved; every disagreement is reported
+#   as a warning string naming both sides.
 # How: recompute_* derive one pointer from a catalog; move_pointers applies a decision;
 # reconcile_pointers turns what the shell found on disk into trustworthy Pointers.
 
@@ -127,7 +128,22 @@ def reconcile_pointers(
                 f"checkpoint is {last}{seq}"
             )
 
+    if (
+        newest is not NO_CHECKPOINT
+        and links.last is NO_CHECKPOINT
+        and manifest.last is NO_CHECKPOINT
+    ):
+        warnings.append(
+            f"pointer last is missing; the most recently published checkpoint is {last}"
+        )
+
     def pick(pointer: PointerName) -> str | NoCheckpoint:
+        link, json = links.target(pointer), manifest.target(pointer)
+        if link != json and link in catalog and json in catalog:
+            warnings.append(
+                f"pointer {pointer.value}: symlink -> {link} but latest.json -> {json}; "
+                "using the symlink"
+            )
         for source, found in (
             ("symlink", links.target(pointer)),
             ("latest.json", manifest.target(pointer)),
@@ -148,14 +164,27 @@ def reconcile_pointers(
 
     best_name = pick(PointerName.BEST)
     best_value: float | None = None
-    if best_name is NO_CHECKPOINT:
-        best_name, best_value = recompute_best(catalog, best)
-    elif manifest.best == best_name and manifest.best_value is not None:
-        best_value = manifest.best_value
-    else:
+    if best_name is not NO_CHECKPOINT:
         entry = catalog.get(best_name)
-        if best is not None and entry is not NO_CHECKPOINT:
+        if manifest.best == best_name and manifest.best_value is not None:
+            best_value = manifest.best_value
+        elif best is not None and entry is not NO_CHECKPOINT:
             best_value = entry.metrics.get(best.metric)
+    # A crash between publishing a checkpoint and moving `best` leaves the pointer behind a
+    # better checkpoint; the metrics each file recorded settle it.
+    winner, winner_value = recompute_best(catalog, best)
+    if (
+        best is not None
+        and winner is not NO_CHECKPOINT
+        and winner_value is not None
+        and best.improves(winner_value, best_value)
+    ):
+        if best_name is not NO_CHECKPOINT:
+            warnings.append(
+                f"pointer best -> {best_name} ({best.metric}={best_value}) is stale; "
+                f"{winner} recorded {best.metric}={winner_value}"
+            )
+        best_name, best_value = winner, winner_value
 
     pointers = Pointers(last=last, final=final, best=best_name, best_value=best_value)
     return pointers, tuple(warnings)

@@ -60,6 +60,8 @@ class NoCheckpoint(enum.Enum):
     def __repr__(self) -> str:
         return "NO_CHECKPOINT"
 
+    __str__ = __repr__
+
 
 NO_CHECKPOINT: Final = NoCheckpoint.NO_CHECKPOINT
 
@@ -320,9 +322,9 @@ def _best_value(instance: Pointers, attribute: attrs.Attribute[Any], value: obje
     if value is None:
         return
     if not is_real(value):
-        raise ConfigError(f"Pointers.best_value must be a real number or None, got {value!r}")
+        raise fail(instance, attribute, f"must be a real number or None, got {value!r}")
     if instance.best is NO_CHECKPOINT:
-        raise ConfigError(f"Pointers.best_value is {value!r} but there is no best checkpoint")
+        raise fail(instance, attribute, f"is {value!r} but there is no best checkpoint")
 
 
 @attrs.frozen(kw_only=True)

@@ -2,13 +2,18 @@
 #
 # Rules:
 # * interval: the step is an exact multiple of every_steps (step 0 never is: nothing trained);
-# * time: every_seconds passed since the last write (the clock is an argument, never read here);
+# * time: every_seconds passed since the last write (the clock is an argument, never read here),
+#   checked by maybe_save only (a time save at the end would be a final save in disguise);
 # * best: the reported Best metric strictly improves on the best pointer's value;
 # * stop: a stop was requested; final: the normal end of the run (finish) with save_final;
 # * manual: Checkpointer.save() always writes.
 # A step already written in this timeline is never written twice: a later reason at the same
 # step (the final end, an improved metric) only moves pointers to the file already there.
-# With save_final=False nothing is written at the end, so the seed's "final-step gap" holds.
+# "Already written" means the directory's newest checkpoint is this run's save of this step;
+# after a resume from an older checkpoint it is not, so the restored step can be saved again.
+# With save_final=False the end writes only what an interval, best or stop would, so the seed's
+# "final-step gap" table holds. A stop at a step already saved writes nothing: the run's
+# position is already durable, and the file keeps the reason it was first saved for.
 # How: decide_save collects the reasons that fire, then chooses write / move pointers / nothing,
 # and returns the schedule state to adopt once the shell has carried the decision out.
 
@@ -23,6 +28,8 @@ import attrs
 from pitstop.core.records import (
     NO_CHECKPOINT,
     REASON_PRIORITY,
+    Catalog,
+    CheckpointEntry,
     Metrics,
     NoCheckpoint,
     PointerName,
@@ -32,7 +39,7 @@ from pitstop.core.records import (
     SaveReason,
 )
 
-__all__ = ["Call", "SaveDecision", "ScheduleState", "decide_save"]
+__all__ = ["Call", "SaveDecision", "ScheduleState", "decide_save", "resumed_state"]
 
 
 class Call(enum.Enum):
@@ -47,14 +54,29 @@ class Call(enum.Enum):
 class ScheduleState:
     """What the schedule remembers between calls.
 
-    ``last_saved_step`` is the step of the newest checkpoint written *in this timeline* that is
-    in the checkpoint directory (after a resume from that directory: the restored step), or
-    ``NO_CHECKPOINT``. ``timer_start`` is the clock reading (seconds, monotonic) the
-    ``every_seconds`` timer counts from.
+    ``last_saved_step``: the step of the directory's newest checkpoint when this run wrote it
+    (or resumed from it: see :func:`resumed_state`), else ``NO_CHECKPOINT``.
+    ``timer_start``: the clock reading (seconds, monotonic) the ``every_seconds`` timer counts
+    from.
     """
 
     timer_start: float
     last_saved_step: int | NoCheckpoint = NO_CHECKPOINT
+
+
+def resumed_state(
+    catalog: Catalog, resumed: CheckpointEntry | NoCheckpoint, *, now: float
+) -> ScheduleState:
+    """Return the schedule state of a run that resumed from ``resumed`` at clock ``now``.
+
+    The restored step counts as already saved only when ``resumed`` is the directory's newest
+    checkpoint. After a resume from an older one (an abandoned timeline follows it), ``last``
+    is another timeline's file, so a stop or final end at the restored step must write again.
+    """
+    newest = catalog.newest()
+    if resumed is NO_CHECKPOINT or newest is NO_CHECKPOINT or newest.name != resumed.name:
+        return ScheduleState(timer_start=now)
+    return ScheduleState(timer_start=now, last_saved_step=resumed.step)
 
 
 @attrs.frozen(kw_only=True)
@@ -108,7 +130,12 @@ def decide_save(
         reasons.add(SaveReason.MANUAL)
     if policy.every_steps is not None and step > 0 and step % policy.every_steps == 0:
         reasons.add(SaveReason.INTERVAL)
-    if policy.every_seconds is not None and now - state.timer_start >= policy.every_seconds:
+    if (
+        policy.every_seconds is not None
+        and call is Call.MAYBE
+        and step > 0
+        and now - state.timer_start >= policy.every_seconds
+    ):
         reasons.add(SaveReason.TIME)
     best_value = pointers.best_value
     if policy.best is not None and metrics is not None and policy.best.metric in metrics:

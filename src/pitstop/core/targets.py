@@ -73,6 +73,10 @@ def plan_run(restored: Progress, *, max_steps: int | None, epochs: int | None) -
     ``max_steps`` and ``epochs`` are cumulative, as in the configuration; each becomes
     ``max(restored, requested)``.
     """
+    if max_steps is not None:
+        _check("max_steps", max_steps)
+    if epochs is not None:
+        _check("epochs", epochs)
     return RunTarget(
         step=None if max_steps is None else target_step(restored.step, max_steps),
         epoch=None if epochs is None else target_epoch(restored.epoch, epochs),

@@ -1,0 +1,106 @@
+"""Checkpoint names: step ⇄ name, and classifying everything else in a directory."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pitstop.core.naming import (
+    LATEST_JSON,
+    LOCK_NAME,
+    MAX_STEP,
+    NOT_A_CHECKPOINT,
+    EntryKind,
+    checkpoint_name,
+    classify,
+    parse_name,
+    temp_name,
+)
+from pitstop.errors import SaveError
+from strategies import steps
+
+
+def test_name_has_twelve_digits() -> None:
+    assert checkpoint_name(2) == "step_000000000002.pitstop"
+    assert checkpoint_name(MAX_STEP) == "step_999999999999.pitstop"
+
+
+@given(steps)
+def test_name_round_trips(step: int) -> None:
+    name = checkpoint_name(step)
+    assert parse_name(name) == step
+    assert classify(name) is EntryKind.CHECKPOINT
+
+
+@given(steps, steps)
+def test_names_sort_like_steps(a: int, b: int) -> None:
+    assert (checkpoint_name(a) < checkpoint_name(b)) == (a < b)
+
+
+@given(st.text(max_size=40))
+def test_anything_that_parses_is_exactly_a_checkpoint_name(name: str) -> None:
+    step = parse_name(name)
+    if step is not NOT_A_CHECKPOINT:
+        assert checkpoint_name(step) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "step_2.pitstop",
+        "step_0000000000002.pitstop",  # 13 digits
+        "step_000000000002.pt",
+        "step_000000000002.pitstop.tmp",
+        "step_٠٠٠٠٠٠٠٠٠٠٠٢.pitstop",  # Arabic-Indic digits are not digits here
+        " step_000000000002.pitstop",
+        LATEST_JSON,
+        "last",
+        "",
+    ],
+)
+def test_non_checkpoint_names(name: str) -> None:
+    assert parse_name(name) is NOT_A_CHECKPOINT
+    assert classify(name) is not EntryKind.CHECKPOINT
+
+
+@pytest.mark.parametrize("step", [MAX_STEP + 1, 10**15])
+def test_steps_beyond_twelve_digits_are_an_error(step: int) -> None:
+    with pytest.raises(SaveError, match=f"step {step} needs more than 12 digits"):
+        checkpoint_name(step)
+
+
+@pytest.mark.parametrize("step", [-1, True, 2.0])
+def test_invalid_steps_are_an_error(step: object) -> None:
+    with pytest.raises(SaveError, match="step"):
+        checkpoint_name(step)  # type: ignore[arg-type]
+
+
+@given(steps, st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True))
+def test_temp_files_are_recognised_and_never_checkpoints(step: int, token: str) -> None:
+    name = temp_name(checkpoint_name(step), token)
+    assert classify(name) is EntryKind.TEMP
+    assert parse_name(name) is NOT_A_CHECKPOINT
+    assert classify(temp_name(LATEST_JSON, token)) is EntryKind.TEMP
+
+
+@pytest.mark.parametrize("token", ["", "a/b", "x y", "../x"])
+def test_temp_tokens_are_restricted(token: str) -> None:
+    with pytest.raises(ValueError, match="temp token"):
+        temp_name("last", token)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("last", EntryKind.POINTER),
+        ("best", EntryKind.POINTER),
+        ("final", EntryKind.POINTER),
+        (LATEST_JSON, EntryKind.LATEST_JSON),
+        (LOCK_NAME, EntryKind.LOCK),
+        ("notes.txt", EntryKind.FOREIGN),
+        ("step_000000000100.pt", EntryKind.FOREIGN),
+    ],
+)
+def test_classify(name: str, kind: EntryKind) -> None:
+    assert classify(name) is kind

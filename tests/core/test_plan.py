@@ -1,0 +1,127 @@
+"""Planning one save: sequence numbers, replacement of abandoned timelines, retention."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pitstop.core.plan import plan_save
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    Catalog,
+    CheckpointEntry,
+    PointerName,
+    Pointers,
+    Policy,
+    Progress,
+    SaveReason,
+)
+from pitstop.core.schedule import Call, SaveDecision, ScheduleState
+from plan_driver import Driver
+from strategies import METRIC, catalogs, finite_metric_values, pointers_into, policies
+
+
+def _name(step: int) -> str:
+    return f"step_{step:012d}.pitstop"
+
+
+def _decision(
+    *reasons: SaveReason, write: bool = True, best_value: float | None = None
+) -> SaveDecision:
+    moves = {PointerName.LAST} if write else set()
+    if SaveReason.FINAL in reasons:
+        moves.add(PointerName.FINAL)
+    if SaveReason.BEST in reasons:
+        moves.add(PointerName.BEST)
+    return SaveDecision(
+        write=write,
+        reasons=frozenset(reasons),
+        moves=frozenset(moves),
+        best_value=best_value,
+        state=ScheduleState(timer_start=0.0),
+    )
+
+
+@given(st.data(), catalogs(), policies, st.integers(0, 10_000), st.none() | finite_metric_values)
+def test_a_written_save_is_published_with_the_next_sequence_and_survives_retention(
+    data: st.DataObject, catalog: Catalog, policy: Policy, step: int, value: float | None
+) -> None:
+    pointers = data.draw(pointers_into(catalog))
+    metrics = None if value is None else {METRIC: value}
+    plan = plan_save(
+        catalog,
+        pointers,
+        _decision(SaveReason.INTERVAL),
+        progress=Progress(step=step),
+        policy=policy,
+        metrics=metrics,
+    )
+    assert plan.entry is not NO_CHECKPOINT
+    assert plan.entry.seq == catalog.next_seq()
+    assert plan.entry.seq > max((e.seq for e in catalog), default=0)
+    assert plan.replaces == (_name(step) in catalog)
+    assert plan.pointers.last == _name(step)
+    assert plan.catalog.newest() == plan.entry
+    assert _name(step) not in plan.retention.delete
+    assert plan.pointers.targets() <= set(plan.retention.keep)
+    # Every pointer names a file that exists once the plan is carried out.
+    assert all(t in plan.catalog_after for t in plan.pointers.targets() if t in plan.catalog)
+    for name in plan.retention.delete:
+        assert name in catalog  # only files that existed before this save are deleted
+
+
+def test_replacing_an_abandoned_checkpoint_recomputes_pointers_to_it() -> None:
+    best = Best(METRIC)
+    policy = Policy(keep_last=None, best=best)
+    # Timeline A saved 100, 200 (best, final) and 300; the run resumed from 100 and reaches 200.
+    catalog = Catalog(
+        entries=[
+            CheckpointEntry(
+                progress=Progress(step=100), seq=1, reason="interval", metrics={METRIC: 0.4}
+            ),
+            CheckpointEntry(
+                progress=Progress(step=200), seq=2, reason="final", metrics={METRIC: 0.1}
+            ),
+            CheckpointEntry(progress=Progress(step=300), seq=3, reason="interval"),
+        ]
+    )
+    pointers = Pointers(last=_name(300), best=_name(200), best_value=0.1, final=_name(200))
+    plan = plan_save(
+        catalog,
+        pointers,
+        _decision(SaveReason.INTERVAL),
+        progress=Progress(step=200),
+        policy=policy,
+        metrics={METRIC: 0.3},
+    )
+    assert plan.replaces
+    assert plan.entry.seq == 4  # type: ignore[union-attr]
+    assert plan.pointers.last == _name(200)
+    # The old best (0.1) is gone; the new 200 (0.3) beats the remaining 100 (0.4).
+    assert (plan.pointers.best, plan.pointers.best_value) == (_name(200), 0.3)
+    # The old final is gone and no other normal end exists.
+    assert plan.pointers.final is NO_CHECKPOINT
+    assert [e.step for e in plan.catalog] == [100, 300, 200]
+
+
+def test_a_repoint_to_a_missing_file_becomes_a_write() -> None:
+    driver = Driver(Policy(every_steps=4))
+    driver.call(Call.MAYBE, Progress(step=4))
+    driver.catalog = Catalog()  # the file was removed by hand
+    decision = driver.call(Call.FINISH, Progress(step=4))
+    assert not decision.write
+    assert driver.written == [4, 4]
+    assert driver.pointers.final == driver.pointers.last == _name(4)
+
+
+def test_pointer_only_plans_write_nothing_and_may_release_an_old_best() -> None:
+    policy = Policy(keep_last=1, best=Best(METRIC))
+    driver = Driver(policy)
+    driver.call(Call.MAYBE, Progress(step=1), metrics={METRIC: 0.5})
+    driver.call(Call.MANUAL, Progress(step=2))
+    driver.call(Call.MAYBE, Progress(step=2), metrics={METRIC: 0.4})
+    plan = driver.plans[-1]
+    assert plan.entry is NO_CHECKPOINT
+    assert plan.pointers.best == _name(2)
+    assert plan.retention.delete == (_name(1),)

@@ -1,0 +1,184 @@
+"""When to save: interval, time, best, stop, final and manual saves."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    PointerName,
+    Pointers,
+    Policy,
+    Progress,
+    SaveReason,
+)
+from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
+from plan_driver import Driver
+from strategies import METRIC, metric_values, policies
+
+
+# The seed's "Final-step gap" table (003_…): saving only at exact multiples of every_steps.
+@pytest.mark.parametrize(
+    ("final_step", "interval", "latest_saved"),
+    [(3, 2, 2), (4, 2, 4), (5, 2, 4)],
+)
+def test_final_step_gap_table_holds_with_save_final_false(
+    final_step: int, interval: int, latest_saved: int
+) -> None:
+    driver = Driver(Policy(every_steps=interval, save_final=False))
+    driver.run(final_step)
+    assert driver.latest_saved_step() == latest_saved
+    assert driver.pointers.final is NO_CHECKPOINT  # a normal end without save_final moves nothing
+
+
+@pytest.mark.parametrize(("final_step", "interval"), [(3, 2), (4, 2), (5, 2), (1, 7)])
+def test_save_final_always_saves_the_final_step(final_step: int, interval: int) -> None:
+    driver = Driver(Policy(every_steps=interval, save_final=True))
+    driver.run(final_step)
+    assert driver.latest_saved_step() == final_step
+    assert driver.pointers.final == driver.pointers.last
+    assert driver.written.count(final_step) == 1  # 4/2: the interval save is reused
+
+
+@given(st.integers(1, 20), st.integers(1, 60))
+def test_interval_saves_happen_at_exact_multiples_only(every: int, final_step: int) -> None:
+    driver = Driver(Policy(every_steps=every, save_final=False))
+    driver.run(final_step)
+    assert driver.written == list(range(every, final_step + 1, every))
+
+
+def test_step_zero_is_never_an_interval_save() -> None:
+    decision = decide_save(
+        Policy(every_steps=1),
+        ScheduleState(timer_start=0.0),
+        Pointers(),
+        call=Call.MAYBE,
+        progress=Progress(),
+        now=0.0,
+    )
+    assert not decision.acts
+
+
+def test_time_trigger_counts_from_the_last_write() -> None:
+    driver = Driver(Policy(every_seconds=10.0, save_final=False))
+    for step, now in [(1, 5.0), (2, 9.99), (3, 10.0), (4, 15.0), (5, 20.0)]:
+        driver.call(Call.MAYBE, Progress(step=step), now=now)
+    assert driver.written == [3, 5]
+    assert driver.plans[0].entry.reason is SaveReason.TIME  # type: ignore[union-attr]
+
+
+def test_best_saves_when_the_metric_improves() -> None:
+    driver = Driver(Policy(best=Best(METRIC), save_final=False))
+    losses = {2: 0.9, 4: 0.5, 6: 0.7, 8: 0.5, 10: 0.1}
+    driver.run(10, metrics_at={s: {METRIC: v} for s, v in losses.items()})
+    assert driver.written == [2, 4, 10]
+    assert driver.pointers.best == driver.catalog.entries[-1].name
+    assert driver.pointers.best_value == pytest.approx(0.1)
+
+
+def test_stop_saves_last_with_the_stop_reason_and_no_final() -> None:
+    driver = Driver(Policy(every_steps=100))
+    driver.run(50, stop_at=7)
+    assert driver.written == [7]
+    assert driver.catalog.entries[-1].reason is SaveReason.STOP
+    assert driver.pointers.final is NO_CHECKPOINT  # a stop is not an end
+
+
+def test_stop_with_save_final_false_still_saves() -> None:
+    driver = Driver(Policy(save_final=False))
+    driver.run(10, stop_at=3)
+    assert driver.written == [3]
+
+
+def test_manual_save_always_writes_and_records_manual() -> None:
+    driver = Driver(Policy(every_steps=5))
+    driver.call(Call.MAYBE, Progress(step=5))
+    driver.call(Call.MANUAL, Progress(step=5))
+    assert driver.written == [5, 5]
+    assert driver.catalog.entries[-1].reason is SaveReason.MANUAL
+    assert len(driver.catalog) == 1  # same name: the second write replaced the first
+
+
+def test_final_and_best_at_an_already_saved_step_only_move_pointers() -> None:
+    driver = Driver(Policy(every_steps=4, best=Best(METRIC)))
+    driver.call(Call.MAYBE, Progress(step=4))
+    decision = driver.call(Call.FINISH, Progress(step=4), metrics={METRIC: 0.3})
+    assert not decision.write
+    assert decision.moves == {PointerName.FINAL, PointerName.BEST}
+    assert driver.written == [4]
+    assert driver.pointers.final == driver.pointers.best == driver.pointers.last
+    assert driver.pointers.best_value == pytest.approx(0.3)
+
+
+def test_reason_priority() -> None:
+    decision = decide_save(
+        Policy(every_steps=2),
+        ScheduleState(timer_start=0.0),
+        Pointers(),
+        call=Call.MAYBE,
+        progress=Progress(step=2),
+        now=0.0,
+        stop=True,
+    )
+    assert decision.reasons == {SaveReason.INTERVAL, SaveReason.STOP}
+    assert decision.reason is SaveReason.STOP
+
+
+calls = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # steps to advance before the call
+        st.sampled_from([Call.MAYBE, Call.MAYBE, Call.FINISH]),
+        st.none() | st.fixed_dictionaries({METRIC: metric_values}),
+        st.booleans(),  # stop requested
+        st.floats(0.0, 50.0),  # seconds passing
+    ),
+    max_size=40,
+)
+
+
+@given(policies, calls)
+def test_no_step_is_written_twice_in_one_timeline(policy: Policy, script: list) -> None:  # type: ignore[type-arg]
+    driver = Driver(policy)
+    progress, now = Progress(), 0.0
+    for advance, call, metrics, stop, seconds in script:
+        for _ in range(advance):
+            progress = progress.advance()
+        now += seconds
+        decision = driver.call(call, progress, now=now, metrics=metrics, stop=stop)
+        assert decision.write == (PointerName.LAST in decision.moves)
+        if decision.write:
+            assert decision.state.last_saved_step == progress.step
+            assert decision.state.timer_start == now
+    assert len(driver.written) == len(set(driver.written))
+    assert driver.written == sorted(driver.written)
+
+
+def test_time_never_fires_at_step_zero_or_at_the_end() -> None:
+    driver = Driver(Policy(every_seconds=1.0, save_final=False))
+    driver.call(Call.MAYBE, Progress(step=0), now=100.0)
+    driver.call(Call.FINISH, Progress(step=3), now=200.0)
+    assert driver.written == []
+
+
+def test_resumed_state_counts_the_restored_step_as_saved_only_if_it_is_the_newest() -> None:
+    driver = Driver(Policy(every_steps=2))
+    driver.run(6)  # writes 2, 4, 6
+    newest, older = driver.catalog.entries[-1], driver.catalog.entries[0]
+    assert resumed_state(driver.catalog, newest, now=5.0) == ScheduleState(
+        timer_start=5.0, last_saved_step=6
+    )
+    assert resumed_state(driver.catalog, older, now=5.0) == ScheduleState(timer_start=5.0)
+    assert resumed_state(driver.catalog, NO_CHECKPOINT, now=1.0) == ScheduleState(timer_start=1.0)
+
+
+def test_a_stop_right_after_resuming_an_older_checkpoint_saves_it_again() -> None:
+    driver = Driver(Policy(every_steps=2, keep_last=None))
+    driver.run(6)
+    older = driver.catalog.entries[0]  # step 2; 4 and 6 become an abandoned timeline
+    driver.state = resumed_state(driver.catalog, older, now=0.0)
+    driver.call(Call.FINISH, older.progress, stop=True)
+    assert driver.written[-1] == 2
+    assert driver.pointers.last == older.name  # a resume from `last` continues from the stop

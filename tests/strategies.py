@@ -1,0 +1,90 @@
+"""Hypothesis strategies shared by the core's property tests."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from pitstop.core.naming import MAX_STEP
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    Catalog,
+    CheckpointEntry,
+    Pointers,
+    Policy,
+    Progress,
+    SaveReason,
+)
+
+METRIC = "val_loss"
+
+steps = st.integers(min_value=0, max_value=MAX_STEP)
+small_steps = st.integers(min_value=0, max_value=10_000)
+counts = st.integers(min_value=0, max_value=10**9)
+metric_values = st.floats(allow_nan=True, allow_infinity=False, width=32)
+finite_metric_values = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def progresses(draw: st.DrawFn, step: st.SearchStrategy[int] = small_steps) -> Progress:
+    """Any valid Progress."""
+    s = draw(step)
+    return Progress(
+        step=s,
+        epoch=draw(st.integers(0, 1000)),
+        batch_in_epoch=draw(st.integers(0, s)),
+        samples=draw(counts),
+        tokens=draw(counts),
+    )
+
+
+bests = st.builds(Best, st.just(METRIC), mode=st.sampled_from(["min", "max"]))
+
+policies = st.builds(
+    Policy,
+    every_steps=st.none() | st.integers(1, 50),
+    every_seconds=st.none() | st.floats(0.5, 1000.0),
+    keep_last=st.none() | st.integers(1, 6),
+    keep_every=st.none() | st.integers(1, 100),
+    best=st.none() | bests,
+    save_final=st.booleans(),
+)
+
+metrics = st.dictionaries(st.sampled_from([METRIC, "accuracy", "loss"]), metric_values, max_size=3)
+
+
+@st.composite
+def catalogs(draw: st.DrawFn, max_size: int = 25) -> Catalog:
+    """A catalog of distinct steps whose save order need not follow step order.
+
+    Out-of-order sequence numbers model abandoned timelines: a run that resumed from an older
+    checkpoint saves low steps after high ones.
+    """
+    step_list = draw(st.lists(small_steps, unique=True, max_size=max_size))
+    seqs = draw(
+        st.lists(
+            st.integers(1, 10**6), unique=True, min_size=len(step_list), max_size=len(step_list)
+        )
+    )
+    entries = [
+        CheckpointEntry(
+            progress=Progress(step=s),
+            seq=q,
+            reason=draw(st.sampled_from(SaveReason)),
+            metrics=draw(metrics),
+        )
+        for s, q in zip(step_list, seqs, strict=True)
+    ]
+    return Catalog(entries=entries)
+
+
+@st.composite
+def pointers_into(draw: st.DrawFn, catalog: Catalog, dangling: bool = False) -> Pointers:
+    """Pointers whose targets are catalog names (or, with ``dangling``, other names too)."""
+    names = [e.name for e in catalog]
+    if dangling:
+        names += ["step_999999999999.pitstop", "step_000000424242.pitstop"]
+    target = st.sampled_from(names) | st.just(NO_CHECKPOINT) if names else st.just(NO_CHECKPOINT)
+    best = draw(target)
+    value = None if best is NO_CHECKPOINT else draw(st.none() | finite_metric_values)
+    return Pointers(last=draw(target), best=best, final=draw(target), best_value=value)

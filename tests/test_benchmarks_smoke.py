@@ -1,0 +1,56 @@
+"""The benchmarks run: tiny sizes, one repeat, no timing assertions."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    # benchmarks/ is not a package: load the script by its path.
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_scale_prints_a_row_per_plan_and_size(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    plan_scale = _load("plan_scale")
+    out_json = tmp_path / "plan_scale.json"
+
+    status = plan_scale.main(["--sizes", "10,100", "--repeats", "1", "--json", str(out_json)])
+
+    assert status == 0
+    out = capsys.readouterr().out
+    plans = (
+        "plan_retention",
+        "resume_order(last)",
+        "resume_order(best)",
+        "resume_order(final)",
+        "reconcile_pointers",
+        "plan_save",
+    )
+    for plan in plans:
+        for size in (10, 100):
+            row = re.compile(rf"^\| {re.escape(plan)} \| {size} \|", re.MULTILINE)
+            assert row.search(out), f"no row for {plan} at n={size} in:\n{out}"
+    # The smallest size is the reference of the normalised ratio.
+    assert re.search(r"^\| plan_save \| 10 \|.*\| 1\.00 \|$", out, re.MULTILINE)
+    assert out_json.read_text().count('"plan"') == len(plans) * 2
+
+
+def test_plan_scale_rejects_sizes_below_two(capsys: pytest.CaptureFixture[str]) -> None:
+    plan_scale = _load("plan_scale")
+    with pytest.raises(SystemExit):
+        plan_scale.main(["--sizes", "1"])
+    assert "--sizes" in capsys.readouterr().err
