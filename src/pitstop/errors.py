@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "CheckpointCorrupt",
+    "CheckpointNotFound",
     "ConfigError",
     "DirectoryLocked",
     "IncompatibleCheckpoint",
@@ -26,6 +27,10 @@ class PitstopError(Exception):
 
 class CheckpointCorrupt(PitstopError):
     """A checkpoint file is incomplete, truncated, or fails an integrity check."""
+
+
+class CheckpointNotFound(PitstopError, FileNotFoundError):
+    """No checkpoint matches a path, pointer or directory."""
 
 
 class IncompatibleCheckpoint(PitstopError):

@@ -1,17 +1,10 @@
-"""The ``pitstop`` command line.
-
-Subcommands arrive with the features behind them; each one that exists does real work.
-"""
+"""``pitstop demo``: pitstop at work on the CPU."""
 
 from __future__ import annotations
-
-import argparse
-from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-import pitstop
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_name
 from pitstop.core.plan import plan_save
 from pitstop.core.records import (
@@ -26,7 +19,7 @@ from pitstop.core.records import (
 )
 from pitstop.core.schedule import Call, ScheduleState, decide_save
 
-__all__ = ["main"]
+__all__ = ["run_demo"]
 
 
 def _step_of(name: str | NoCheckpoint) -> str:
@@ -34,7 +27,7 @@ def _step_of(name: str | NoCheckpoint) -> str:
     return "-" if step is NOT_A_CHECKPOINT else str(step)
 
 
-def _demo(console: Console) -> int:
+def run_demo(console: Console) -> int:
     """Show what the planning core decides over a simulated run.
 
     The full demo (train on the CPU, stop with a real SIGTERM, resume, compare bitwise) needs
@@ -83,22 +76,3 @@ def _demo(console: Console) -> int:
     kept = ", ".join(checkpoint_name(e.step) for e in catalog)
     console.print(f"\nwhat a real run would keep on disk: {kept}")
     return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pitstop", description="Checkpoint-and-resume for PyTorch training loops."
-    )
-    parser.add_argument("--version", action="version", version=f"pitstop {pitstop.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("demo", help="show pitstop at work on the CPU")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``pitstop`` command line; return the process exit status."""
-    args = _parser().parse_args(argv)
-    console = Console()
-    if args.command == "demo":
-        return _demo(console)
-    raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects others

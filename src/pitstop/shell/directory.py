@@ -1,0 +1,285 @@
+# A checkpoint directory: scanning it, writing to it, and choosing what to resume from.
+#
+# Rules: scanning reads names (classified by the core) and each checkpoint's footer and manifest
+# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks
+# and latest.json, both untrusted — to the core to reconcile. A symlink is only followed when
+# its target is a plain checkpoint file name of this directory that is a regular file. Writing
+# happens under the directory lock: leftover temp files of dead writers are removed on opening;
+# a save is carried out exactly as the core planned it — checkpoint, then pointers, then
+# retention's deletions — and a failure in the pointer phase rolls the directory back to how it
+# was. Choosing a resume point tries the core's resume order until a file verifies, warning
+# about each one skipped.
+# How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
+
+"""Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+import attrs
+
+from pitstop.core.metadata import entry_from_meta, pointers_from_latest_json
+from pitstop.core.naming import LATEST_JSON, NOT_A_CHECKPOINT, EntryKind, classify, parse_name
+from pitstop.core.plan import SavePlan
+from pitstop.core.pointers import reconcile_pointers
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    Catalog,
+    CheckpointEntry,
+    NoCheckpoint,
+    PointerName,
+    Pointers,
+    Policy,
+)
+from pitstop.core.resume import resume_order
+from pitstop.errors import CheckpointCorrupt, PitstopError, SaveError
+from pitstop.shell import fileformat
+from pitstop.shell.lock import DirectoryLock
+from pitstop.shell.publish import delete_checkpoints, publish_file, publish_pointers
+from pitstop.shell.storage import FileKind, LocalStorage, Storage
+
+__all__ = ["CheckpointDirectory", "ResumeChoice", "Scan", "choose_resume", "scan"]
+
+log = logging.getLogger("pitstop")
+
+_LATEST_JSON_LIMIT = 1 << 20
+
+
+@attrs.frozen(kw_only=True)
+class Scan:
+    """What a checkpoint directory holds.
+
+    ``catalog``: the checkpoints whose manifest reads back. ``pointers``: reconciled, so every
+    target is in the catalog. ``unreadable``: checkpoint-named files left out, and why.
+    ``sizes``: bytes per catalog entry. ``warnings``: everything ignored or repaired.
+    """
+
+    catalog: Catalog
+    pointers: Pointers
+    unreadable: Mapping[str, str]
+    sizes: Mapping[str, int]
+    warnings: tuple[str, ...]
+
+
+def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
+    targets: dict[PointerName, str | NoCheckpoint] = dict.fromkeys(PointerName, NO_CHECKPOINT)
+    for pointer in PointerName:
+        kind = storage.kind(pointer.value)
+        if kind is FileKind.MISSING:
+            continue
+        if kind is not FileKind.SYMLINK:
+            warnings.append(
+                f"{storage.path(pointer.value)} is a {kind.value}, not a symlink; ignored"
+            )
+            continue
+        target = storage.read_link(pointer.value)
+        if parse_name(target) is NOT_A_CHECKPOINT:
+            warnings.append(
+                f"pointer {pointer.value} -> {target!r} is not a checkpoint file of this "
+                "directory; ignored, never followed"
+            )
+            continue
+        if storage.kind(target) is not FileKind.REGULAR:
+            warnings.append(f"pointer {pointer.value} -> {target} is not a regular file; ignored")
+            continue
+        targets[pointer] = target
+    return Pointers(
+        last=targets[PointerName.LAST],
+        best=targets[PointerName.BEST],
+        final=targets[PointerName.FINAL],
+    )
+
+
+def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
+    kind = storage.kind(LATEST_JSON)
+    if kind is FileKind.MISSING:
+        return Pointers()
+    if kind is not FileKind.REGULAR:
+        warnings.append(f"{storage.path(LATEST_JSON)} is a {kind.value}; ignored")
+        return Pointers()
+    try:
+        data = json.loads(storage.read_bytes(LATEST_JSON, _LATEST_JSON_LIMIT).decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        warnings.append(f"{storage.path(LATEST_JSON)} is unreadable ({exc}); ignored")
+        return Pointers()
+    pointers, problems = pointers_from_latest_json(data)
+    warnings.extend(problems)
+    return pointers
+
+
+def scan(storage: Storage, best: Best | None = None) -> Scan:
+    """Scan the directory behind ``storage``: catalog, reconciled pointers, and warnings."""
+    warnings: list[str] = []
+    entries: list[CheckpointEntry] = []
+    unreadable: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for name in storage.names():
+        if classify(name) is not EntryKind.CHECKPOINT:
+            continue
+        if storage.kind(name) is not FileKind.REGULAR:
+            unreadable[name] = f"not a regular file ({storage.kind(name).value})"
+            continue
+        try:
+            manifest = fileformat.read_manifest(storage.path(name))
+            entries.append(entry_from_meta(name, manifest.meta))
+            sizes[name] = storage.size(name)
+        except (CheckpointCorrupt, OSError) as exc:
+            unreadable[name] = str(exc)
+    for name, why in unreadable.items():
+        warnings.append(f"skipping {storage.path(name)}: {why}")
+    catalog = Catalog(entries=entries)
+    links = _read_links(storage, warnings)
+    manifest_pointers = _read_latest_json(storage, warnings)
+    pointers, problems = reconcile_pointers(
+        catalog, links=links, manifest=manifest_pointers, best=best
+    )
+    return Scan(
+        catalog=catalog,
+        pointers=pointers,
+        unreadable=unreadable,
+        sizes=sizes,
+        warnings=(*warnings, *problems),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ResumeChoice:
+    """The checkpoint a resume uses (``NO_CHECKPOINT``: start fresh), and what it skipped."""
+
+    entry: CheckpointEntry | NoCheckpoint
+    path: Path | None
+    skipped: Mapping[str, str]
+
+
+def choose_resume(
+    storage: Storage,
+    found: Scan,
+    source: PointerName,
+    best: Best | None = None,
+    verify: Callable[[Path], None] = fileformat.verify,
+) -> ResumeChoice:
+    """Try the core's resume order for ``source`` until a checkpoint verifies.
+
+    Each skipped checkpoint is logged as a warning naming it and why it was skipped.
+    """
+    skipped: dict[str, str] = {}
+    for name in resume_order(found.catalog, found.pointers, source, best):
+        path = storage.path(name)
+        try:
+            verify(path)
+        except (CheckpointCorrupt, OSError) as exc:
+            skipped[name] = str(exc)
+            log.warning("resume skips a checkpoint that does not verify: %s", exc)
+            continue
+        entry = found.catalog.get(name)
+        return ResumeChoice(entry=entry, path=path, skipped=skipped)
+    return ResumeChoice(entry=NO_CHECKPOINT, path=None, skipped=skipped)
+
+
+WriteCheckpoint = Callable[[BinaryIO, CheckpointEntry], object]
+
+
+class CheckpointDirectory:
+    """A checkpoint directory opened for writing: locked, scanned, and kept in step with disk."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        policy: Policy | None = None,
+        storage: Storage | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.storage: Storage = storage if storage is not None else LocalStorage(self.path)
+        self.policy = policy if policy is not None else Policy()
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self._lock = DirectoryLock(self.path, self.run_id)
+        self._symlinks = True
+        self.catalog = Catalog()
+        self.pointers = Pointers()
+
+    def open(self) -> Scan:
+        """Lock the directory, remove dead writers' temp files, and scan it."""
+        self._lock.acquire()
+        try:
+            for name in self.storage.names():
+                if classify(name) is EntryKind.TEMP:
+                    log.warning("removing %s, left by a writer that died", self.storage.path(name))
+                    with contextlib.suppress(FileNotFoundError):
+                        self.storage.remove(name)
+            found = scan(self.storage, self.policy.best)
+        except BaseException:
+            self._lock.release()
+            raise
+        for warning in found.warnings:
+            log.warning("%s", warning)
+        self.catalog, self.pointers = found.catalog, found.pointers
+        return found
+
+    def close(self) -> None:
+        """Release the directory lock."""
+        self._lock.release()
+
+    def __enter__(self) -> CheckpointDirectory:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def execute(self, plan: SavePlan, write: WriteCheckpoint) -> list[str]:
+        """Carry out ``plan``: publish its checkpoint with ``write``, then pointers, then deletions.
+
+        ``write(file, entry)`` writes the whole checkpoint file. On :class:`SaveError` the
+        directory is as it was before the call. Returns the names retention deleted.
+        """
+        if not self._lock.held:
+            raise SaveError(f"{self.path} is not open for writing (call open() first)")
+        entry = plan.entry
+        if entry is not NO_CHECKPOINT:
+            publish_file(self.storage, entry.name, self.run_id, lambda f: write(f, entry))
+        try:
+            self._symlinks = publish_pointers(
+                self.storage,
+                plan.catalog,
+                plan.pointers,
+                token=self.run_id,
+                policy=self.policy,
+                symlinks=self._symlinks,
+            )
+        except BaseException:
+            self._roll_back(plan)
+            raise
+        deleted = delete_checkpoints(self.storage, plan.retention.delete)
+        self.catalog = plan.catalog.without(deleted)
+        self.pointers = plan.pointers
+        return deleted
+
+    def _roll_back(self, plan: SavePlan) -> None:
+        """Undo a save whose pointers failed: old pointers back, the new file out."""
+        try:
+            publish_pointers(
+                self.storage,
+                self.catalog,
+                self.pointers,
+                token=self.run_id,
+                policy=self.policy,
+                symlinks=self._symlinks,
+            )
+        except PitstopError as exc:
+            log.error("could not restore the pointers of %s: %s", self.path, exc)
+        entry = plan.entry
+        if entry is not NO_CHECKPOINT and not plan.replaces:
+            with contextlib.suppress(OSError):
+                self.storage.remove(entry.name)
+                self.storage.sync_directory()

@@ -1,0 +1,156 @@
+# Making files appear in a checkpoint directory durably and atomically.
+#
+# Rules (the publish sequence): exclusive temp file in the same directory → write → fsync →
+# close → rename to the final name → fsync the directory. Pointers (relative symlinks, then
+# latest.json) are replaced the same way, only after the checkpoint they name is durable.
+# Deletions planned by retention run only after that. Any error aborts the step with SaveError:
+# the temp file is removed, a file renamed into place whose directory fsync failed is taken out
+# again, and what was published before stays exactly as it was. A failed fsync is never retried
+# on the same descriptor and then published (its data may be lost: the kernel can drop the dirty
+# pages and clear the error).
+# How: each step is one Storage call, so a fault-injecting Storage can fail any of them.
+
+"""Publishing: atomic, durable creation and replacement of checkpoint files and pointers."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+from collections.abc import Callable, Iterable
+from typing import BinaryIO
+
+from pitstop.core.metadata import latest_json
+from pitstop.core.naming import LATEST_JSON, temp_name
+from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, Policy
+from pitstop.errors import SaveError
+from pitstop.shell.storage import FileKind, Storage
+
+__all__ = ["delete_checkpoints", "publish_file", "publish_pointers"]
+
+log = logging.getLogger("pitstop")
+
+# errno values that mean "this filesystem has no symlinks" rather than "this symlink failed".
+_NO_SYMLINKS = frozenset(
+    {errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+)
+
+
+def publish_file(
+    storage: Storage, name: str, token: str, write: Callable[[BinaryIO], object]
+) -> None:
+    """Publish ``name`` with the contents ``write`` puts into a file, durably and atomically.
+
+    Raises :class:`~pitstop.errors.SaveError` naming the file and the failed step; then
+    neither ``name`` nor its temp file has changed from before the call.
+    """
+    temp = temp_name(name, token)
+    step = "create"
+    renamed = False
+    try:
+        file = storage.create_exclusive(temp)
+        try:
+            step = "write"
+            write(file)
+            step = "fsync"
+            storage.sync_file(file)
+        finally:
+            file.close()
+        step = "rename"
+        storage.replace(temp, name)
+        renamed = True
+        step = "fsync the directory of"
+        storage.sync_directory()
+    except BaseException as exc:
+        _undo(storage, temp, name if renamed else None)
+        if isinstance(exc, Exception) and not isinstance(exc, SaveError):
+            raise SaveError(f"could not {step} {storage.path(name)}: {exc}") from exc
+        raise
+
+
+def _undo(storage: Storage, temp: str, published: str | None) -> None:
+    """Best-effort removal of what a failed publish left behind."""
+    for leftover in (temp, published):
+        if leftover is None:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            if storage.kind(leftover) is not FileKind.MISSING:
+                storage.remove(leftover)
+    with contextlib.suppress(OSError):
+        storage.sync_directory()
+
+
+def publish_pointers(
+    storage: Storage,
+    catalog: Catalog,
+    pointers: Pointers,
+    *,
+    token: str,
+    policy: Policy,
+    symlinks: bool = True,
+) -> bool:
+    """Replace the pointer symlinks and ``latest.json`` with ``pointers``.
+
+    Each symlink is created under a temp name and renamed over the old one; ``latest.json``
+    is published like a checkpoint. Returns whether symlinks could be used (a filesystem
+    without them keeps only ``latest.json``).
+    """
+    for pointer in PointerName:
+        target = pointers.target(pointer)
+        try:
+            if target is NO_CHECKPOINT:
+                if storage.kind(pointer.value) is FileKind.SYMLINK:
+                    storage.remove(pointer.value)
+                continue
+            if not symlinks:
+                continue
+            if (
+                storage.kind(pointer.value) is FileKind.SYMLINK
+                and storage.read_link(pointer.value) == target
+            ):
+                continue
+            temp = temp_name(pointer.value, token)
+            try:
+                storage.symlink(target, temp)
+            except OSError as exc:
+                if exc.errno not in _NO_SYMLINKS:
+                    raise
+                symlinks = False
+                log.warning("%s: symlinks unsupported; pointers go to latest.json only", storage)
+                continue
+            try:
+                storage.replace(temp, pointer.value)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    storage.remove(temp)
+                raise
+        except OSError as exc:
+            raise SaveError(
+                f"could not point {storage.path(pointer.value)} at {target}: {exc}"
+            ) from exc
+
+    contents = json.dumps(latest_json(catalog, pointers, policy), indent=2) + "\n"
+    publish_file(storage, LATEST_JSON, token, lambda f: f.write(contents.encode("utf-8")))
+    return symlinks
+
+
+def delete_checkpoints(storage: Storage, names: Iterable[str]) -> list[str]:
+    """Delete the checkpoints ``names`` (retention's plan), then fsync the directory.
+
+    A deletion that fails is logged, not raised: the checkpoint stays and the next save's
+    retention plans it again. Returns the names actually deleted.
+    """
+    deleted = []
+    for name in names:
+        try:
+            storage.remove(name)
+            deleted.append(name)
+        except FileNotFoundError:
+            deleted.append(name)
+        except OSError as exc:
+            log.warning("retention could not delete %s: %s", storage.path(name), exc)
+    if deleted:
+        with contextlib.suppress(OSError):
+            storage.sync_directory()
+    return deleted

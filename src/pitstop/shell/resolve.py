@@ -1,0 +1,93 @@
+# What a `checkpoint` argument means.
+#
+# Rules: every public function that takes a checkpoint accepts a checkpoint file, a pointer in
+# a checkpoint directory (`run/checkpoints/best`, whether or not the filesystem has symlinks),
+# or a checkpoint directory (meaning its `last`). A pointer or directory is resolved by scanning
+# the directory and asking the core — the symlink itself is never blindly followed. With
+# fallback (loading), a corrupt target falls back along the core's resume order with a warning;
+# without it (verifying), the target itself is checked.
+# How: scan + choose_resume from pitstop.shell.directory.
+
+"""Resolving a checkpoint argument (file, pointer or directory) to one checkpoint file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pitstop.core.metadata import policy_from_latest_json
+from pitstop.core.naming import LATEST_JSON, POINTER_NAMES
+from pitstop.core.records import NO_CHECKPOINT, Best, PointerName
+from pitstop.errors import CheckpointNotFound
+from pitstop.shell import fileformat
+from pitstop.shell.directory import choose_resume, scan
+from pitstop.shell.storage import LocalStorage
+
+__all__ = ["load", "resolve_checkpoint", "verify"]
+
+
+def _recorded_best(directory: Path) -> Best | None:
+    try:
+        data = json.loads((directory / LATEST_JSON).read_bytes()[: 1 << 20])
+    except (OSError, ValueError):
+        return None
+    policy = policy_from_latest_json(data)
+    return None if policy is None else policy.best
+
+
+def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = True) -> Path:
+    """Return the checkpoint file that ``checkpoint`` names.
+
+    ``fallback``: when the pointer's target does not verify, use the next candidate of the
+    resume order (with a warning) instead of returning the corrupt file.
+    Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches.
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        directory, pointer = path, PointerName.LAST
+    elif (
+        path.name in POINTER_NAMES
+        and path.parent.is_dir()
+        and (path.is_symlink() or not path.exists())
+    ):
+        directory, pointer = path.parent, PointerName(path.name)
+    elif path.is_file():
+        return path
+    else:
+        raise CheckpointNotFound(f"no checkpoint at {path}: not a file, pointer or directory")
+
+    storage = LocalStorage(directory)
+    best = _recorded_best(directory)
+    found = scan(storage, best)
+    if fallback:
+        choice = choose_resume(storage, found, pointer, best)
+        if choice.path is not None:
+            return choice.path
+        detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
+        raise CheckpointNotFound(f"{directory} has no valid {pointer.value} checkpoint{detail}")
+    target = found.pointers.target(pointer)
+    if target is NO_CHECKPOINT:
+        raise CheckpointNotFound(f"{directory} has no {pointer.value} checkpoint")
+    return storage.path(target)
+
+
+def load(checkpoint: str | os.PathLike[str]) -> Any:
+    """Return the whole stored tree of ``checkpoint`` with CPU tensors; never unpickles.
+
+    ``checkpoint`` is a file, a pointer (``run/checkpoints/best``) or a directory (its
+    ``last``); a corrupt pointer target falls back to the previous valid checkpoint.
+    """
+    return fileformat.load(resolve_checkpoint(checkpoint, fallback=True))
+
+
+def verify(checkpoint: str | os.PathLike[str]) -> Path:
+    """Check every byte of ``checkpoint``; raise :class:`~pitstop.errors.CheckpointCorrupt`.
+
+    A pointer or directory is checked at its target, without falling back. Returns the path
+    of the file that was verified.
+    """
+    path = resolve_checkpoint(checkpoint, fallback=False)
+    fileformat.verify(path)
+    return path

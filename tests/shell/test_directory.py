@@ -1,0 +1,183 @@
+"""Scanning a directory: untrusted pointers, stale pointers, corrupt files, resume fallback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from dirtools import save
+from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Policy
+from pitstop.core.schedule import Call
+from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
+from pitstop.shell.storage import LocalStorage
+
+
+def _name(step: int) -> str:
+    return f"step_{step:012d}.pitstop"
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A directory with checkpoints 1, 2 (best), 3 (final)."""
+    policy = Policy(keep_last=None, best=Best("loss"))
+    with CheckpointDirectory(tmp_path, policy=policy) as directory:
+        save(directory, 1, call=Call.MAYBE, metrics={"loss": 0.9})
+        save(directory, 2, call=Call.MAYBE, metrics={"loss": 0.1})
+        save(directory, 3, call=Call.FINISH)
+    return tmp_path
+
+
+def test_scan_reads_what_was_published(run: Path) -> None:
+    found = scan(LocalStorage(run), Best("loss"))
+    assert [e.step for e in found.catalog] == [1, 2, 3]
+    assert [e.seq for e in found.catalog] == [1, 2, 3]
+    assert found.pointers.last == found.pointers.final == _name(3)
+    assert (found.pointers.best, found.pointers.best_value) == (_name(2), 0.1)
+    assert found.warnings == ()
+    assert os.readlink(run / "best") == _name(2)
+    latest = json.loads((run / "latest.json").read_text())
+    assert latest["path"] == _name(3)
+    assert latest["pointers"] == {"last": _name(3), "best": _name(2), "final": _name(3)}
+
+
+def _replace_link(run: Path, name: str, target: str) -> None:
+    (run / name).unlink()
+    os.symlink(target, run / name)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/etc/passwd", "../elsewhere/step_000000000002.pitstop", "step_2.pitstop", "latest.json"],
+)
+def test_a_hostile_symlink_is_ignored_never_followed(run: Path, target: str) -> None:
+    _replace_link(run, "best", target)
+    found = scan(LocalStorage(run), Best("loss"))
+    assert found.pointers.best == _name(2)  # from latest.json, never from the symlink
+    assert any(repr(target) in w and "never followed" in w for w in found.warnings)
+
+
+def test_a_symlink_to_a_symlink_is_ignored(run: Path) -> None:
+    os.symlink("/etc/passwd", run / "step_000000000009.pitstop")
+    _replace_link(run, "final", "step_000000000009.pitstop")
+    found = scan(LocalStorage(run))
+    assert found.pointers.final == _name(3)
+    assert any("step_000000000009.pitstop is not a regular file" in w for w in found.warnings)
+    assert "step_000000000009.pitstop" in found.unreadable
+
+
+@pytest.mark.parametrize(
+    "latest",
+    [
+        {"pointers": {"last": "../../etc/passwd", "best": "/etc/passwd", "final": 7}},
+        {"pointers": "step_000000000001.pitstop"},
+        ["not", "an", "object"],
+    ],
+)
+def test_a_hostile_latest_json_is_ignored(run: Path, latest: object) -> None:
+    for pointer in ("last", "best", "final"):
+        (run / pointer).unlink()
+    (run / "latest.json").write_text(json.dumps(latest))
+    found = scan(LocalStorage(run), Best("loss"))
+    # Everything is recomputed from what the files themselves record.
+    assert found.pointers.last == found.pointers.final == _name(3)
+    assert found.pointers.best == _name(2)
+    assert found.warnings
+
+
+def test_a_huge_latest_json_is_not_read(run: Path) -> None:
+    with open(run / "latest.json", "wb") as f:
+        f.truncate(2 << 20)
+    found = scan(LocalStorage(run))
+    assert any("latest.json is unreadable" in w for w in found.warnings)
+
+
+def test_a_stale_pointer_never_hides_a_newer_checkpoint(run: Path) -> None:
+    # A crash after step 3 was published but before any pointer moved.
+    _replace_link(run, "last", _name(2))
+    latest = json.loads((run / "latest.json").read_text())
+    latest["pointers"]["last"] = _name(2)
+    (run / "latest.json").write_text(json.dumps(latest))
+    found = scan(LocalStorage(run))
+    assert found.pointers.last == _name(3)
+    assert sum("stale" in w for w in found.warnings) == 2
+    choice = choose_resume(LocalStorage(run), found, PointerName.LAST)
+    assert choice.entry is not NO_CHECKPOINT
+    assert choice.entry.step == 3
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99])
+def test_a_corrupt_newest_checkpoint_falls_back_with_a_warning(
+    run: Path, where: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    newest = run / _name(3)
+    _flip(newest, int(where * (newest.stat().st_size - 1)))
+    storage = LocalStorage(run)
+    with caplog.at_level(logging.WARNING, logger="pitstop"):
+        found = scan(storage)
+        choice = choose_resume(storage, found, PointerName.LAST)
+    assert choice.entry is not NO_CHECKPOINT
+    assert choice.entry.step == 2
+    skipped = _name(3) in choice.skipped or _name(3) in found.unreadable
+    assert skipped
+    assert _name(3) in caplog.text or any(_name(3) in w for w in found.warnings)
+
+
+@pytest.mark.parametrize("keep", [0, 10, 100, 1000])
+def test_a_truncated_newest_checkpoint_is_not_a_checkpoint(run: Path, keep: int) -> None:
+    newest = run / _name(3)
+    os.truncate(newest, keep)
+    found = scan(LocalStorage(run))
+    assert [e.step for e in found.catalog] == [1, 2]
+    assert _name(3) in found.unreadable
+    assert found.pointers.last == _name(2)
+    assert found.pointers.final is NO_CHECKPOINT  # the only normal end is gone
+
+
+def test_best_resume_falls_back_to_the_next_best(run: Path) -> None:
+    _flip(run / _name(2), 200)
+    storage = LocalStorage(run)
+    choice = choose_resume(storage, scan(storage, Best("loss")), PointerName.BEST, Best("loss"))
+    assert choice.entry is not NO_CHECKPOINT
+    assert choice.entry.step == 1
+    assert list(choice.skipped) == [_name(2)]
+
+
+def test_an_empty_directory_resumes_fresh(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "nothing-here")
+    choice = choose_resume(storage, scan(storage), PointerName.LAST)
+    assert choice.entry is NO_CHECKPOINT
+    assert choice.path is None
+
+
+def test_opening_removes_temp_files_of_dead_writers(
+    run: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    leftover = run / ".tmp-deadbeef-step_000000000004.pitstop"
+    leftover.write_bytes(b"half a checkpoint")
+    foreign = run / "notes.txt"
+    foreign.write_text("mine")
+    with caplog.at_level(logging.WARNING, logger="pitstop"), CheckpointDirectory(run):
+        pass
+    assert not leftover.exists()
+    assert foreign.exists()
+    assert "left by a writer that died" in caplog.text
+
+
+def test_retention_deletes_only_after_the_new_save(tmp_path: Path) -> None:
+    with CheckpointDirectory(tmp_path, policy=Policy(keep_last=2)) as directory:
+        for step in (1, 2, 3, 4):
+            save(directory, step, call=Call.MANUAL)
+    names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".pitstop"))
+    assert names == [_name(3), _name(4)]

@@ -1,0 +1,159 @@
+"""Publishing under injected faults: every failed step leaves the directory as it was."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+
+from dirtools import save, snapshot
+from pitstop.core.records import Policy
+from pitstop.errors import SaveError
+from pitstop.shell import fileformat
+from pitstop.shell.directory import CheckpointDirectory, scan
+from pitstop.shell.storage import LocalStorage
+
+FAULTY_OPS = (
+    "create_exclusive",
+    "write",
+    "sync_file",
+    "replace",
+    "sync_directory",
+    "symlink",
+    "remove",
+)
+
+
+class FaultyStorage(LocalStorage):
+    """A local directory whose ``fail_at``-th mutating operation raises EIO (once)."""
+
+    def __init__(self, root: Path, fail_at: int | None = None) -> None:
+        super().__init__(root)
+        self.fail_at = fail_at
+        self.ops: list[str] = []
+
+    def _step(self, op: str) -> None:
+        self.ops.append(op)
+        if self.fail_at is not None and len(self.ops) == self.fail_at:
+            raise OSError(errno.EIO, f"injected fault in {op}")
+
+    def create_exclusive(self, name: str) -> BinaryIO:
+        self._step("create_exclusive")
+        file = super().create_exclusive(name)
+        storage = self
+
+        class _File:  # a file whose write() is a step too
+            def write(self, data: bytes) -> int:
+                storage._step("write")
+                return file.write(data)
+
+            def __getattr__(self, attr: str) -> object:
+                return getattr(file, attr)
+
+        return _File()  # type: ignore[return-value]
+
+    def sync_file(self, file: BinaryIO) -> None:
+        self._step("sync_file")
+        super().sync_file(file)
+
+    def replace(self, source: str, target: str) -> None:
+        self._step("replace")
+        super().replace(source, target)
+
+    def sync_directory(self) -> None:
+        self._step("sync_directory")
+        super().sync_directory()
+
+    def symlink(self, target: str, name: str) -> None:
+        self._step("symlink")
+        super().symlink(target, name)
+
+    def remove(self, name: str) -> None:
+        self._step("remove")
+        super().remove(name)
+
+
+def _directory(path: Path, storage: FaultyStorage) -> CheckpointDirectory:
+    directory = CheckpointDirectory(path, policy=Policy(keep_last=1), storage=storage)
+    directory.open()
+    return directory
+
+
+def _count_ops(tmp_path: Path) -> int:
+    storage = FaultyStorage(tmp_path / "count")
+    with _directory(tmp_path / "count", storage) as directory:
+        save(directory, 1, metrics={"loss": 1.0})
+        storage.ops.clear()
+        save(directory, 2, metrics={"loss": 0.5})
+    assert set(storage.ops) <= set(FAULTY_OPS)
+    return len(storage.ops)
+
+
+def test_a_fault_at_every_step_leaves_the_previous_checkpoint_and_pointers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    total = _count_ops(tmp_path)
+    assert total >= 15  # the whole sequence: file, three symlinks, latest.json, deletion
+    outcomes = {"failed": 0, "published": 0}
+    for fail_at in range(1, total + 1):
+        path = tmp_path / f"run{fail_at}"
+        storage = FaultyStorage(path)
+        directory = _directory(path, storage)
+        save(directory, 1, metrics={"loss": 1.0})
+        before = snapshot(path)
+        storage.ops.clear()
+        storage.fail_at = fail_at
+        try:
+            save(directory, 2, metrics={"loss": 0.5})
+        except SaveError as exc:
+            outcomes["failed"] += 1
+            message = str(exc)
+            assert "injected fault" in message
+            assert snapshot(path) == before, f"fault at op {fail_at} ({storage.ops[-1]})"
+            fileformat.verify(path / "step_000000000001.pitstop")
+            found = scan(LocalStorage(path))
+            assert [e.step for e in found.catalog] == [1]
+            assert found.warnings == ()
+        else:
+            # Only a failed deletion lets the save through: the old file stays for next time.
+            outcomes["published"] += 1
+            assert storage.ops[fail_at - 1] in {"remove", "sync_directory"}
+            found = scan(LocalStorage(path))
+            assert found.pointers.last == "step_000000000002.pitstop"
+            fileformat.verify(path / "step_000000000002.pitstop")
+        finally:
+            directory.close()
+        assert not [n for n in os.listdir(path) if n.startswith(".tmp-")]
+    assert outcomes["failed"] >= total - 2
+
+
+def test_a_failed_publish_of_a_replacement_keeps_the_old_file(tmp_path: Path) -> None:
+    storage = FaultyStorage(tmp_path)
+    with _directory(tmp_path, storage) as directory:
+        save(directory, 5)
+        before = snapshot(tmp_path)
+        storage.ops.clear()
+        storage.fail_at = 3  # create, write..., the file's fsync or its first write
+        with pytest.raises(SaveError, match=r"step_000000000005\.pitstop"):
+            save(directory, 5)
+        assert snapshot(tmp_path) == before
+
+
+def test_a_filesystem_without_symlinks_keeps_pointers_in_latest_json(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class NoSymlinks(LocalStorage):
+        def symlink(self, target: str, name: str) -> None:
+            raise OSError(errno.EPERM, "symlinks not supported")
+
+    directory = CheckpointDirectory(tmp_path, storage=NoSymlinks(tmp_path))
+    with directory, caplog.at_level(logging.WARNING, logger="pitstop"):
+        save(directory, 3)
+    assert not (tmp_path / "last").exists()
+    found = scan(LocalStorage(tmp_path))
+    assert found.pointers.last == "step_000000000003.pitstop"
+    assert "symlinks unsupported" in caplog.text

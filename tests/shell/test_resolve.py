@@ -1,0 +1,74 @@
+"""A checkpoint argument may be a file, a pointer or a directory; load and verify accept all."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import pitstop
+from dirtools import save, state_at
+from pitstop.core.records import Best, Policy
+from pitstop.core.schedule import Call
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
+from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.resolve import resolve_checkpoint
+
+
+def _name(step: int) -> str:
+    return f"step_{step:012d}.pitstop"
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    with CheckpointDirectory(tmp_path, policy=Policy(keep_last=None, best=Best("loss"))) as d:
+        save(d, 1, call=Call.MAYBE, metrics={"loss": 0.2})
+        save(d, 2, call=Call.MANUAL, metrics={"loss": 0.5})
+        save(d, 3, call=Call.MANUAL)
+    return tmp_path
+
+
+def test_a_directory_means_its_last(run: Path) -> None:
+    assert resolve_checkpoint(run) == run / _name(3)
+
+
+@pytest.mark.parametrize(("pointer", "step"), [("last", 3), ("best", 1)])
+def test_a_pointer_resolves_with_or_without_its_symlink(run: Path, pointer: str, step: int) -> None:
+    assert resolve_checkpoint(run / pointer) == run / _name(step)
+    os.unlink(run / pointer)  # a filesystem without symlinks: latest.json still knows
+    assert resolve_checkpoint(run / pointer) == run / _name(step)
+
+
+def test_load_returns_the_stored_tree(run: Path) -> None:
+    tree = pitstop.load(run / "best")
+    expected = state_at(1)
+    assert torch.equal(tree["weights"]["raw"]["w"], expected["weights"]["raw"]["w"])
+    assert tree["step"] == 1
+    assert tree["weights"]["tied"].untyped_storage().data_ptr() == (
+        tree["weights"]["raw"]["w"].untyped_storage().data_ptr()
+    )
+
+
+def test_load_falls_back_past_a_corrupt_target_but_verify_does_not(run: Path) -> None:
+    with open(run / _name(3), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    assert pitstop.load(run)["step"] == 2
+    with pytest.raises(CheckpointCorrupt, match=_name(3)):
+        pitstop.verify(run)
+    assert pitstop.verify(run / _name(2)) == run / _name(2)
+
+
+@pytest.mark.parametrize("where", ["missing-dir/last", "nope.pitstop"])
+def test_nothing_there_is_a_clear_error(tmp_path: Path, where: str) -> None:
+    with pytest.raises(CheckpointNotFound, match="no checkpoint at"):
+        resolve_checkpoint(tmp_path / where)
+
+
+def test_a_directory_without_a_final_says_so(run: Path) -> None:
+    with pytest.raises(CheckpointNotFound, match="has no valid final checkpoint"):
+        resolve_checkpoint(run / "final")
+    with pytest.raises(CheckpointNotFound, match="has no final checkpoint"):
+        resolve_checkpoint(run / "final", fallback=False)
