@@ -30,10 +30,23 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
+    from pitstop.shell.manager import Checkpoint, Checkpointer
     from pitstop.shell.resolve import load, verify
+    from pitstop.shell.sampler import ResumableSampler
+    from pitstop.shell.stop import StopRequest
+    from pitstop.shell.weights import export_weights, load_weights
 
 # Public names that need torch, and the module each comes from.
-_LAZY = {"load": "pitstop.shell.resolve", "verify": "pitstop.shell.resolve"}
+_LAZY = {
+    "Checkpoint": "pitstop.shell.manager",
+    "Checkpointer": "pitstop.shell.manager",
+    "ResumableSampler": "pitstop.shell.sampler",
+    "StopRequest": "pitstop.shell.stop",
+    "export_weights": "pitstop.shell.weights",
+    "load": "pitstop.shell.resolve",
+    "load_weights": "pitstop.shell.weights",
+    "verify": "pitstop.shell.resolve",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -46,8 +59,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Best",
+    "Checkpoint",
     "CheckpointCorrupt",
     "CheckpointNotFound",
+    "Checkpointer",
     "ConfigError",
     "DirectoryLocked",
     "IncompatibleCheckpoint",
@@ -55,10 +70,14 @@ __all__ = [
     "PitstopError",
     "Policy",
     "Progress",
+    "ResumableSampler",
     "SaveError",
     "SaveReason",
+    "StopRequest",
     "__version__",
+    "export_weights",
     "load",
+    "load_weights",
     "target_step",
     "verify",
 ]

@@ -1,0 +1,555 @@
+# The Checkpointer: what a training loop calls.
+#
+# Rules: every decision is the core's — when to save (decide_save), what a save does to the
+# directory (plan_save), which checkpoint a resume uses (resume_order), whether a checkpoint
+# fits the run (compat). This class captures and restores state, and carries plans out through
+# a locked CheckpointDirectory. Restore is all-or-nothing: every difference is collected before
+# anything is touched; components restored through load_state_dict() are snapshotted first and
+# put back if one fails. A component the checkpoint holds but the run has not registered yet is
+# kept and applied when register() names it (deferred components).
+# How: a synchronous save captures references to the live tensors (no copy) and writes them
+# straight into the file; the directory lock is held from construction to close().
+
+"""The Checkpointer: save and restore a whole training state from a custom loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import attrs
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from pitstop.core.compat import (
+    Difference,
+    Kind,
+    diff_components,
+    diff_config,
+    diff_param_groups,
+    diff_tensors,
+    diff_world_size,
+)
+from pitstop.core.metadata import entry_from_meta, entry_meta
+from pitstop.core.naming import NOT_A_CHECKPOINT, parse_name
+from pitstop.core.plan import plan_save
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    CheckpointEntry,
+    Metrics,
+    NoCheckpoint,
+    PointerName,
+    Policy,
+    Progress,
+    SaveReason,
+)
+from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
+from pitstop.errors import CheckpointNotFound, ConfigError, IncompatibleCheckpoint, PitstopError
+from pitstop.shell import fileformat
+from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
+from pitstop.shell.resolve import resolve_checkpoint
+from pitstop.shell.state import (
+    capture_rng,
+    describe,
+    optimizer_groups,
+    restore_rng,
+    snapshot,
+    tensor_specs,
+)
+from pitstop.shell.weights import unwrap_model
+
+__all__ = ["Checkpoint", "Checkpointer", "Stateful"]
+
+log = logging.getLogger("pitstop")
+
+
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: optimizers, schedulers, ..."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+@attrs.frozen(kw_only=True)
+class Checkpoint:
+    """One published checkpoint."""
+
+    path: Path
+    progress: Progress
+    reason: SaveReason
+    seq: int
+    metrics: Metrics = attrs.field(hash=False)
+    detail: str = ""
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the checkpoint holds."""
+        return self.progress.step
+
+    @classmethod
+    def of(cls, directory: Path, entry: CheckpointEntry) -> Checkpoint:
+        """The public record of the catalog ``entry`` in ``directory``."""
+        return cls(
+            path=directory / entry.name,
+            progress=entry.progress,
+            reason=entry.reason,
+            seq=entry.seq,
+            metrics=entry.metrics,
+            detail=entry.detail,
+        )
+
+
+def _world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _metrics(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
+    if metrics is None:
+        return None
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[str(key)] = float(value)  # type: ignore[arg-type]  # tensors, numpy scalars
+        except (TypeError, ValueError):
+            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}") from None
+    return out
+
+
+def _stop_detail(stop: object) -> tuple[bool, str]:
+    if stop is None or not stop:
+        return False, ""
+    reason = getattr(stop, "reason", None)
+    return True, str(reason) if reason else "requested"
+
+
+class Checkpointer:
+    """Saves and restores a run's whole state into one checkpoint directory.
+
+    ``model``: the raw ``nn.Module`` (DDP and ``torch.compile`` wrappers are unwrapped).
+    ``ema``: a module of averaged weights (e.g. ``AveragedModel``). ``state``: other components
+    by name (optimizer, scheduler, GradScaler, sampler, ...). ``config``: the run's
+    configuration, stored and compared on resume. The directory is locked until :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        ema: nn.Module | None = None,
+        state: Mapping[str, Stateful] | None = None,
+        policy: Policy | None = None,
+        config: Mapping[str, Any] | None = None,
+        async_save: bool | Literal["overlap"] = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"Checkpointer model must be an nn.Module, got {type(model).__name__}"
+            )
+        if ema is not None and not isinstance(ema, nn.Module):
+            raise ConfigError(f"Checkpointer ema must be an nn.Module, got {type(ema).__name__}")
+        if async_save is not False:
+            raise ConfigError(
+                f"Checkpointer async_save={async_save!r} is not built yet; use async_save=False"
+            )
+        self.model = unwrap_model(model)
+        self.ema = ema
+        self.policy = policy if policy is not None else Policy()
+        self.config = config
+        self._components: dict[str, Stateful] = {}
+        for name, obj in (state or {}).items():
+            self._add_component(name, obj)
+        self._pending: dict[str, Any] = {}
+        self._resumed_from: Path | None = None
+        self._directory = CheckpointDirectory(directory, policy=self.policy)
+        self._directory.open()
+        self._schedule = ScheduleState(timer_start=time.monotonic())
+        self._closed = False
+
+    # --- lifetime -----------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory."""
+        return self._directory.path
+
+    def wait(self) -> None:
+        """Wait for pending writes (saves are synchronous: there are none)."""
+        self._check_open()
+
+    def close(self) -> None:
+        """Release the directory lock; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._directory.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PitstopError(f"the Checkpointer of {self.directory} is closed")
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The published checkpoints, oldest (lowest save sequence number) first."""
+        return [Checkpoint.of(self.directory, e) for e in self._directory.catalog]
+
+    # --- components ---------------------------------------------------------------------
+
+    def _add_component(self, name: str, obj: object) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"component names must be non-empty str, got {name!r}")
+        if name in self._components:
+            raise ConfigError(f"component {name!r} is already registered")
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ConfigError(
+                f"component {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
+            )
+        self._components[name] = obj
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Add a component; if the resumed checkpoint holds it, restore it now (deferred)."""
+        self._check_open()
+        self._add_component(name, obj)
+        if name in self._pending:
+            stored = self._pending[name]
+            differences = _component_differences(name, obj, stored)
+            if differences:
+                del self._components[name]
+                raise IncompatibleCheckpoint(str(d) for d in differences)
+            try:
+                obj.load_state_dict(stored)
+            except Exception as exc:
+                del self._components[name]
+                raise IncompatibleCheckpoint(
+                    [f"component {name!r}: load_state_dict failed: {exc}"]
+                ) from exc
+            del self._pending[name]
+        elif self._resumed_from is not None:
+            log.warning("component %r is not in %s; it starts fresh", name, self._resumed_from.name)
+
+    # --- saving -------------------------------------------------------------------------
+
+    def maybe_save(
+        self,
+        progress: Progress,
+        *,
+        metrics: Mapping[str, object] | None = None,
+        stop: object = None,
+    ) -> Checkpoint | None:
+        """Save if the policy says so at ``progress`` (interval, time, best, stop)."""
+        return self._save(Call.MAYBE, progress, metrics=metrics, stop=stop)
+
+    def save(
+        self,
+        progress: Progress,
+        *,
+        reason: str = "manual",
+        metrics: Mapping[str, object] | None = None,
+    ) -> Checkpoint:
+        """Save now, whatever the policy says; ``reason`` is recorded with it."""
+        saved = self._save(Call.MANUAL, progress, metrics=metrics, detail=reason)
+        assert saved is not None  # a manual save always writes
+        return saved
+
+    def finish(
+        self,
+        progress: Progress,
+        *,
+        stop: object = None,
+        metrics: Mapping[str, object] | None = None,
+    ) -> Checkpoint | None:
+        """End the run: save ``last`` with the stop reason, or ``final`` at a normal end."""
+        saved = self._save(Call.FINISH, progress, metrics=metrics, stop=stop)
+        self.wait()
+        return saved
+
+    def _save(
+        self,
+        call: Call,
+        progress: Progress,
+        *,
+        metrics: Mapping[str, object] | None,
+        stop: object = None,
+        detail: str = "",
+    ) -> Checkpoint | None:
+        self._check_open()
+        if not isinstance(progress, Progress):
+            raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
+        values = _metrics(metrics)
+        stopped, stop_detail = _stop_detail(stop)
+        directory = self._directory
+        decision = decide_save(
+            self.policy,
+            self._schedule,
+            directory.pointers,
+            call=call,
+            progress=progress,
+            now=time.monotonic(),
+            metrics=values,
+            stop=stopped,
+        )
+        if not decision.acts:
+            return None
+        if detail == SaveReason.MANUAL.value:
+            detail = ""
+        plan = plan_save(
+            directory.catalog,
+            directory.pointers,
+            decision,
+            progress=progress,
+            policy=self.policy,
+            metrics=values,
+            detail=detail or stop_detail,
+        )
+        if plan.entry is not NO_CHECKPOINT:
+            tree, meta = self._capture()
+            prepared = fileformat.prepare(tree)
+            started = time.perf_counter()
+            directory.execute(
+                plan,
+                lambda file, entry: fileformat.write(file, prepared, {**meta, **entry_meta(entry)}),
+            )
+            log.info(
+                "saved %s (%s) in %.3fs",
+                directory.storage.path(plan.entry.name),
+                plan.entry.reason.value,
+                time.perf_counter() - started,
+            )
+            entry: CheckpointEntry | NoCheckpoint = plan.entry
+        else:
+            directory.execute(plan, lambda file, entry: None)
+            entry = directory.catalog.get(directory.pointers.last)
+        self._schedule = decision.state
+        return None if entry is NO_CHECKPOINT else Checkpoint.of(self.directory, entry)
+
+    def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        rank, world_size = _world()
+        weights: dict[str, Any] = {"raw": self.model.state_dict()}
+        tree: dict[str, Any] = {
+            "weights": weights,
+            "state": {name: obj.state_dict() for name, obj in self._components.items()},
+            "rng": {rank: capture_rng()},
+        }
+        ema_buffers = "own"
+        if self.ema is not None:
+            weights["ema"] = unwrap_model(self.ema).state_dict()
+            if isinstance(self.ema, AveragedModel):
+                tree["ema"] = {"n_averaged": self.ema.n_averaged}
+                ema_buffers = "own" if self.ema.use_buffers else "raw"
+        meta = {
+            "pitstop": _version(),
+            "torch": str(torch.__version__),
+            "python": platform.python_version(),
+            "world_size": world_size,
+            "config": self.config,
+            "components": sorted(self._components),
+            "optimizers": {
+                name: optimizer_groups(obj, self.model)
+                for name, obj in self._components.items()
+                if isinstance(obj, torch.optim.Optimizer)
+            },
+            "weights": {
+                "ema": self.ema is not None,
+                "ema_buffers": ema_buffers,
+                "buffers": [name for name, _ in self.model.named_buffers()],
+            },
+        }
+        return tree, meta
+
+    # --- restoring ----------------------------------------------------------------------
+
+    def resume(self, source: str | os.PathLike[str] = "last", *, strict: bool = True) -> Progress:
+        """Restore the whole state from ``source`` and return its Progress.
+
+        ``source``: ``"last"`` (the most recently published checkpoint that verifies),
+        ``"best"``, ``"final"``, or a path. Nothing to resume from ``"last"`` returns
+        ``Progress()`` and leaves everything untouched. Raises
+        :class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference, with the run
+        exactly as before; ``strict=False`` lets missing components and config differences
+        pass with a warning (never shape or dtype differences).
+        """
+        self._check_open()
+        path, entry = self._find(source)
+        now = time.monotonic()
+        if path is None:
+            self._schedule = resumed_state(self._directory.catalog, NO_CHECKPOINT, now=now)
+            return Progress()
+        manifest = fileformat.read_manifest(path)
+        tree: Any = fileformat.load(path, verify=False)  # verified when it was chosen
+        differences, deferred = self._differences(tree, manifest.meta)
+        hard = [d for d in differences if not d.soft]
+        if hard or (strict and differences):
+            raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in differences)
+        for difference in differences:
+            log.warning("resume from %s: %s", path.name, difference)
+        self._apply(tree, path)
+        self._pending = {name: tree["state"][name] for name in deferred}
+        self._resumed_from = path
+        in_directory = (
+            entry
+            if entry is not NO_CHECKPOINT and self._directory.catalog.get(entry.name) == entry
+            else NO_CHECKPOINT
+        )
+        self._schedule = resumed_state(self._directory.catalog, in_directory, now=now)
+        return entry.progress if entry is not NO_CHECKPOINT else Progress()
+
+    def _find(
+        self, source: str | os.PathLike[str]
+    ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
+        if isinstance(source, str) and source in {p.value for p in PointerName}:
+            storage = self._directory.storage
+            found = scan(storage, self.policy.best)
+            choice = choose_resume(storage, found, PointerName(source), self.policy.best)
+            if choice.path is None and source != PointerName.LAST.value and found.catalog:
+                raise CheckpointNotFound(f"{self.directory} has no valid {source} checkpoint")
+            return choice.path, choice.entry
+        path = resolve_checkpoint(source, fallback=False)
+        fileformat.verify(path)
+        meta = fileformat.read_manifest(path).meta
+        name = path.name if parse_name(path.name) is not NOT_A_CHECKPOINT else None
+        if name is None:
+            progress = meta.get("progress")
+            step = progress.get("step") if isinstance(progress, Mapping) else None
+            name = f"step_{step:012d}.pitstop" if isinstance(step, int) else path.name
+        return path, entry_from_meta(name, meta)
+
+    def _differences(
+        self, tree: Mapping[str, Any], meta: Mapping[str, Any]
+    ) -> tuple[list[Difference], frozenset[str]]:
+        """Every difference between the stored ``tree`` and the run, and the deferred names."""
+        weights = tree.get("weights", {})
+        out = diff_tensors(
+            "model", tensor_specs(weights.get("raw", {})), tensor_specs(self.model.state_dict())
+        )
+        if self.ema is not None:
+            if "ema" not in weights:
+                out.append(
+                    Difference(
+                        kind=Kind.MISSING, message="ema: the checkpoint holds no EMA weights"
+                    )
+                )
+            else:
+                out += diff_tensors(
+                    "ema",
+                    tensor_specs(weights["ema"]),
+                    tensor_specs(unwrap_model(self.ema).state_dict()),
+                )
+        elif "ema" in weights:
+            out.append(
+                Difference(
+                    kind=Kind.UNEXPECTED,
+                    message="ema: the checkpoint holds EMA weights, the run has no EMA",
+                    soft=True,
+                )
+            )
+        stored_state = tree.get("state", {})
+        missing, deferred = diff_components(stored_state, self._components)
+        out += missing
+        stored_groups = meta.get("optimizers", {})
+        for name, obj in self._components.items():
+            if name not in stored_state:
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                out += diff_param_groups(
+                    f"optimizer {name!r}",
+                    stored_groups.get(name, []),
+                    optimizer_groups(obj, self.model),
+                )
+                out += _diff_hyperparameters(name, stored_state[name], obj)
+            else:
+                out += _component_differences(name, obj, stored_state[name])
+        if self.config is not None or meta.get("config") is not None:
+            out += diff_config(meta.get("config"), self.config)
+        out += diff_world_size(int(meta.get("world_size", 1)), _world()[1])
+        return out, deferred
+
+    def _apply(self, tree: Mapping[str, Any], path: Path) -> None:
+        stored_state = tree.get("state", {})
+        applied: list[tuple[Stateful, Any]] = []
+        rng_before = capture_rng()
+        try:
+            for name, obj in self._components.items():
+                if name in stored_state:
+                    before = snapshot(obj)
+                    obj.load_state_dict(stored_state[name])
+                    applied.append((obj, before))
+        except Exception as exc:
+            for obj, before in reversed(applied):
+                obj.load_state_dict(before)
+            restore_rng(rng_before)
+            raise IncompatibleCheckpoint(
+                [f"{path.name}: component {name!r}: load_state_dict failed: {exc}"]
+            ) from exc
+        with torch.no_grad():
+            self.model.load_state_dict(tree["weights"]["raw"])
+            if self.ema is not None:
+                unwrap_model(self.ema).load_state_dict(tree["weights"]["ema"])
+                if isinstance(self.ema, AveragedModel) and "ema" in tree:
+                    self.ema.n_averaged.copy_(tree["ema"]["n_averaged"])
+        rank = _world()[0]
+        rng = tree.get("rng", {}).get(rank)
+        if rng is not None:
+            restore_rng(rng)
+
+
+def _component_differences(name: str, obj: Stateful, stored: Any) -> list[Difference]:
+    """Differences a generic component can show before its state is loaded.
+
+    Tensors stored under the same key path must keep their shape and dtype (keys that come and
+    go are the component's business). A component may also judge for itself through a
+    ``state_differences(state) -> list[str]`` method (ResumableSampler has one).
+    """
+    out = [
+        d
+        for d in diff_tensors(f"component {name!r}", describe(stored), describe(obj.state_dict()))
+        if d.kind in {Kind.SHAPE, Kind.DTYPE}
+    ]
+    judge = getattr(obj, "state_differences", None)
+    if callable(judge):
+        out += [
+            Difference(kind=Kind.COMPONENT, message=f"component {name!r}: {m}")
+            for m in judge(stored)
+        ]
+    return out
+
+
+def _diff_hyperparameters(
+    name: str, stored: Mapping[str, Any], live: torch.optim.Optimizer
+) -> list[Difference]:
+    out = []
+    for index, (was, now) in enumerate(
+        zip(stored.get("param_groups", []), live.param_groups, strict=False)
+    ):
+        was_keys, now_keys = set(was) - {"params"}, set(now) - {"params"}
+        # Settings only on one side are a newer torch's additions; on both sides, another type.
+        if was_keys - now_keys and now_keys - was_keys:
+            out.append(
+                Difference(
+                    kind=Kind.GROUPS,
+                    message=f"optimizer {name!r}: parameter group {index} has settings "
+                    f"{sorted(was_keys - now_keys)} only in the checkpoint and "
+                    f"{sorted(now_keys - was_keys)} only in the run (another optimizer type?)",
+                )
+            )
+    return out
+
+
+def _version() -> str:
+    from pitstop import __version__
+
+    return __version__
