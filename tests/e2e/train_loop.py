@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--scheduler", choices=["cosine", "plateau"], default="cosine")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--ddp-port", type=int, default=0)
+    parser.add_argument("--async-save", choices=["off", "on", "overlap"], default="off")
     parser.add_argument("--report", action="store_true", help="print 'step N' after each update")
     args = parser.parse_args()
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -38,7 +39,7 @@ from pitstop.core.compat import (
 )
 from pitstop.core.metadata import entry_from_meta, entry_meta
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_name
-from pitstop.core.plan import plan_save
+from pitstop.core.plan import SavePlan, plan_save
 from pitstop.core.records import (
     NO_CHECKPOINT,
     CheckpointEntry,
@@ -54,6 +55,7 @@ from pitstop.errors import CheckpointNotFound, ConfigError, IncompatibleCheckpoi
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
 from pitstop.shell.resolve import resolve_checkpoint
+from pitstop.shell.staging import StagingPool, storage_keys
 from pitstop.shell.state import (
     capture_rng,
     describe,
@@ -63,6 +65,7 @@ from pitstop.shell.state import (
     tensor_specs,
 )
 from pitstop.shell.weights import unwrap_model
+from pitstop.shell.writer import BackgroundWriter
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
 
@@ -158,10 +161,11 @@ class Checkpointer:
             )
         if ema is not None and not isinstance(ema, nn.Module):
             raise ConfigError(f"Checkpointer ema must be an nn.Module, got {type(ema).__name__}")
-        if async_save is not False:
+        if async_save not in (False, True, "overlap"):
             raise ConfigError(
-                f"Checkpointer async_save={async_save!r} is not built yet; use async_save=False"
+                f"Checkpointer async_save must be False, True or 'overlap', got {async_save!r}"
             )
+        self.async_save = async_save
         self.model = unwrap_model(model)
         self.ema = ema
         self.policy = policy if policy is not None else Policy()
@@ -174,7 +178,20 @@ class Checkpointer:
         self._directory = CheckpointDirectory(directory, policy=self.policy)
         self._directory.open()
         self._schedule = ScheduleState(timer_start=time.monotonic())
+        self._pointers = self._directory.pointers
         self._closed = False
+        self.last_blocking_s = 0.0
+        """Seconds the last save held the training loop (capture, and the copy when async)."""
+        self._writer = BackgroundWriter() if async_save else None
+        self._pool = StagingPool() if async_save else None
+        self._rollback = (self._schedule, self._pointers)
+        self._copied = threading.Event()
+        self._copied.set()
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if async_save == "overlap":
+            for obj in self._components.values():
+                if isinstance(obj, torch.optim.Optimizer):
+                    self._hooks.append(obj.register_step_pre_hook(self._await_copy))
 
     # --- lifetime -----------------------------------------------------------------------
 
@@ -184,15 +201,54 @@ class Checkpointer:
         return self._directory.path
 
     def wait(self) -> None:
-        """Wait for pending writes (saves are synchronous: there are none)."""
+        """Wait until every save is published; raise the error of one that failed."""
         self._check_open()
+        self._settle()
+
+    def _await_copy(self, *_: object) -> None:
+        """Optimizer step pre-hook (overlap mode): parameters may change only once copied."""
+        self._copied.wait()
+
+    def _check_background(self) -> None:
+        """Raise the error of a background save that failed, undoing what it promised."""
+        if self._writer is None:
+            return
+        try:
+            self._writer.check()
+        except BaseException:
+            self._schedule, self._pointers = self._rollback
+            raise
+
+    def _settle(self) -> None:
+        """Wait for the save in flight; raise its error."""
+        if self._writer is None:
+            return
+        try:
+            waited = self._writer.wait()
+        except BaseException:
+            self._schedule, self._pointers = self._rollback
+            raise
+        if waited > 0.001:
+            log.info("waited %.3fs for the previous save to be published", waited)
 
     def close(self) -> None:
-        """Release the directory lock; idempotent."""
+        """Publish what is in flight, release the directory lock; idempotent.
+
+        Raises the error of a background save that failed, after releasing everything.
+        """
         if self._closed:
             return
         self._closed = True
-        self._directory.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        except BaseException:
+            self._schedule, self._pointers = self._rollback
+            raise
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._directory.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -293,10 +349,11 @@ class Checkpointer:
         values = _metrics(metrics)
         stopped, stop_detail = _stop_detail(stop)
         directory = self._directory
+        self._check_background()
         decision = decide_save(
             self.policy,
             self._schedule,
-            directory.pointers,
+            self._pointers,
             call=call,
             progress=progress,
             now=time.monotonic(),
@@ -307,6 +364,8 @@ class Checkpointer:
             return None
         if detail == SaveReason.MANUAL.value:
             detail = ""
+        if self._writer is not None:
+            self._settle()  # the directory's state must include the save in flight
         plan = plan_save(
             directory.catalog,
             directory.pointers,
@@ -316,26 +375,88 @@ class Checkpointer:
             metrics=values,
             detail=detail or stop_detail,
         )
-        if plan.entry is not NO_CHECKPOINT:
-            tree, meta = self._capture()
-            prepared = fileformat.prepare(tree)
-            started = time.perf_counter()
-            directory.execute(
-                plan,
-                lambda file, entry: fileformat.write(file, prepared, {**meta, **entry_meta(entry)}),
-            )
-            log.info(
-                "saved %s (%s) in %.3fs",
-                directory.storage.path(plan.entry.name),
-                plan.entry.reason.value,
-                time.perf_counter() - started,
-            )
-            entry: CheckpointEntry | NoCheckpoint = plan.entry
+        entry: CheckpointEntry | NoCheckpoint = plan.entry
+        if entry is NO_CHECKPOINT:
+            entry = directory.catalog.get(plan.pointers.last)
+        started = time.perf_counter()
+        job = self._job(plan)
+        if self._writer is None:
+            job()
         else:
-            directory.execute(plan, lambda file, entry: None)
-            entry = directory.catalog.get(directory.pointers.last)
-        self._schedule = decision.state
+            self._rollback = (self._schedule, self._pointers)
+            self._writer.submit(job)
+        self.last_blocking_s = time.perf_counter() - started
+        self._schedule, self._pointers = decision.state, plan.pointers
         return None if entry is NO_CHECKPOINT else Checkpoint.of(self.directory, entry)
+
+    def _job(self, plan: SavePlan) -> Callable[[], None]:
+        """What carrying out ``plan`` takes; state is captured now, written when it runs."""
+        directory = self._directory
+        entry = plan.entry
+        if entry is NO_CHECKPOINT:
+
+            def repoint() -> None:
+                directory.execute(plan, lambda file, entry: None)
+
+            return repoint
+        tree, meta = self._capture()
+        pool, copied = self._pool, self._copied
+        if pool is None:  # synchronous: write straight from the live tensors
+            prepared = fileformat.prepare(tree)
+
+            def write_live() -> None:
+                self._publish(plan, entry, lambda: prepared, meta)
+
+            return write_live
+        defer = self._deferrable() if self.async_save == "overlap" else frozenset()
+        staged_tree, finish_copy = pool.snapshot(tree, defer=defer)
+        copied.clear()
+
+        def write_staged() -> None:
+            try:
+                finish_copy()
+                pool.ready()
+                copied.set()
+                self._publish(plan, entry, lambda: fileformat.prepare(staged_tree), meta)
+            finally:
+                copied.set()
+                pool.release()
+
+        return write_staged
+
+    def _publish(
+        self,
+        plan: SavePlan,
+        entry: CheckpointEntry,
+        prepare: Callable[[], fileformat.Prepared],
+        meta: Mapping[str, Any],
+    ) -> None:
+        started = time.perf_counter()
+        prepared = prepare()
+        self._directory.execute(
+            plan,
+            lambda file, entry: fileformat.write(file, prepared, {**meta, **entry_meta(entry)}),
+        )
+        log.info(
+            "saved %s (%s): %.3fs to durable",
+            self._directory.storage.path(entry.name),
+            entry.reason.value,
+            time.perf_counter() - started,
+        )
+
+    def _deferrable(self) -> frozenset[tuple[str, int | None, int]]:
+        """Storages that only ``optimizer.step()`` changes: parameters and optimizer state."""
+        params = [p for m in (self.model, self.ema) if m is not None for p in m.parameters()]
+        state = [
+            value
+            for obj in self._components.values()
+            if isinstance(obj, torch.optim.Optimizer)
+            for per_param in obj.state.values()
+            for value in per_param.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        buffers = [b for m in (self.model, self.ema) if m is not None for b in m.buffers()]
+        return storage_keys([*params, *state]) - storage_keys(buffers)
 
     def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
         rank, world_size = _world()

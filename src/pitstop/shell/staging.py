@@ -1,0 +1,196 @@
+# Snapshots for saving in the background: the state copied once into reused host buffers.
+#
+# Rules: a snapshot copies each storage the tree's tensors use — once, however many tensors
+# share it — into a host staging buffer, and rebuilds the tree's containers around views of
+# those buffers with the original offsets and strides. So the snapshot holds exactly what the
+# live state held at the call (later in-place updates cannot leak into it), tied weights stay
+# tied, and writing the snapshot yields the same file as writing the live state. Buffers are
+# allocated once and reused across saves (pinned, when the state is on CUDA); a pool hands
+# back a buffer of the exact size a storage needs, so an unchanged model reuses every buffer.
+# Copies from CUDA are non-blocking on a side stream; `ready()` waits for them.
+# How: one walk to find storages and their used byte ranges, one copy per storage, one walk
+# to rebuild the tree.
+
+"""Staging: copy a state tree into reusable host buffers, preserving storage sharing."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pitstop.shell.fileformat import ALIGNMENT
+
+__all__ = ["StagingPool", "storage_keys"]
+
+_StorageKey = tuple[str, int | None, int]
+
+
+def _storage_key(tensor: torch.Tensor) -> _StorageKey:
+    return (tensor.device.type, tensor.device.index, tensor.untyped_storage().data_ptr())
+
+
+def storage_keys(tensors: Any) -> frozenset[_StorageKey]:
+    """The storages behind ``tensors`` (any iterable of tensors), for ``snapshot(defer=...)``."""
+    return frozenset(_storage_key(t) for t in tensors if t.numel())
+
+
+class StagingPool:
+    """Host buffers for snapshots, reused across saves; one snapshot in use at a time."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = collections.defaultdict(list)
+        self._lent: list[tuple[tuple[int, bool], torch.Tensor]] = []
+        self._events: list[Any] = []
+        self.allocated_bytes = 0
+
+    def _take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        key = (nbytes, pinned)
+        free = self._free[key]
+        buffer = free.pop() if free else None
+        if buffer is None:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            self.allocated_bytes += nbytes
+        self._lent.append((key, buffer))
+        return buffer
+
+    def release(self) -> None:
+        """Return every buffer of the last snapshot to the pool (its writer is done)."""
+        for key, buffer in self._lent:
+            self._free[key].append(buffer)
+        self._lent.clear()
+        self._events.clear()
+
+    def ready(self) -> None:
+        """Wait until the last snapshot's device-to-host copies have landed."""
+        for event in self._events:
+            event.synchronize()
+
+    def snapshot(
+        self, tree: Any, *, defer: frozenset[_StorageKey] = frozenset()
+    ) -> tuple[Any, Callable[[], None]]:
+        """Copy ``tree``'s tensors into staging buffers; return the tree over those copies.
+
+        Containers are rebuilt (dict, list, tuple, set, frozenset, OrderedDict); other leaves
+        are kept as they are. Storages in ``defer`` (see :func:`storage_keys`) are not copied
+        yet: the returned function copies them, and must run before the snapshot is read and
+        before those storages change. Call :meth:`release` once the snapshot has been written.
+        """
+        if self._lent:
+            raise RuntimeError("the previous snapshot is still in use; release() it first")
+        ranges: dict[_StorageKey, list[int]] = {}
+        sources: dict[_StorageKey, torch.Tensor] = {}
+
+        def visit(tensor: torch.Tensor) -> None:
+            if tensor.numel() == 0:
+                return
+            key = _storage_key(tensor)
+            itemsize = tensor.element_size()
+            first = int(tensor.storage_offset()) * itemsize
+            last = first + itemsize * (
+                1
+                + sum(
+                    (int(n) - 1) * int(s)
+                    for n, s in zip(tensor.shape, tensor.stride(), strict=True)
+                )
+            )
+            start = first & -ALIGNMENT  # keep the alignment the file format relies on
+            span = ranges.get(key)
+            ranges[key] = (
+                [start, last] if span is None else [min(span[0], start), max(span[1], last)]
+            )
+            sources.setdefault(key, tensor)
+
+        _walk(tree, visit)
+
+        staged: dict[_StorageKey, tuple[torch.Tensor, int]] = {}
+        copies_now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies_later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, (start, stop) in ranges.items():
+            source = sources[key]
+            buffer = self._take(stop - start, pinned=source.device.type == "cuda")
+            raw = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
+                source.untyped_storage()
+            )
+            (copies_later if key in defer else copies_now).append((buffer, raw[start:stop]))
+            staged[key] = (buffer, start)
+        self._copy(copies_now)
+
+        seen: dict[int, torch.Tensor] = {}
+
+        def replace(original: torch.Tensor) -> torch.Tensor:
+            known = seen.get(id(original))
+            if known is not None:
+                return known
+            tensor = original.detach()
+            if tensor.numel() == 0:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+            else:
+                buffer, start = staged[_storage_key(tensor)]
+                itemsize = tensor.element_size()
+                offset = int(tensor.storage_offset()) - start // itemsize
+                copy = torch.empty(0, dtype=tensor.dtype).set_(
+                    buffer.untyped_storage(), offset, tensor.shape, tensor.stride()
+                )
+            if tensor.is_conj():
+                copy = copy.conj()
+            if tensor.is_neg():
+                copy = torch._neg_view(copy)
+            seen[id(original)] = copy
+            return copy
+
+        return _rebuild(tree, replace), lambda: self._copy(copies_later)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each source into its buffer; from CUDA, non-blocking on a side stream."""
+        streams: dict[int | None, Any] = {}
+        for buffer, source in pairs:
+            if source.device.type != "cuda":
+                buffer.copy_(source)
+                continue
+            stream = streams.get(source.device.index)
+            if stream is None:
+                stream = torch.cuda.Stream(device=source.device)  # type: ignore[no-untyped-call]
+                stream.wait_stream(torch.cuda.current_stream(source.device))
+                streams[source.device.index] = stream
+            with torch.cuda.stream(stream):
+                buffer.copy_(source, non_blocking=True)
+        for stream in streams.values():
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            self._events.append(event)
+
+
+def _walk(tree: Any, visit: Callable[[torch.Tensor], None]) -> None:
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            visit(node.detach())
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            stack.extend(node)
+
+
+def _rebuild(node: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(node, torch.Tensor):
+        return replace(node)
+    if isinstance(node, dict):
+        items = [(key, _rebuild(value, replace)) for key, value in node.items()]
+        return (
+            collections.OrderedDict(items) if type(node) is collections.OrderedDict else dict(items)
+        )
+    if type(node) is list:
+        return [_rebuild(item, replace) for item in node]
+    if isinstance(node, torch.Size):
+        return node
+    if type(node) is tuple:
+        return tuple(_rebuild(item, replace) for item in node)
+    if type(node) is set:
+        return {_rebuild(item, replace) for item in node}
+    if type(node) is frozenset:
+        return frozenset(_rebuild(item, replace) for item in node)
+    return node
