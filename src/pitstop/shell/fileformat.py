@@ -24,7 +24,7 @@ import os
 import struct
 import sys
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import BinaryIO, Final
@@ -62,6 +62,7 @@ __all__ = [
     "Prepared",
     "TensorDescriptor",
     "TensorRef",
+    "check_blobs",
     "load",
     "prepare",
     "read_manifest",
@@ -753,12 +754,28 @@ def _parse_tensor(entry: object, what: str, blobs: Sequence[Blob]) -> TensorDesc
 def _check_blob(data: memoryview, manifest: Manifest, index: int) -> None:
     blob = manifest.blobs[index]
     with data[blob.offset : blob.stop] as view:
-        actual = zlib.crc32(view)
-    if actual != blob.crc32:
+        _check_crc(manifest, index, view)
+
+
+def _check_crc(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
+    blob = manifest.blobs[index]
+    if len(data) != blob.length or zlib.crc32(data) != blob.crc32:
         raise CheckpointCorrupt(
             f"{manifest.path}: blob {index} (bytes {blob.offset}..{blob.stop}, holding "
             f"{manifest.blob_users(index)}) fails its checksum"
         )
+
+
+def check_blobs(manifest: Manifest, indices: Iterable[int]) -> None:
+    """Check the CRC-32 of the blobs ``indices`` of ``manifest``'s file, and only those.
+
+    Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the blob and its tensors.
+    """
+    with open(manifest.path, "rb") as file:
+        for index in sorted(set(indices)):
+            blob = manifest.blobs[index]
+            file.seek(blob.offset)
+            _check_crc(manifest, index, file.read(blob.length))
 
 
 def _materialize(

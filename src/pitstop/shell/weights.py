@@ -21,7 +21,6 @@ import importlib
 import os
 import secrets
 import sys
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal, get_args
@@ -220,17 +219,7 @@ def _raw_buffers(
     # and parse the whole manifest once per buffer.
     tree = fileformat.load(path, select=("weights", "raw"), verify=False)
     assert isinstance(tree, Mapping)
-    blobs = sorted({manifest.tensors[ref.index].blob for ref in refs.values()})
-    with open(path, "rb") as file:
-        for index in blobs:
-            blob = manifest.blobs[index]
-            file.seek(blob.offset)
-            data = file.read(blob.length)
-            if len(data) != blob.length or zlib.crc32(data) != blob.crc32:
-                raise CheckpointCorrupt(
-                    f"{path}: blob {index} (bytes {blob.offset}..{blob.stop}, holding "
-                    f"{manifest.blob_users(index)}) fails its checksum"
-                )
+    fileformat.check_blobs(manifest, (manifest.tensors[ref.index].blob for ref in refs.values()))
     return _tensor_dict({name: tree[name] for name in refs}, f"{path} weights.raw")
 
 
