@@ -181,16 +181,15 @@ def diff_world_size(stored: int, live: int) -> list[Difference]:
 
 
 def flatten(value: object, prefix: str = "") -> dict[str, Any]:
-    """Flatten nested mappings and sequences into ``{"a.b[0]": leaf}``."""
+    """Flatten nested mappings and sequences into ``{"a.b[0]": leaf}``.
+
+    Empty containers vanish: an empty section and a missing one compare equal.
+    """
     out: dict[str, Any] = {}
     if isinstance(value, Mapping):
-        if not value and prefix:
-            out[prefix] = {}
         for key, item in value.items():
             out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
     elif isinstance(value, (list, tuple)):
-        if not value and prefix:
-            out[prefix] = []
         for index, item in enumerate(value):
             out.update(flatten(item, f"{prefix}[{index}]"))
     else:

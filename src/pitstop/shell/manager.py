@@ -59,10 +59,10 @@ from pitstop.shell.staging import StagingPool, storage_keys
 from pitstop.shell.state import (
     capture_rng,
     describe,
+    entry_specs,
     optimizer_groups,
     restore_rng,
     snapshot,
-    tensor_specs,
 )
 from pitstop.shell.weights import unwrap_model
 from pitstop.shell.writer import BackgroundWriter
@@ -117,13 +117,16 @@ def _world() -> tuple[int, int]:
 
 
 def _metrics(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
+    """Metrics as floats: numbers, 0-d tensors and NumPy scalars; never str or bool."""
     if metrics is None:
         return None
     out = {}
     for key, value in metrics.items():
+        if isinstance(value, (str, bytes, bool)):
+            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}")
         try:
             out[str(key)] = float(value)  # type: ignore[arg-type]  # tensors, numpy scalars
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):
             raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}") from None
     return out
 
@@ -161,7 +164,7 @@ class Checkpointer:
             )
         if ema is not None and not isinstance(ema, nn.Module):
             raise ConfigError(f"Checkpointer ema must be an nn.Module, got {type(ema).__name__}")
-        if async_save not in (False, True, "overlap"):
+        if not (isinstance(async_save, bool) or async_save == "overlap"):
             raise ConfigError(
                 f"Checkpointer async_save must be False, True or 'overlap', got {async_save!r}"
             )
@@ -174,6 +177,7 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             self._add_component(name, obj)
         self._pending: dict[str, Any] = {}
+        self._pending_groups: dict[str, Any] = {}
         self._resumed_from: Path | None = None
         self._directory = CheckpointDirectory(directory, policy=self.policy)
         self._directory.open()
@@ -278,25 +282,33 @@ class Checkpointer:
         self._components[name] = obj
 
     def register(self, name: str, obj: Stateful) -> None:
-        """Add a component; if the resumed checkpoint holds it, restore it now (deferred)."""
+        """Add a component; if the resumed checkpoint holds it, restore it now (deferred).
+
+        A deferred component gets the same checks as one passed to the constructor; on a
+        mismatch it raises :class:`~pitstop.errors.IncompatibleCheckpoint` and is not added.
+        """
         self._check_open()
         self._add_component(name, obj)
         if name in self._pending:
             stored = self._pending[name]
-            differences = _component_differences(name, obj, stored)
-            if differences:
-                del self._components[name]
-                raise IncompatibleCheckpoint(str(d) for d in differences)
+            differences = self._component_checks(name, obj, stored, self._pending_groups)
             try:
-                obj.load_state_dict(stored)
-            except Exception as exc:
+                if differences:
+                    raise IncompatibleCheckpoint(str(d) for d in differences)
+                try:
+                    obj.load_state_dict(stored)
+                except Exception as exc:
+                    raise IncompatibleCheckpoint(
+                        [f"component {name!r}: load_state_dict failed: {exc}"]
+                    ) from exc
+            except IncompatibleCheckpoint:
                 del self._components[name]
-                raise IncompatibleCheckpoint(
-                    [f"component {name!r}: load_state_dict failed: {exc}"]
-                ) from exc
+                raise
             del self._pending[name]
         elif self._resumed_from is not None:
             log.warning("component %r is not in %s; it starts fresh", name, self._resumed_from.name)
+        if self.async_save == "overlap" and isinstance(obj, torch.optim.Optimizer):
+            self._hooks.append(obj.register_step_pre_hook(self._await_copy))
 
     # --- saving -------------------------------------------------------------------------
 
@@ -463,7 +475,12 @@ class Checkpointer:
         weights: dict[str, Any] = {"raw": self.model.state_dict()}
         tree: dict[str, Any] = {
             "weights": weights,
-            "state": {name: obj.state_dict() for name, obj in self._components.items()},
+            # A component the resumed checkpoint holds but nobody registered yet is carried
+            # forward as it was, so a later register() (or resume) still finds it.
+            "state": {
+                **self._pending,
+                **{name: obj.state_dict() for name, obj in self._components.items()},
+            },
             "rng": {rank: capture_rng()},
         }
         ema_buffers = "own"
@@ -478,11 +495,14 @@ class Checkpointer:
             "python": platform.python_version(),
             "world_size": world_size,
             "config": self.config,
-            "components": sorted(self._components),
+            "components": sorted({*self._components, *self._pending}),
             "optimizers": {
-                name: optimizer_groups(obj, self.model)
-                for name, obj in self._components.items()
-                if isinstance(obj, torch.optim.Optimizer)
+                **{n: g for n, g in self._pending_groups.items() if n in self._pending},
+                **{
+                    name: optimizer_groups(obj, self.model)
+                    for name, obj in self._components.items()
+                    if isinstance(obj, torch.optim.Optimizer)
+                },
             },
             "weights": {
                 "ema": self.ema is not None,
@@ -520,6 +540,14 @@ class Checkpointer:
             log.warning("resume from %s: %s", path.name, difference)
         self._apply(tree, path)
         self._pending = {name: tree["state"][name] for name in deferred}
+        groups = manifest.meta.get("optimizers")
+        self._pending_groups = dict(groups) if isinstance(groups, Mapping) else {}
+        if deferred:
+            log.info(
+                "%s holds %s, not registered yet: register() will restore them",
+                path.name,
+                ", ".join(sorted(deferred)),
+            )
         self._resumed_from = path
         in_directory = (
             entry
@@ -528,6 +556,21 @@ class Checkpointer:
         )
         self._schedule = resumed_state(self._directory.catalog, in_directory, now=now)
         return entry.progress if entry is not NO_CHECKPOINT else Progress()
+
+    def _component_checks(
+        self, name: str, obj: Stateful, stored: Any, stored_groups: Mapping[str, Any]
+    ) -> list[Difference]:
+        """Every difference between component ``name``'s stored state and ``obj``."""
+        if isinstance(obj, torch.optim.Optimizer):
+            return [
+                *diff_param_groups(
+                    f"optimizer {name!r}",
+                    stored_groups.get(name, []),
+                    optimizer_groups(obj, self.model),
+                ),
+                *_diff_hyperparameters(name, stored, obj),
+            ]
+        return _generic_differences(name, obj, stored)
 
     def _find(
         self, source: str | os.PathLike[str]
@@ -555,7 +598,7 @@ class Checkpointer:
         """Every difference between the stored ``tree`` and the run, and the deferred names."""
         weights = tree.get("weights", {})
         out = diff_tensors(
-            "model", tensor_specs(weights.get("raw", {})), tensor_specs(self.model.state_dict())
+            "model", entry_specs(weights.get("raw", {})), entry_specs(self.model.state_dict())
         )
         if self.ema is not None:
             if "ema" not in weights:
@@ -567,8 +610,8 @@ class Checkpointer:
             else:
                 out += diff_tensors(
                     "ema",
-                    tensor_specs(weights["ema"]),
-                    tensor_specs(unwrap_model(self.ema).state_dict()),
+                    entry_specs(weights["ema"]),
+                    entry_specs(unwrap_model(self.ema).state_dict()),
                 )
         elif "ema" in weights:
             out.append(
@@ -583,52 +626,62 @@ class Checkpointer:
         out += missing
         stored_groups = meta.get("optimizers", {})
         for name, obj in self._components.items():
-            if name not in stored_state:
-                continue
-            if isinstance(obj, torch.optim.Optimizer):
-                out += diff_param_groups(
-                    f"optimizer {name!r}",
-                    stored_groups.get(name, []),
-                    optimizer_groups(obj, self.model),
-                )
-                out += _diff_hyperparameters(name, stored_state[name], obj)
-            else:
-                out += _component_differences(name, obj, stored_state[name])
+            if name in stored_state:
+                out += self._component_checks(name, obj, stored_state[name], stored_groups)
         if self.config is not None or meta.get("config") is not None:
             out += diff_config(meta.get("config"), self.config)
         out += diff_world_size(int(meta.get("world_size", 1)), _world()[1])
         return out, deferred
 
     def _apply(self, tree: Mapping[str, Any], path: Path) -> None:
+        """Restore ``tree`` (already checked); on any failure put everything back and raise.
+
+        Components go through load_state_dict() after a snapshot of each. The model and EMA
+        were checked key by key, shape by shape, so loading them fails only in a module's own
+        set_extra_state(); modules that have one are snapshotted too.
+        """
         stored_state = tree.get("state", {})
-        applied: list[tuple[Stateful, Any]] = []
+        undo: list[tuple[Any, Any]] = []
         rng_before = capture_rng()
+        modules = [(self.model, tree["weights"]["raw"])]
+        if self.ema is not None:
+            modules.append((unwrap_model(self.ema), tree["weights"]["ema"]))
+        step = "the model"
         try:
             for name, obj in self._components.items():
                 if name in stored_state:
-                    before = snapshot(obj)
+                    step = f"component {name!r}"
+                    undo.append((obj, snapshot(obj)))
                     obj.load_state_dict(stored_state[name])
-                    applied.append((obj, before))
-        except Exception as exc:
-            for obj, before in reversed(applied):
-                obj.load_state_dict(before)
-            restore_rng(rng_before)
-            raise IncompatibleCheckpoint(
-                [f"{path.name}: component {name!r}: load_state_dict failed: {exc}"]
-            ) from exc
-        with torch.no_grad():
-            self.model.load_state_dict(tree["weights"]["raw"])
-            if self.ema is not None:
-                unwrap_model(self.ema).load_state_dict(tree["weights"]["ema"])
+            with torch.no_grad():
+                for module, stored in modules:
+                    step = "the model" if module is self.model else "the EMA"
+                    if _has_extra_state(module):
+                        undo.append((module, snapshot(module)))
+                    module.load_state_dict(stored)
                 if isinstance(self.ema, AveragedModel) and "ema" in tree:
                     self.ema.n_averaged.copy_(tree["ema"]["n_averaged"])
-        rank = _world()[0]
-        rng = tree.get("rng", {}).get(rank)
+        except Exception as exc:
+            for obj, before in reversed(undo):
+                try:
+                    obj.load_state_dict(before)
+                except Exception as again:  # the object that failed may refuse its own state
+                    log.error("could not put %s back after a failed restore: %s", step, again)
+            restore_rng(rng_before)
+            raise IncompatibleCheckpoint(
+                [f"{path.name}: {step}: load_state_dict failed: {exc}"]
+            ) from exc
+        rng = tree.get("rng", {}).get(_world()[0])
         if rng is not None:
             restore_rng(rng)
 
 
-def _component_differences(name: str, obj: Stateful, stored: Any) -> list[Difference]:
+def _has_extra_state(module: nn.Module) -> bool:
+    """Whether any submodule keeps non-tensor state (get_extra_state) that loading may reject."""
+    return any(type(m).get_extra_state is not nn.Module.get_extra_state for m in module.modules())
+
+
+def _generic_differences(name: str, obj: Stateful, stored: Any) -> list[Difference]:
     """Differences a generic component can show before its state is loaded.
 
     Tensors stored under the same key path must keep their shape and dtype (keys that come and

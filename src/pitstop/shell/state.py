@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - numpy is optional at run time
 __all__ = [
     "capture_rng",
     "describe",
+    "entry_specs",
     "optimizer_groups",
     "restore_rng",
     "snapshot",
@@ -43,6 +44,20 @@ def tensor_specs(state: Mapping[str, Any]) -> dict[str, TensorSpec]:
         name: TensorSpec(dtype=str(value.dtype).removeprefix("torch."), shape=tuple(value.shape))
         for name, value in state.items()
         if isinstance(value, torch.Tensor)
+    }
+
+
+def entry_specs(state: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """Describe every entry of a flat state dict, tensors or not.
+
+    A non-tensor entry (a module's ``_extra_state``) is described by its Python type, so a
+    key that one side lacks, or a value of another kind, shows as a difference.
+    """
+    return {
+        name: TensorSpec(dtype=str(value.dtype).removeprefix("torch."), shape=tuple(value.shape))
+        if isinstance(value, torch.Tensor)
+        else TensorSpec(dtype=f"<{type(value).__name__}>", shape=())
+        for name, value in state.items()
     }
 
 
