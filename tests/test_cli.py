@@ -76,9 +76,3 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     missing = pitstop("ls", str(tmp_path / "missing"))
     assert missing.returncode == 1
     assert "is not a directory" in missing.stdout
-
-
-def test_demo_runs() -> None:
-    result = pitstop("demo")
-    assert result.returncode == 0, result.stderr
-    assert "not built yet" in result.stdout

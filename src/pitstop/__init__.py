@@ -50,6 +50,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "train":  # the reference trainer's package (imports torch only when used)
+        return importlib.import_module("pitstop.train")
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from rich.console import Console
 
 import pitstop
+from pitstop.cli import export as cli_export
+from pitstop.cli import train as cli_train
 from pitstop.errors import PitstopError
 
 __all__ = ["main"]
@@ -34,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify = commands.add_parser("verify", help="check every byte of a checkpoint")
     verify.add_argument("path", help="a checkpoint file, a pointer (DIR/best) or a directory")
+    cli_train.add_parser(commands)
+    cli_export.add_parser(commands)
     return parser
 
 
@@ -49,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pitstop.cli.demo import run_demo
 
             return run_demo(console)
+        if args.command == "train":
+            return cli_train.run_train(console, args)
+        if args.command == "export":
+            return cli_export.run_export(console, args)
         from pitstop.cli import listing
 
         if args.command == "ls":

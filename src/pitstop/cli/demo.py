@@ -1,78 +1,164 @@
-"""``pitstop demo``: pitstop at work on the CPU."""
+"""``pitstop demo``: train, pause with a real SIGTERM, resume, and compare — on the CPU.
+
+In ``runs/demo/`` (under the current directory) it:
+
+1. trains the built-in task straight through to step 40 (``runs/demo/straight``);
+2. trains it again in a child process (``pitstop train``) and sends that process a real SIGTERM
+   mid-run: the child finishes its accumulation window, saves ``last`` and exits 0;
+3. resumes that run to the same target (``runs/demo/resumed``);
+4. lists the resumed run's checkpoints, says whether its final weights equal the straight
+   run's bit for bit, and plots both loss curves to ``runs/demo/resume.png`` (matplotlib, when
+   installed).
+
+Exit status 0 when the weights are bitwise equal, 1 otherwise.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
 from rich.console import Console
-from rich.table import Table
 
-from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_name
-from pitstop.core.plan import plan_save
-from pitstop.core.records import (
-    NO_CHECKPOINT,
-    Best,
-    Catalog,
-    NoCheckpoint,
-    PointerName,
-    Pointers,
-    Policy,
-    Progress,
-)
-from pitstop.core.schedule import Call, ScheduleState, decide_save
+__all__ = ["DEMO_CONFIG", "run_demo"]
 
-__all__ = ["run_demo"]
+TARGET = 40
+STOP_AFTER = 17  # the child is signalled once it reports this step
+
+DEMO_CONFIG: dict[str, Any] = {
+    "run": {"max_steps": TARGET, "seed": 0, "device": "cpu", "accumulate": 2, "eval_every": 5},
+    "model": {"hidden": 64, "dropout": 0.1},
+    "data": {"samples": 512, "val_samples": 128, "features": 8, "batch_size": 16, "seed": 0},
+    "optimizer": {"lr": 0.03, "weight_decay": 0.01},
+    "scheduler": {"warmup_steps": 4, "max_steps": TARGET},
+    "ema": {"enabled": True, "decay": 0.9},
+    "checkpoint": {"every_steps": 10, "keep_last": 2, "best": "val_loss"},
+}
+"""The demo's run configuration (``run.output_dir`` is filled in per run)."""
+
+_STEP_LINE = re.compile(r"^step (\d+)/\d+ epoch \d+ loss (\S+)")
 
 
-def _step_of(name: str | NoCheckpoint) -> str:
-    step = NOT_A_CHECKPOINT if name is NO_CHECKPOINT else parse_name(name)
-    return "-" if step is NOT_A_CHECKPOINT else str(step)
+def _config(output_dir: Path) -> dict[str, Any]:
+    return {**DEMO_CONFIG, "run": {**DEMO_CONFIG["run"], "output_dir": str(output_dir)}}
+
+
+def _signalled_run(console: Console, config_path: Path) -> tuple[list[tuple[int, float]], int]:
+    """Run ``pitstop train`` in a child, SIGTERM it at STOP_AFTER; return its losses, exit code."""
+    command = [sys.executable, "-m", "pitstop", "train", "--config", str(config_path), "--quiet"]
+    losses: list[tuple[int, float]] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:
+                match = _STEP_LINE.match(line)
+                if match:
+                    losses.append((int(match.group(1)), float(match.group(2))))
+                if line.startswith(("saved ", "stopped ", "paused")):
+                    console.print(f"  [dim]child:[/dim] {line.rstrip()}", highlight=False)
+                if match and int(match.group(1)) == STOP_AFTER:
+                    console.print(
+                        f"  sending SIGTERM to the child (pid {child.pid}) at step {STOP_AFTER}"
+                    )
+                    child.send_signal(signal.SIGTERM)
+            return losses, child.wait(timeout=600)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def _plot(
+    path: Path,
+    straight: list[tuple[int, float]],
+    stopped: list[tuple[int, float]],
+    resumed: list[tuple[int, float]],
+    stop_step: int,
+) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(*zip(*straight, strict=True), label="straight run", linewidth=3, alpha=0.4)
+    axes.plot(*zip(*stopped, strict=True), "o-", markersize=3, label="stopped by SIGTERM")
+    axes.plot(*zip(*resumed, strict=True), "s-", markersize=3, label="resumed")
+    axes.axvline(stop_step, color="grey", linestyle="--", label=f"stop at step {stop_step}")
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss")
+    axes.set_yscale("log")
+    axes.set_title("pitstop: a paused and resumed run follows the straight one exactly")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
 
 
 def run_demo(console: Console) -> int:
-    """Show what the planning core decides over a simulated run.
+    """Run the demo in ``runs/demo``; return 0 when the resumed run equals the straight one."""
+    import torch
 
-    The full demo (train on the CPU, stop with a real SIGTERM, resume, compare bitwise) needs
-    the Checkpointer, which is not built yet; this says so rather than pretending.
-    """
-    console.print(
-        "[bold]pitstop demo[/bold]: the train / SIGTERM / resume demo needs the Checkpointer, "
-        "which is not built yet.\nMeanwhile, this is what pitstop's planning core decides for "
-        "a simulated 12-step run\n(every_steps=4, keep_last=2, best=val_loss min, evaluated "
-        "every 3 steps, save_final=True):\n"
+    import pitstop
+    from pitstop.cli.listing import list_directory
+    from pitstop.train.report import Reporter
+    from pitstop.train.run import train_from_config
+
+    root = Path("runs/demo")
+    for part in ("straight", "resumed"):
+        shutil.rmtree(root / part, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+
+    console.print(f"[bold]1.[/bold] training straight through to step {TARGET} ({root}/straight)")
+    straight = train_from_config(_config(root / "straight"), reporter=Reporter())
+
+    console.print(f"[bold]2.[/bold] training again in a child process ({root}/resumed)")
+    config_path = root / "resumed.yaml"
+    config_path.write_text(yaml.safe_dump(_config(root / "resumed"), sort_keys=False))
+    stopped, code = _signalled_run(console, config_path)
+    if code != 0:
+        console.print(f"[red]the child exited with status {code}[/red]")
+        return 1
+
+    console.print(f"[bold]3.[/bold] resuming it to step {TARGET}")
+    resumed = train_from_config(config_path, resume=True, reporter=Reporter())
+    console.print(f"  resumed at step {resumed.start_step}, made {resumed.new_updates} updates")
+
+    console.print("[bold]4.[/bold] the resumed run's checkpoints")
+    list_directory(console, str(root / "resumed" / "checkpoints"))
+
+    a = pitstop.load(root / "straight" / "checkpoints" / "final")["weights"]
+    b = pitstop.load(root / "resumed" / "checkpoints" / "final")["weights"]
+    equal = a.keys() == b.keys() and all(
+        a[kind].keys() == b[kind].keys()
+        and all(torch.equal(a[kind][name], b[kind][name]) for name in a[kind])
+        for kind in a
     )
-    policy = Policy(every_steps=4, keep_last=2, best=Best("val_loss"), save_final=True)
-    catalog, pointers = Catalog(), Pointers()
-    state = ScheduleState(timer_start=0.0)
-    losses = {3: 0.9, 6: 0.5, 9: 0.7, 12: 0.6}
-    table = Table("step", "call", "action", "reason", "last", "best", "final", "deleted")
-    progress = Progress()
-    for step in range(1, 13):
-        progress = progress.advance(samples=32)
-        metrics = {"val_loss": losses[step]} if step in losses else None
-        for call in (Call.MAYBE, Call.FINISH) if step == 12 else (Call.MAYBE,):
-            decision = decide_save(
-                policy,
-                state,
-                pointers,
-                call=call,
-                progress=progress,
-                now=float(step),
-                metrics=metrics,
-            )
-            if not decision.acts:
-                continue
-            plan = plan_save(
-                catalog, pointers, decision, progress=progress, policy=policy, metrics=metrics
-            )
-            catalog, pointers, state = plan.catalog_after, plan.pointers, decision.state
-            table.add_row(
-                str(step),
-                call.value,
-                "write" if decision.write else "repoint",
-                decision.reason.value,
-                *(_step_of(pointers.target(p)) for p in PointerName),
-                ", ".join(_step_of(n) for n in plan.retention.delete) or "-",
-            )
-    console.print(table)
-    kept = ", ".join(checkpoint_name(e.step) for e in catalog)
-    console.print(f"\nwhat a real run would keep on disk: {kept}")
-    return 0
+    if equal:
+        console.print(
+            "[green]bitwise equal:[/green] the resumed run's final raw and EMA weights are "
+            "identical to the straight run's"
+        )
+    else:
+        console.print("[red]NOT equal:[/red] the resumed run differs from the straight run")
+
+    picture = root / "resume.png"
+    with contextlib.suppress(FileNotFoundError):
+        picture.unlink()
+    if _plot(picture, list(straight.losses), stopped, list(resumed.losses), resumed.start_step):
+        console.print(f"loss curves of both runs: {picture}")
+    else:
+        console.print(
+            "matplotlib is not installed, so no plot (pip install 'pitstop[plot]')", markup=False
+        )
+    return 0 if equal else 1

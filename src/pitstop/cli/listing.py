@@ -2,41 +2,21 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from pitstop.core.metadata import policy_from_latest_json
-from pitstop.core.naming import LATEST_JSON
-from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
+from pitstop.cli.formatting import format_size
+from pitstop.core.records import NO_CHECKPOINT, PointerName
 from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell import fileformat
 from pitstop.shell.directory import choose_resume, scan
-from pitstop.shell.resolve import verify
+from pitstop.shell.resolve import recorded_policy, verify
 from pitstop.shell.storage import LocalStorage
 
-__all__ = ["format_size", "list_directory", "verify_checkpoint"]
-
-
-def format_size(size: int) -> str:
-    """Return ``size`` bytes for people: ``512 B``, ``1.5 KiB``, ``2.0 GiB``."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def _recorded_policy(directory: Path) -> Policy | None:
-    try:
-        data = json.loads((directory / LATEST_JSON).read_bytes()[: 1 << 20])
-    except (OSError, ValueError):
-        return None
-    return policy_from_latest_json(data)
+__all__ = ["list_directory", "verify_checkpoint"]
 
 
 def list_directory(console: Console, directory: str, *, check: bool = False) -> int:
@@ -48,7 +28,7 @@ def list_directory(console: Console, directory: str, *, check: bool = False) -> 
     if not path.is_dir():
         raise CheckpointNotFound(f"{path} is not a directory")
     storage = LocalStorage(path)
-    policy = _recorded_policy(path)
+    policy = recorded_policy(path)
     found = scan(storage, None if policy is None else policy.best)
     retention = None if policy is None else plan_retention(found.catalog, found.pointers, policy)
 

@@ -264,6 +264,11 @@ class Checkpointer:
         if self._closed:
             raise PitstopError(f"the Checkpointer of {self.directory} is closed")
 
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint file the last :meth:`resume` restored (``None``: started fresh)."""
+        return self._resumed_from
+
     def checkpoints(self) -> list[Checkpoint]:
         """The published checkpoints, oldest (lowest save sequence number) first."""
         return [Checkpoint.of(self.directory, e) for e in self._directory.catalog]
@@ -575,7 +580,12 @@ class Checkpointer:
     def _find(
         self, source: str | os.PathLike[str]
     ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
-        if isinstance(source, str) and source in {p.value for p in PointerName}:
+        names = {p.value for p in PointerName}
+        if not (isinstance(source, str) and source in names):
+            path = Path(source)
+            if path.name in names and path.parent.resolve() == self.directory.resolve():
+                source = path.name  # this directory's own pointer: resume from it, fresh if none
+        if isinstance(source, str) and source in names:
             storage = self._directory.storage
             found = scan(storage, self.policy.best)
             choice = choose_resume(storage, found, PointerName(source), self.policy.best)

@@ -19,22 +19,22 @@ from typing import Any
 
 from pitstop.core.metadata import policy_from_latest_json
 from pitstop.core.naming import LATEST_JSON, POINTER_NAMES
-from pitstop.core.records import NO_CHECKPOINT, Best, PointerName
+from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell import fileformat
 from pitstop.shell.directory import choose_resume, scan
 from pitstop.shell.storage import LocalStorage
 
-__all__ = ["load", "resolve_checkpoint", "verify"]
+__all__ = ["load", "recorded_policy", "resolve_checkpoint", "verify"]
 
 
-def _recorded_best(directory: Path) -> Best | None:
+def recorded_policy(directory: Path) -> Policy | None:
+    """The retention policy and Best metric a directory's ``latest.json`` records, if any."""
     try:
         data = json.loads((directory / LATEST_JSON).read_bytes()[: 1 << 20])
     except (OSError, ValueError):
         return None
-    policy = policy_from_latest_json(data)
-    return None if policy is None else policy.best
+    return policy_from_latest_json(data)
 
 
 def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = True) -> Path:
@@ -59,7 +59,8 @@ def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = T
         raise CheckpointNotFound(f"no checkpoint at {path}: not a file, pointer or directory")
 
     storage = LocalStorage(directory)
-    best = _recorded_best(directory)
+    policy = recorded_policy(directory)
+    best = None if policy is None else policy.best
     found = scan(storage, best)
     if fallback:
         choice = choose_resume(storage, found, pointer, best)

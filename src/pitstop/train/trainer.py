@@ -1,0 +1,280 @@
+# The reference trainer: a compact training loop on the public Checkpointer API.
+#
+# Rules (the seed's "Stop and resume"): SIGINT/SIGTERM, while train() runs in the main thread,
+# only set a StopRequest; trainer.stop.request() does the same from any code. A stop is
+# honoured at the end of the current accumulation window: the update happens, `last` is saved
+# with the stop reason (when a checkpoint directory is configured), the final evaluation is
+# skipped, and train() returns with stop_reason set. A normal end evaluates and saves `final`.
+# Limits are cumulative and absolute (plan_run): max_steps / epochs at or below the restored
+# position do no updates, and the run still ends normally (a final evaluation, the final
+# pointer), which is why a stop request, not a shorter max_steps, is the transparent way to
+# pause. One optimizer update = `accumulate` micro-batches; an epoch is
+# batches_per_epoch // accumulate updates (trailing micro-batches that cannot fill a window
+# are not read). Data order is epoch-addressed (ResumableSampler positioned from the Progress),
+# the DataLoader gets its own generator so creating an iterator never draws from the global
+# RNG, and evaluation draws none: so N steps, stop, resume, M steps is bitwise the same run as
+# N + M steps on the CPU.
+# How: a Checkpointer per train() call, with optimizer, scheduler and sampler as components; the
+# loop itself is pitstop.train.loop; a Reporter hears about steps, evaluations and saves.
+
+"""Trainer: the reference training loop with stop requests, checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable, Mapping, Sized
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader, Dataset
+
+# The checkpointing side uses only pitstop's public API (it is also the proof that it is enough).
+from pitstop import (
+    Best,
+    Checkpointer,
+    ConfigError,
+    Policy,
+    Progress,
+    ResumableSampler,
+    StopRequest,
+)
+from pitstop.core.validators import is_int
+from pitstop.shell.weights import plain_state_dict
+from pitstop.train.loop import TrainLoop
+from pitstop.train.records import TrainConfig, TrainState
+from pitstop.train.report import Reporter
+
+__all__ = ["TrainConfig", "TrainState", "Trainer"]
+
+log = logging.getLogger("pitstop.train")
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+EvaluateFn = Callable[[nn.Module], Mapping[str, float]]
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(value, device) for value in batch)
+    return batch
+
+
+def _signals(stop: StopRequest) -> contextlib.AbstractContextManager[object]:
+    """Catch SIGINT/SIGTERM in the main thread; elsewhere only stop.request() stops."""
+    if threading.current_thread() is threading.main_thread():
+        return stop.catch_signals()
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """A compact training loop that pauses on a signal and resumes exactly.
+
+    ``model``: the module to train, already on ``device`` (a DDP or compiled wrapper is fine;
+    checkpoints hold the plain model). ``optimizer`` (and ``scheduler``, stepped once per
+    update) work on its parameters. ``data``: a map-style dataset, read in epoch-addressed
+    shuffled order (seeded by ``data_seed``) in batches of ``batch_size``. ``loss_fn(model,
+    batch)`` returns the mean loss of a batch. ``evaluate(model)`` returns metrics such as
+    ``{"val_loss": ...}``; it must draw no random numbers. ``ema``: an AveragedModel updated
+    after every optimizer step. ``config``: the run's recipe, stored in checkpoints and compared
+    on resume (leave out limits that may grow, such as max_steps). ``reporter`` hears about
+    steps, evaluations and checkpoints (silent by default). During :meth:`train`,
+    ``trainer.stop`` is the run's :class:`~pitstop.StopRequest`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        data: Dataset[Any],
+        batch_size: int,
+        loss_fn: LossFn,
+        evaluate: EvaluateFn | None = None,
+        ema: AveragedModel | None = None,
+        scheduler: LRScheduler | None = None,
+        data_seed: int = 0,
+        num_workers: int = 0,
+        device: str | torch.device = "cpu",
+        config: Mapping[str, Any] | None = None,
+        reporter: Reporter | None = None,
+    ) -> None:
+        if not is_int(num_workers) or num_workers < 0:
+            raise ConfigError(f"Trainer num_workers must be an int >= 0, got {num_workers!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.evaluate = evaluate
+        self.ema = ema
+        self.scheduler = scheduler
+        self.device = torch.device(device)
+        self.config = config
+        self.reporter = reporter if reporter is not None else Reporter()
+        self.sampler = ResumableSampler(len(cast(Sized, data)), batch_size, seed=data_seed)
+        self.loader: DataLoader[Any] = DataLoader(
+            data,
+            batch_sampler=self.sampler,
+            num_workers=num_workers,
+            # Creating an iterator draws its base seed from this generator, never from the
+            # global RNG, so a resumed run's draws line up with the uninterrupted run's.
+            generator=torch.Generator(),
+        )
+        self.stop = StopRequest()
+
+    # --- the run --------------------------------------------------------------------------
+
+    def train(
+        self,
+        config: TrainConfig,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        resume_from: str | os.PathLike[str] | None = None,
+        policy: Policy | None = None,
+        async_save: bool | Literal["overlap"] = False,
+    ) -> TrainState:
+        """Train until ``config``'s limits or a stop request; return where the run ended.
+
+        ``checkpoint_dir``: save there under ``policy`` (default: keep the last 3, ``best`` by
+        ``val_loss`` when there is an evaluation, ``final`` at a normal end). ``resume_from``:
+        ``"last"``, ``"best"``, ``"final"``, a pointer such as ``checkpoint_dir / "last"``
+        (nothing there yet: start fresh) or a checkpoint file; it needs ``checkpoint_dir``.
+        """
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"Trainer.train config must be a TrainConfig, got {config!r}")
+        if resume_from is not None and checkpoint_dir is None:
+            raise ConfigError(
+                f"Trainer.train resume_from={os.fspath(resume_from)!r} needs a checkpoint_dir "
+                f"to continue saving into"
+            )
+        self.stop = StopRequest()
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.reporter.close)
+            checkpointer: Checkpointer | None = None
+            if checkpoint_dir is not None:
+                checkpointer = stack.enter_context(
+                    Checkpointer(
+                        checkpoint_dir,
+                        model=self.model,
+                        ema=self.ema,
+                        state=self._components(),
+                        policy=policy if policy is not None else self._default_policy(),
+                        config=self.config,
+                        async_save=async_save,
+                    )
+                )
+            stack.enter_context(_signals(self.stop))
+            restored, resumed_from = Progress(), None
+            if checkpointer is not None and resume_from is None:
+                existing = checkpointer.checkpoints()
+                if existing:
+                    log.warning(
+                        "%s already holds checkpoints up to step %d; this run starts fresh "
+                        "(resume to continue from them)",
+                        checkpointer.directory,
+                        max(c.step for c in existing),
+                    )
+            if checkpointer is not None and resume_from is not None:
+                restored = checkpointer.resume(_resume_source(resume_from, checkpointer.directory))
+                resumed_from = _file_of(checkpointer, restored)
+            state = TrainLoop(self, config, checkpointer, restored, resumed_from).run()
+            self.reporter.finished(state)
+            return state
+
+    def _components(self) -> dict[str, Any]:
+        components: dict[str, Any] = {"optimizer": self.optimizer}
+        if self.scheduler is not None:
+            components["scheduler"] = self.scheduler
+        components["sampler"] = self.sampler
+        return components
+
+    def _default_policy(self) -> Policy:
+        return Policy(best=Best("val_loss")) if self.evaluate is not None else Policy()
+
+    # --- one micro-batch, one update --------------------------------------------------------
+
+    def _micro_step(self, batch: Any, accumulate: int) -> torch.Tensor:
+        """Forward and backward one micro-batch; return its (detached) share of the loss."""
+        loss = self.loss_fn(self.model, _to_device(batch, self.device)) / accumulate
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        return loss.detach()
+
+    def _update(self) -> None:
+        """One optimizer update: step, clear gradients, schedule, average."""
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+
+    def _evaluate(self) -> dict[str, float]:
+        if self.evaluate is None:
+            return {}
+        return {str(key): float(value) for key, value in self.evaluate(self.model).items()}
+
+    # --- exporting ----------------------------------------------------------------------------
+
+    def save_model(
+        self, path: str | os.PathLike[str], *, weights: Literal["raw", "ema"] = "raw"
+    ) -> Path:
+        """Write the current weights to ``path`` (``.pt``) as a plain CPU state dict.
+
+        No wrapper prefixes (``module.``, ``_orig_mod.``); loadable with
+        ``torch.load(path, weights_only=True)``. ``weights="ema"`` writes the averaged weights.
+        The file appears atomically. To export weights from a saved checkpoint instead, use
+        :func:`pitstop.export_weights`.
+        """
+        target = Path(path)
+        if target.suffix.lower() != ".pt":
+            raise ConfigError(f"save_model writes .pt files, got {target}")
+        if weights not in ("raw", "ema"):
+            raise ConfigError(f"save_model weights must be 'raw' or 'ema', got {weights!r}")
+        if weights == "ema" and self.ema is None:
+            raise ConfigError("save_model weights='ema': this trainer has no EMA")
+        module = self.ema if weights == "ema" and self.ema is not None else self.model
+        plain = {
+            name: tensor.detach().to("cpu", copy=True).contiguous()
+            for name, tensor in plain_state_dict(module).items()
+        }
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            torch.save(plain, temp)
+            os.replace(temp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+        return target
+
+
+_POINTERS = frozenset({"last", "best", "final"})
+
+
+def _resume_source(source: str | os.PathLike[str], directory: Path) -> str | os.PathLike[str]:
+    """A pointer of ``directory`` given as a path becomes its name, so that a pointer with
+    nothing behind it yet (a first run) starts fresh instead of failing."""
+    if isinstance(source, str) and source in _POINTERS:
+        return source
+    path = Path(source)
+    if path.name in _POINTERS and path.parent.resolve() == directory.resolve():
+        return path.name
+    return source
+
+
+def _file_of(checkpointer: Checkpointer, restored: Progress) -> Path | None:
+    if restored == Progress():
+        return None
+    for checkpoint in reversed(checkpointer.checkpoints()):
+        if checkpoint.progress == restored:
+            return checkpoint.path
+    return None
