@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pitstop.shell import fileformat
+from trees import assert_same
 
 SCRIPT = Path(__file__).with_name("train_loop.py")
 TARGET = 12  # optimizer updates; 5 per epoch with accumulation 2, so the run spans 3 epochs
@@ -38,26 +39,6 @@ def run(directory: Path, out: Path, *extra: str) -> dict[str, Any]:
     assert result.returncode == 0, result.stderr[-3000:]
     loaded: dict[str, Any] = fileformat.load(out)
     return loaded
-
-
-def assert_same(a: object, b: object, path: str = "") -> None:
-    """Bitwise equality of two result trees (NaN-safe: tensors compare as raw bytes)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), path
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b), path
-        assert len(a) == len(b), path  # type: ignore[arg-type]
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):  # type: ignore[call-overload]
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def assert_continues_exactly(

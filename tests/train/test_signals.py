@@ -18,7 +18,6 @@ import pytest
 from trainkit import (
     PAUSING,
     SMOKE,
-    assert_same,
     child,
     last,
     pitstop_argv,
@@ -30,6 +29,7 @@ from trainkit import (
 )
 
 from pitstop.core.records import SaveReason
+from trees import assert_same
 
 TARGET = 10  # updates; the smoke config's 2-micro-batch windows make 20 micro-batches
 ACCUMULATE = 2

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import TensorDataset
-from trainkit import assert_same, last, steps_on_disk, tree
+from trainkit import last, steps_on_disk, tree
 
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.errors import ConfigError
 from pitstop.shell.manager import Checkpoint
 from pitstop.train import Reporter, TrainConfig, Trainer, TrainState
 from pitstop.train.task import mse_loss
+from trees import assert_same
 
 SAMPLES, BATCH = 48, 4  # 12 micro-batches per epoch
 

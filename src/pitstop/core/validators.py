@@ -18,12 +18,14 @@ from pitstop.errors import InvalidValue
 
 __all__ = [
     "count",
+    "count_or_none",
     "fail",
     "is_bool",
     "is_int",
     "is_real",
     "mode",
     "non_empty_str",
+    "positive_int",
     "positive_int_or_none",
     "positive_seconds_or_none",
     "where",
@@ -55,6 +57,18 @@ def count(instance: object, attribute: attrs.Attribute[Any], value: object) -> N
     """Require an int >= 0."""
     if not is_int(value) or value < 0:
         raise fail(instance, attribute, f"must be an int >= 0, got {value!r}")
+
+
+def positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """Require an int >= 1."""
+    if not is_int(value) or value < 1:
+        raise fail(instance, attribute, f"must be an int >= 1, got {value!r}")
+
+
+def count_or_none(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """Require an int >= 0 or None."""
+    if value is not None and (not is_int(value) or value < 0):
+        raise fail(instance, attribute, f"must be an int >= 0 or null, got {value!r}")
 
 
 def positive_int_or_none(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -27,7 +27,15 @@ import attrs
 import yaml
 
 from pitstop.core.config import CheckpointConfig, register_record, resolve_directory, structure
-from pitstop.core.validators import fail, is_bool, is_int, is_real, positive_int_or_none
+from pitstop.core.validators import (
+    count,
+    count_or_none,
+    fail,
+    is_bool,
+    is_real,
+    positive_int,
+    positive_int_or_none,
+)
 from pitstop.errors import ConfigError
 
 __all__ = [
@@ -45,21 +53,6 @@ __all__ = [
 
 
 # --- validators -------------------------------------------------------------------------------
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value) or value < 1:
-        raise fail(instance, attribute, f"must be an int >= 1, got {value!r}")
-
-
-def _count_or_none(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and (not is_int(value) or value < 0):
-        raise fail(instance, attribute, f"must be an int >= 0 or null, got {value!r}")
-
-
-def _count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value) or value < 0:
-        raise fail(instance, attribute, f"must be an int >= 0, got {value!r}")
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -101,20 +94,20 @@ class RunSection:
     """
 
     output_dir: str = attrs.field(validator=_path)
-    max_steps: int | None = attrs.field(default=None, validator=_count_or_none)
-    epochs: int | None = attrs.field(default=None, validator=_count_or_none)
-    seed: int = attrs.field(default=0, validator=_count)
+    max_steps: int | None = attrs.field(default=None, validator=count_or_none)
+    epochs: int | None = attrs.field(default=None, validator=count_or_none)
+    seed: int = attrs.field(default=0, validator=count)
     device: Literal["cpu", "cuda"] = attrs.field(default="cpu", validator=_device)
-    accumulate: int = attrs.field(default=1, validator=_positive_int)
+    accumulate: int = attrs.field(default=1, validator=positive_int)
     eval_every: int | None = attrs.field(default=None, validator=positive_int_or_none)
-    log_every: int = attrs.field(default=1, validator=_positive_int)
+    log_every: int = attrs.field(default=1, validator=positive_int)
 
 
 @attrs.frozen(kw_only=True)
 class ModelSection:
     """``model:`` the built-in MLP: Linear → ReLU → Dropout → Linear."""
 
-    hidden: int = attrs.field(default=32, validator=_positive_int)
+    hidden: int = attrs.field(default=32, validator=positive_int)
     dropout: float = attrs.field(default=0.0, validator=_fraction)
 
 
@@ -125,12 +118,12 @@ class DataSection:
     ``seed`` also shuffles the training set (a new order every epoch).
     """
 
-    samples: int = attrs.field(default=256, validator=_positive_int)
-    val_samples: int = attrs.field(default=64, validator=_positive_int)
-    features: int = attrs.field(default=8, validator=_positive_int)
+    samples: int = attrs.field(default=256, validator=positive_int)
+    val_samples: int = attrs.field(default=64, validator=positive_int)
+    features: int = attrs.field(default=8, validator=positive_int)
     noise: float = attrs.field(default=0.1, validator=_non_negative)
-    batch_size: int = attrs.field(default=16, validator=_positive_int)
-    seed: int = attrs.field(default=0, validator=_count)
+    batch_size: int = attrs.field(default=16, validator=positive_int)
+    seed: int = attrs.field(default=0, validator=count)
 
 
 @attrs.frozen(kw_only=True)
@@ -146,8 +139,8 @@ class SchedulerSection:
     """``scheduler:`` linear warm-up over ``warmup_steps``, then cosine decay to 0 at
     ``max_steps`` (``null``: constant after the warm-up)."""
 
-    warmup_steps: int = attrs.field(default=0, validator=_count)
-    max_steps: int | None = attrs.field(default=None, validator=_count_or_none)
+    warmup_steps: int = attrs.field(default=0, validator=count)
+    max_steps: int | None = attrs.field(default=None, validator=count_or_none)
 
 
 @attrs.frozen(kw_only=True)

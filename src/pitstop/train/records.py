@@ -11,25 +11,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 
 from pitstop import ConfigError, Progress
 from pitstop.core.targets import RunTarget
-from pitstop.core.validators import count, fail, is_int, positive_int_or_none
+from pitstop.core.validators import count_or_none, positive_int, positive_int_or_none
 
 __all__ = ["TrainConfig", "TrainState"]
-
-
-def _count_or_none(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None:
-        count(instance, attribute, value)
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not is_int(value) or value < 1:
-        raise fail(instance, attribute, f"must be an int >= 1, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -41,9 +30,9 @@ class TrainConfig:
     update. ``eval_every``: evaluate every N updates (``None``: only at the end).
     """
 
-    epochs: int | None = attrs.field(default=None, validator=_count_or_none)
-    max_steps: int | None = attrs.field(default=None, validator=_count_or_none)
-    accumulate: int = attrs.field(default=1, validator=_positive)
+    epochs: int | None = attrs.field(default=None, validator=count_or_none)
+    max_steps: int | None = attrs.field(default=None, validator=count_or_none)
+    accumulate: int = attrs.field(default=1, validator=positive_int)
     eval_every: int | None = attrs.field(default=None, validator=positive_int_or_none)
 
     def __attrs_post_init__(self) -> None:

@@ -1,0 +1,157 @@
+"""The async-save benchmarks run: tiny sizes, one repeat, a row per candidate, no timings."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+EVERYWHERE = [
+    ("floor", "copy_ (preallocated)"),
+    ("floor", "write+fsync"),
+    ("torch", "save (no fsync)"),
+    ("torch", "save + fsync"),
+    ("pitstop", "sync"),
+    ("pitstop", "async"),
+    ("pitstop", "overlap"),
+]
+DCP = [
+    ("dcp", "save"),
+    ("dcp", "async_save (default)"),
+    ("dcp", "async_save (cached stager)"),
+    ("dcp", "async_save (cached stager, staging thread)"),
+]
+
+
+def _load(name: str) -> ModuleType:
+    # benchmarks/ is not a package: load the script by its path. Registered in sys.modules
+    # while it runs, because its dataclasses look their module up there.
+    module_name = f"benchmarks_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(system: str, mode: str) -> re.Pattern[str]:
+    return re.compile(rf"^\| {re.escape(system)} \| {re.escape(mode)} \|", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def save_latency(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, object]]]:
+    """One tiny run of save_latency.py: its output and its JSON rows."""
+    module = _load("save_latency")
+    tmp = tmp_path_factory.mktemp("save_latency")
+    out_json = tmp / "rows.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = module.main(
+            [
+                "--sizes-mib",
+                "1",
+                "--tensors",
+                "4",
+                "--repeats",
+                "1",
+                "--dir",
+                str(tmp / "work"),
+                "--json",
+                str(out_json),
+                "--plot",
+                str(tmp / "plot.png"),
+            ]
+        )
+    assert status == 0
+    return out.getvalue(), json.loads(out_json.read_text())
+
+
+def test_save_latency_has_a_row_per_candidate(
+    save_latency: tuple[str, list[dict[str, object]]],
+) -> None:
+    out, rows = save_latency
+    for system, mode in EVERYWHERE:
+        assert _row(system, mode).search(out), f"no row for {system} {mode} in:\n{out}"
+        assert {"system": system, "mode": mode}.items() <= next(
+            r for r in rows if r["system"] == system and r["mode"] == mode
+        ).items()
+    assert "| async blocking <= 1.5x copy floor |" in out  # the targets table
+    if "safetensors is not installed" not in out:
+        assert _row("safetensors", "save_file + fsync").search(out)
+    if "matplotlib is not installed" not in out:
+        assert "plot written to" in out
+
+
+def test_save_latency_dcp_rows(save_latency: tuple[str, list[dict[str, object]]]) -> None:
+    out, rows = save_latency
+    if "DCP: skipped" in out:
+        pytest.skip(out.split("DCP: skipped", 1)[1].splitlines()[0])
+    for system, mode in DCP:
+        assert _row(system, mode).search(out), f"no row for {system} {mode} in:\n{out}"
+    assert {(r["system"], r["mode"]) for r in rows} >= set(DCP)
+
+
+def test_save_latency_json_rows(save_latency: tuple[str, list[dict[str, object]]]) -> None:
+    _, rows = save_latency
+    keys = {"system", "mode", "size_bytes", "blocking_s", "durable_s", "peak_rss_extra_bytes"}
+    assert rows
+    for row in rows:
+        assert keys <= row.keys()
+        assert row["size_bytes"] == 1 << 20
+    # Only the copy floor and torch.save without fsync are never durable.
+    never_durable = {(r["system"], r["mode"]) for r in rows if r["durable_s"] is None}
+    assert never_durable == {("floor", "copy_ (preallocated)"), ("torch", "save (no fsync)")}
+
+
+def test_save_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    module = _load("save_latency")
+    with pytest.raises(SystemExit):
+        module.main(["--sizes-mib", "0"])
+    assert "--sizes-mib" in capsys.readouterr().err
+
+
+def test_train_overhead_has_a_row_per_mode(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    module = _load("train_overhead")
+    out_json = tmp_path / "rows.json"
+    status = module.main(
+        [
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "12",
+            "--every",
+            "4",
+            "--repeats",
+            "1",
+            "--dir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out_json),
+        ]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    for mode in ("none", "sync", "async", "overlap"):
+        assert re.search(rf"^\| {mode} \|", out, re.MULTILINE), f"no row for {mode} in:\n{out}"
+    rows = {row["mode"]: row for row in json.loads(out_json.read_text())}
+    assert set(rows) == {"none", "sync", "async", "overlap"}
+    # Saves at steps 4 and 8 (not at the last step, 12).
+    assert [rows[m]["saves"] for m in ("none", "sync", "async", "overlap")] == [0, 2, 2, 2]
+    assert "| async overhead <= 3% |" in out
