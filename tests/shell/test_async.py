@@ -204,3 +204,19 @@ def test_a_process_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Pat
     with pitstop.Checkpointer(directory, model=model) as ckpt:
         assert ckpt.resume().step == 1
     assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+
+
+def test_a_checkpointer_left_open_at_exit_still_publishes_its_last_save(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys, torch, pitstop
+        ckpt = pitstop.Checkpointer(sys.argv[1], model=torch.nn.Linear(512, 512), async_save=True)
+        ckpt.save(pitstop.Progress(step=1))
+        # no wait(), no close(): the interpreter exits with the save in flight
+        """
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300)
+    found = scan(LocalStorage(tmp_path))
+    assert [e.step for e in found.catalog] == [1]
+    fileformat.verify(tmp_path / "step_000000000001.pitstop")
+    assert not (tmp_path / ".lock").exists()

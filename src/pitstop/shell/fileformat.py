@@ -21,11 +21,12 @@ import contextlib
 import ctypes
 import mmap
 import os
+import queue
 import struct
 import sys
+import threading
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import BinaryIO, Final
 
@@ -342,7 +343,7 @@ def write(file: BinaryIO, prepared: Prepared, meta: Mapping[str, object]) -> int
     sink.put(_pack_header())
     crcs: list[int] = []
     big = any(span.length >= _OVERLAP_MIN for span in prepared.spans)
-    with ThreadPoolExecutor(1, "pitstop-crc") if big else contextlib.nullcontext() as pool:
+    with _CrcThread() if big else contextlib.nullcontext() as pool:
         for span, source in zip(prepared.spans, prepared.sources, strict=True):
             sink.put(bytes(span.offset - sink.position))  # zero padding up to the aligned span
             crc = 0
@@ -443,18 +444,57 @@ class _Sink:
             view = view[written:]
             self.position += written
 
-    def put_checksummed(self, chunk: memoryview, crc: int, pool: ThreadPoolExecutor | None) -> int:
+    def put_checksummed(self, chunk: memoryview, crc: int, pool: _CrcThread | None) -> int:
         """Write ``chunk`` and return the CRC-32 continued over it from ``crc``."""
         if pool is None or chunk.nbytes < _OVERLAP_MIN:
             crc = zlib.crc32(chunk, crc)
             self.put(chunk)
             return crc
-        pending = pool.submit(zlib.crc32, chunk, crc)
+        pool.start(chunk, crc)
         try:
             self.put(chunk)
         finally:
-            crc = pending.result()  # always wait: the helper reads memory this call lends it
+            crc = pool.result()  # always wait: the helper reads memory this call lends it
         return crc
+
+
+class _CrcThread:
+    """CRC-32 of one chunk at a time on a helper thread, beside the main thread's write.
+
+    A plain thread rather than concurrent.futures, whose executors refuse work once the
+    interpreter starts to exit — when a Checkpointer left open still publishes its last save.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pitstop-crc", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._results.put(zlib.crc32(*job))
+            except BaseException as exc:
+                self._results.put(exc)
+
+    def start(self, chunk: memoryview, crc: int) -> None:
+        """Begin the CRC-32 of ``chunk`` continued from ``crc``."""
+        self._jobs.put((chunk, crc))
+
+    def result(self) -> int:
+        """Wait for the CRC-32 begun by :meth:`start`."""
+        result = self._results.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def __enter__(self) -> _CrcThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def _span_chunks(source: torch.Tensor, span: Span) -> Iterator[memoryview]:

@@ -14,11 +14,13 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import platform
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -172,7 +174,7 @@ class Checkpointer:
         self.model = unwrap_model(model)
         self.ema = ema
         self.policy = policy if policy is not None else Policy()
-        self.config = config
+        self.config = copy.deepcopy(dict(config)) if config is not None else None
         self._components: dict[str, Stateful] = {}
         for name, obj in (state or {}).items():
             self._add_component(name, obj)
@@ -192,6 +194,8 @@ class Checkpointer:
         self._copied = threading.Event()
         self._copied.set()
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # A Checkpointer dropped or left open at exit still publishes what is in flight.
+        self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._directory)
         if async_save == "overlap":
             for obj in self._components.values():
                 if isinstance(obj, torch.optim.Optimizer):
@@ -243,6 +247,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         try:
             if self._writer is not None:
                 self._writer.close()
@@ -684,6 +689,17 @@ class Checkpointer:
         rng = tree.get("rng", {}).get(_world()[0])
         if rng is not None:
             restore_rng(rng)
+
+
+def _shut_down(writer: BackgroundWriter | None, directory: CheckpointDirectory) -> None:
+    """Finish a Checkpointer nobody closed (garbage collection or interpreter exit)."""
+    try:
+        if writer is not None:
+            writer.close()
+    except Exception as exc:
+        log.error("a background save failed and nobody was left to raise it: %s", exc)
+    finally:
+        directory.close()
 
 
 def _has_extra_state(module: nn.Module) -> bool:
