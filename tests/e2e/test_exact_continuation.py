@@ -106,6 +106,26 @@ def test_stop_anywhere_and_resume_is_bitwise_identical(
     assert_continues_exactly(straight(), first, second)
 
 
+def test_background_saves_continue_exactly(
+    tmp_path: Path, straight: Callable[..., dict[str, Any]]
+) -> None:
+    # Paused by a run saving in overlap mode, resumed by one saving in the background: the
+    # result is still the synchronous straight run's, bit for bit.
+    directory = tmp_path / "ckpt"
+    options = ("--target", str(TARGET))
+    first = run(
+        directory,
+        tmp_path / "a.pitstop",
+        *options,
+        "--stop-at-micro",
+        "9",
+        "--async-save",
+        "overlap",
+    )
+    second = run(directory, tmp_path / "b.pitstop", *options, "--async-save", "on")
+    assert_continues_exactly(straight(), first, second)
+
+
 def test_reduce_lr_on_plateau(tmp_path: Path, straight: Callable[..., dict[str, Any]]) -> None:
     first, second = split_run(tmp_path, 13, "--scheduler", "plateau")
     assert_continues_exactly(straight("--scheduler", "plateau"), first, second)

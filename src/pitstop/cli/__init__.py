@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 import pitstop
 from pitstop.cli import export as cli_export
@@ -64,6 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return listing.verify_checkpoint(console, args.path)
     except PitstopError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         return 1
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects others

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 
 from pitstop.errors import ConfigError
 
@@ -35,7 +36,9 @@ def run_export(console: Console, args: argparse.Namespace) -> int:
     try:
         path = export_weights(args.checkpoint, args.out, weights=args.weights, dtype=args.dtype)
     except ConfigError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[red]error:[/red] {exc}")
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"[red]error:[/red] {escape(str(exc))}"
+        )
         return 2
     console.print(
         f"wrote {path} ({args.weights} weights{f', {args.dtype}' if args.dtype else ''}, "

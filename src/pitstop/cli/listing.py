@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pitstop.cli.formatting import format_size
@@ -84,12 +85,12 @@ def list_directory(console: Console, directory: str, *, check: bool = False) -> 
     if not found.catalog and not found.unreadable:
         console.print("no checkpoints")
     for warning in found.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     if not check:
         return 0
 
     for name, why in failures.items():
-        console.print(f"[red]corrupt:[/red] {why}" if name in why else f"{name}: {why}")
+        console.print(f"[red]corrupt:[/red] {escape(why if name in why else f'{name}: {why}')}")
     choice = choose_resume(
         storage,
         found,
@@ -117,7 +118,7 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
     try:
         path = verify(checkpoint)
     except CheckpointCorrupt as exc:
-        console.print(f"[red]CORRUPT[/red] {exc}", highlight=False)
+        console.print(f"[red]CORRUPT[/red] {escape(str(exc))}", highlight=False)
         return 1
     manifest = fileformat.read_manifest(path)
     console.print(

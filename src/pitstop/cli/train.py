@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 
 from pitstop.errors import ConfigError
 
@@ -46,7 +47,7 @@ def run_train(console: Console, args: argparse.Namespace) -> int:
     try:
         data = read_yaml(args.config)
     except ConfigError as exc:
-        errors.print(f"[red]error:[/red] {exc}")
+        errors.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     try:
         config = load_config(
@@ -59,7 +60,7 @@ def run_train(console: Console, args: argparse.Namespace) -> int:
             )
         )
     except ConfigError as exc:
-        errors.print(f"[red]error:[/red] {args.config}: {exc}")
+        errors.print(f"[red]error:[/red] {escape(str(args.config))}: {escape(str(exc))}")
         return 2
 
     from pitstop.train.report import PlainReporter, RichReporter
@@ -73,7 +74,7 @@ def run_train(console: Console, args: argparse.Namespace) -> int:
     try:
         result = train_from_config(config, reporter=reporter)
     except ConfigError as exc:
-        errors.print(f"[red]error:[/red] {args.config}: {exc}")
+        errors.print(f"[red]error:[/red] {escape(str(args.config))}: {escape(str(exc))}")
         return 2
     if result.stop_reason is not None and result.checkpoint_dir is not None:
         reporter.line(

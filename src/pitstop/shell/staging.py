@@ -141,10 +141,16 @@ class StagingPool:
             seen[id(original)] = copy
             return copy
 
-        return _rebuild(tree, replace), lambda: self._copy(copies_later)
+        return _rebuild(tree, replace), lambda: self._copy(copies_later, guard=False)
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each source into its buffer; from CUDA, non-blocking on a side stream."""
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True) -> None:
+        """Copy each source into its buffer; from CUDA, non-blocking on a side stream.
+
+        ``guard``: make each device's current stream wait for the copies, so that work queued
+        after this call (the next forward pass) cannot change a tensor before it is copied.
+        Deferred copies run on the writer thread without it: the optimizer step pre-hook
+        holds back the only work that changes them until they have landed.
+        """
         streams: dict[int | None, Any] = {}
         for buffer, source in pairs:
             if source.device.type != "cuda":
@@ -157,10 +163,12 @@ class StagingPool:
                 streams[source.device.index] = stream
             with torch.cuda.stream(stream):
                 buffer.copy_(source, non_blocking=True)
-        for stream in streams.values():
+        for index, stream in streams.items():
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
             self._events.append(event)
+            if guard:
+                torch.cuda.current_stream(index).wait_stream(stream)
 
 
 def _walk(tree: Any, visit: Callable[[torch.Tensor], None]) -> None:
