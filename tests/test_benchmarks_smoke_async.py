@@ -148,10 +148,12 @@ def test_train_overhead_has_a_row_per_mode(
     )
     assert status == 0
     out = capsys.readouterr().out
-    for mode in ("none", "sync", "async", "overlap"):
-        assert re.search(rf"^\| {mode} \|", out, re.MULTILINE), f"no row for {mode} in:\n{out}"
+    modes = ("none", "none (control)", "sync", "async", "overlap")
+    for mode in modes:
+        row = re.compile(rf"^\| {re.escape(mode)} \|", re.MULTILINE)
+        assert row.search(out), f"no row for {mode} in:\n{out}"
     rows = {row["mode"]: row for row in json.loads(out_json.read_text())}
-    assert set(rows) == {"none", "sync", "async", "overlap"}
+    assert set(rows) == set(modes)
     # Saves at steps 4 and 8 (not at the last step, 12).
-    assert [rows[m]["saves"] for m in ("none", "sync", "async", "overlap")] == [0, 2, 2, 2]
-    assert "| async overhead <= 3% |" in out
+    assert [rows[m]["saves"] for m in modes] == [0, 0, 2, 2, 2]
+    assert "| async overhead <= 3% (control:" in out

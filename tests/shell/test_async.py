@@ -17,6 +17,7 @@ import pitstop
 from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.directory import scan
+from pitstop.shell.staging import storage_keys
 from pitstop.shell.storage import LocalStorage
 
 
@@ -220,3 +221,25 @@ def test_a_checkpointer_left_open_at_exit_still_publishes_its_last_save(tmp_path
     assert [e.step for e in found.catalog] == [1]
     fileformat.verify(tmp_path / "step_000000000001.pitstop")
     assert not (tmp_path / ".lock").exists()
+
+
+def test_overlap_copies_the_ema_before_returning(tmp_path: Path) -> None:
+    # A GradScaler that finds inf/nan gradients skips optimizer.step() — and with it the hook
+    # that waits for the copy — but the loop still updates the EMA right after.
+    model, optimizer = _run()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(1)
+    expected = _clone(ema.module.state_dict())
+    with pitstop.Checkpointer(
+        tmp_path, model=model, ema=ema, state={"optimizer": optimizer}, async_save="overlap"
+    ) as ckpt:
+        # Deterministically: the EMA is not among what is copied later.
+        assert storage_keys(ema.parameters()).isdisjoint(ckpt._deferrable())
+        assert storage_keys(model.parameters()) <= ckpt._deferrable()
+        saved = ckpt.save(pitstop.Progress(step=1))
+        ema.update_parameters(model)  # no optimizer.step() in between
+        ckpt.wait()
+    assert not _same(ema.module.state_dict(), expected)
+    assert _same(pitstop.load(saved.path)["weights"]["ema"], expected)

@@ -386,6 +386,7 @@ class Checkpointer:
             return None
         if detail == SaveReason.MANUAL.value:
             detail = ""
+        started = time.perf_counter()  # what the caller waits for, the previous save included
         if self._writer is not None:
             self._settle()  # the directory's state must include the save in flight
         plan = plan_save(
@@ -400,7 +401,6 @@ class Checkpointer:
         entry: CheckpointEntry | NoCheckpoint = plan.entry
         if entry is NO_CHECKPOINT:
             entry = directory.catalog.get(plan.pointers.last)
-        started = time.perf_counter()
         job = self._job(plan)
         if self._writer is None:
             job()
@@ -467,8 +467,12 @@ class Checkpointer:
         )
 
     def _deferrable(self) -> frozenset[tuple[str, int | None, int]]:
-        """Storages that only ``optimizer.step()`` changes: parameters and optimizer state."""
-        params = [p for m in (self.model, self.ema) if m is not None for p in m.parameters()]
+        """Storages that only ``optimizer.step()`` changes: the model's parameters, optimizer state.
+
+        The EMA is not among them: its update may run when a GradScaler skips the step (and
+        with it the pre-hook that waits for the copy), so it is copied before save() returns.
+        """
+        params = list(self.model.parameters())
         state = [
             value
             for obj in self._components.values()
@@ -477,8 +481,10 @@ class Checkpointer:
             for value in per_param.values()
             if isinstance(value, torch.Tensor)
         ]
-        buffers = [b for m in (self.model, self.ema) if m is not None for b in m.buffers()]
-        return storage_keys([*params, *state]) - storage_keys(buffers)
+        kept = [*self.model.buffers()]
+        if self.ema is not None:
+            kept += [*self.ema.parameters(), *self.ema.buffers()]
+        return storage_keys([*params, *state]) - storage_keys(kept)
 
     def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
         rank, world_size = _world()

@@ -44,6 +44,7 @@ class StagingPool:
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = collections.defaultdict(list)
         self._lent: list[tuple[tuple[int, bool], torch.Tensor]] = []
         self._events: list[Any] = []
+        self._after: dict[int | None, Any] = {}
         self.allocated_bytes = 0
 
     def _take(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -80,6 +81,7 @@ class StagingPool:
         """
         if self._lent:
             raise RuntimeError("the previous snapshot is still in use; release() it first")
+        self._after = {}  # device index -> the caller's stream position at this call
         ranges: dict[_StorageKey, list[int]] = {}
         sources: dict[_StorageKey, torch.Tensor] = {}
 
@@ -116,6 +118,10 @@ class StagingPool:
             )
             (copies_later if key in defer else copies_now).append((buffer, raw[start:stop]))
             staged[key] = (buffer, start)
+            if source.device.type == "cuda" and source.device.index not in self._after:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(source.device))
+                self._after[source.device.index] = event
         self._copy(copies_now)
 
         seen: dict[int, torch.Tensor] = {}
@@ -159,7 +165,9 @@ class StagingPool:
             stream = streams.get(source.device.index)
             if stream is None:
                 stream = torch.cuda.Stream(device=source.device)  # type: ignore[no-untyped-call]
-                stream.wait_stream(torch.cuda.current_stream(source.device))
+                # After everything the caller queued before snapshot(), on whatever stream it
+                # uses — also when this runs later, on the writer thread.
+                stream.wait_event(self._after[source.device.index])
                 streams[source.device.index] = stream
             with torch.cuda.stream(stream):
                 buffer.copy_(source, non_blocking=True)
