@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,12 @@ def test_the_demo_pauses_resumes_and_matches_the_straight_run(tmp_path: Path) ->
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "sending SIGTERM to the child" in out
-    assert "stopped by SIGTERM at step 17" in out
-    assert "resumed at step 17, made 23 updates" in out
+    # The signal lands once the child reports step 17; it stops after the window it is in.
+    stopped = re.search(r"stopped by SIGTERM at step (\d+)", out)
+    assert stopped is not None, out
+    step = int(stopped.group(1))
+    assert 17 <= step < 40
+    assert f"resumed at step {step}, made {40 - step} updates" in out
     assert "bitwise equal" in out
     assert "resume.png" in out or "matplotlib is not installed" in out
 
