@@ -184,8 +184,8 @@ class Trainer:
                         max(c.step for c in existing),
                     )
             if checkpointer is not None and resume_from is not None:
-                restored = checkpointer.resume(_resume_source(resume_from, checkpointer.directory))
-                resumed_from = _file_of(checkpointer, restored)
+                restored = checkpointer.resume(resume_from)
+                resumed_from = checkpointer.resumed_from
             state = TrainLoop(self, config, checkpointer, restored, resumed_from).run()
             self.reporter.finished(state)
             return state
@@ -255,26 +255,3 @@ class Trainer:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
         return target
-
-
-_POINTERS = frozenset({"last", "best", "final"})
-
-
-def _resume_source(source: str | os.PathLike[str], directory: Path) -> str | os.PathLike[str]:
-    """A pointer of ``directory`` given as a path becomes its name, so that a pointer with
-    nothing behind it yet (a first run) starts fresh instead of failing."""
-    if isinstance(source, str) and source in _POINTERS:
-        return source
-    path = Path(source)
-    if path.name in _POINTERS and path.parent.resolve() == directory.resolve():
-        return path.name
-    return source
-
-
-def _file_of(checkpointer: Checkpointer, restored: Progress) -> Path | None:
-    if restored == Progress():
-        return None
-    for checkpoint in reversed(checkpointer.checkpoints()):
-        if checkpoint.progress == restored:
-            return checkpoint.path
-    return None
