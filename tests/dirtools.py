@@ -35,8 +35,11 @@ def save(
     call: Call = Call.MANUAL,
     metrics: dict[str, float] | None = None,
     stop: bool = False,
+    tree: Any = None,
+    meta: dict[str, Any] | None = None,
 ) -> SavePlan:
-    """Save ``state_at(step)`` into ``directory`` as the shell would, and return the plan."""
+    """Save ``tree`` (default ``state_at(step)``) with extra ``meta`` into ``directory`` as the
+    shell would, and return the plan."""
     progress = Progress(step=step)
     decision = decide_save(
         directory.policy,
@@ -56,8 +59,11 @@ def save(
         policy=directory.policy,
         metrics=metrics,
     )
-    prepared = fileformat.prepare(state_at(step))
-    directory.execute(plan, lambda file, entry: fileformat.write(file, prepared, entry_meta(entry)))
+    prepared = fileformat.prepare(state_at(step) if tree is None else tree)
+    directory.execute(
+        plan,
+        lambda file, entry: fileformat.write(file, prepared, {**entry_meta(entry), **(meta or {})}),
+    )
     return plan
 
 

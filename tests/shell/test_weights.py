@@ -20,10 +20,10 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
+from dirtools import save
 from pitstop.core.metadata import entry_meta
-from pitstop.core.plan import plan_save
 from pitstop.core.records import Best, CheckpointEntry, Policy, Progress
-from pitstop.core.schedule import Call, ScheduleState, decide_save
+from pitstop.core.schedule import Call
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory
@@ -132,32 +132,8 @@ def publish(
     call: Call,
 ) -> None:
     """Save like the Checkpointer: the core decides and plans, the directory executes."""
-    progress = Progress(step=step)
-    decision = decide_save(
-        directory.policy,
-        ScheduleState(timer_start=0.0),
-        directory.pointers,
-        call=call,
-        progress=progress,
-        now=0.0,
-        metrics=metrics,
-    )
-    plan = plan_save(
-        directory.catalog,
-        directory.pointers,
-        decision,
-        progress=progress,
-        policy=directory.policy,
-        metrics=metrics,
-    )
     tree, meta = checkpoint_tree(model, ema)
-    prepared = fileformat.prepare(tree)
-    directory.execute(
-        plan,
-        lambda file, entry: fileformat.write(
-            file, prepared, {**entry_meta(entry), "weights": meta}
-        ),
-    )
+    save(directory, step, call=call, metrics=metrics, tree=tree, meta={"weights": meta})
 
 
 def corrupt_blob_of(path: Path, key_path: str) -> None:
