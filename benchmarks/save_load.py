@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     def pitstop_save() -> None:
         prepared = fileformat.prepare(state)
         publish_file(
-            storage, entry.name, "bench", lambda f: fileformat.write(f, prepared, entry_meta(entry))
+            storage,
+            entry.name,
+            "bench",
+            lambda f, sync: fileformat.write(f, prepared, entry_meta(entry), sync=sync),
         )
 
     def torch_save() -> None:

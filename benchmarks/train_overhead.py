@@ -25,7 +25,12 @@ Figures, over ``--repeats`` passes (fresh models and checkpoint directories for 
   registered around pitstop's own; ``last_blocking_s`` per save is shown beside it (pitstop's
   own figure, which leaves that wait out);
 * against the copy floor: one ``copy_`` of the whole state (weights and Adam moments) into
-  preallocated buffers, taken once per interval in the same run (median).
+  preallocated buffers, taken once per interval in the same run (median);
+* extra CPU per save: the process's CPU time (user + system, all threads, the background
+  writer's included) within the mode's intervals, minus the same for the loop without
+  checkpoints, per save — what a save costs the machine, where the stall is what it costs the
+  loop directly. For the control loop it is the whole run's difference: the noise of this
+  figure.
 
     .venv/bin/python benchmarks/train_overhead.py            # --steps 300 --every 50
 """
@@ -36,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -208,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [min(args.every, args.steps - s) for s in range(0, args.steps, args.every)]
 
     totals = dict.fromkeys(modes, 0.0)
+    cpu = dict.fromkeys(
+        modes, 0.0
+    )  # process CPU seconds (user + system) within each mode's intervals
     ratios: dict[str, list[float]] = {mode: [] for mode in modes}
     stats = {mode: {"saves": 0, "stall": 0.0, "hook": 0.0, "reported": 0.0} for mode in modes}
     floors: list[float] = []
@@ -222,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for index, length in enumerate(lengths):
                     turn = index % len(loops)  # rotate: no mode always runs first
-                    times = {
-                        loop.mode: loop.interval(length) for loop in loops[turn:] + loops[:turn]
-                    }
+                    times = {}
+                    for loop in loops[turn:] + loops[:turn]:
+                        before = _cpu_seconds()
+                        times[loop.mode] = loop.interval(length)
+                        cpu[loop.mode] += _cpu_seconds() - before
                     for mode, seconds in times.items():
                         totals[mode] += seconds
                         if index > 0:  # an interval that starts with a save
@@ -262,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| mode | total s | overhead % | overhead % (median interval) | saves "
         "| stall per save ms | x copy floor | of which in optimizer.step() ms "
-        "| last_blocking_s per save ms |"
+        "| last_blocking_s per save ms | extra CPU per save ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for mode in modes:
         stat = stats[mode]
@@ -273,18 +284,19 @@ def main(argv: list[str] | None = None) -> int:
         stall, hook, reported = stat["stall"] / per, stat["hook"] / per, stat["reported"] / per
         overhead = (totals[mode] - base) / base * 100
         median_overhead = (statistics.median(ratios[mode]) - 1) * 100 if ratios[mode] else 0.0
+        extra_cpu = cpu[mode] - cpu["none"]
         if mode == "none (control)":
             print(
                 f"| {mode} | {totals[mode]:.2f} | {overhead:+.1f} | {median_overhead:+.1f} "
-                "| 0 | — | — | — | — |"
+                f"| 0 | — | — | — | — | {extra_cpu * 1000:+.0f} (whole run) |"
             )
         elif mode == "none":
-            print(f"| none | {totals[mode]:.2f} | — | — | 0 | — | — | — | — |")
+            print(f"| none | {totals[mode]:.2f} | — | — | 0 | — | — | — | — | — |")
         else:
             print(
                 f"| {mode} | {totals[mode]:.2f} | {overhead:+.1f} | {median_overhead:+.1f} "
                 f"| {saves} | {stall * 1000:.1f} | {stall / copy_floor:.2f} | {hook * 1000:.1f} "
-                f"| {reported * 1000:.1f} |"
+                f"| {reported * 1000:.1f} | {extra_cpu / per * 1000:.0f} |"
             )
         rows.append(
             {
@@ -296,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stall_per_save_s": stall if saves else None,
                 "hook_wait_per_save_s": hook if saves else None,
                 "last_blocking_per_save_s": reported if saves else None,
+                "extra_cpu_s": extra_cpu,
                 "copy_floor_s": copy_floor,
                 "state_bytes": state_bytes,
             }
@@ -322,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

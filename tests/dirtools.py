@@ -62,7 +62,9 @@ def save(
     prepared = fileformat.prepare(state_at(step) if tree is None else tree)
     directory.execute(
         plan,
-        lambda file, entry: fileformat.write(file, prepared, {**entry_meta(entry), **(meta or {})}),
+        lambda file, entry, sync: fileformat.write(
+            file, prepared, {**entry_meta(entry), **(meta or {})}, sync=sync
+        ),
     )
     return plan
 

@@ -159,16 +159,20 @@ CHILD = textwrap.dedent(
     from pitstop.shell.storage import LocalStorage
 
     directory = sys.argv[1]
-    real_sync = LocalStorage.sync_file
-    saves = []
+    real_create, real_sync = LocalStorage.create_exclusive, LocalStorage.sync_file
+    created = []
+
+    def create_exclusive(self, name):
+        created.append(name)
+        return real_create(self, name)
 
     def sync_file(self, file):
-        saves.append(1)
-        if len(saves) == 2:  # the second checkpoint: all its bytes written, not yet durable
+        if "step_000000000002" in created[-1]:  # the second checkpoint, before it is durable
             print("in flight", flush=True)
             threading.Event().wait()  # block until killed
         real_sync(self, file)
 
+    LocalStorage.create_exclusive = create_exclusive
     LocalStorage.sync_file = sync_file
     model = torch.nn.Linear(256, 256)
     with pitstop.Checkpointer(directory, model=model, async_save=True) as ckpt:

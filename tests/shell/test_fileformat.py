@@ -365,10 +365,10 @@ class _ShortWrites(io.RawIOBase):
         return len(chunk)
 
 
-def test_large_tensors_checksum_beside_the_write_and_short_writes_are_finished(
+def test_large_tensors_are_checksummed_on_the_pool_and_short_writes_are_finished(
     tmp_path: Path,
 ) -> None:
-    big = torch.randn(600_000)  # 2.4 MB: more than one chunk, checksummed in the helper thread
+    big = torch.randn(1_200_000)  # 4.8 MB: more than one chunk, checksummed on the thread pool
     tree = {"big": big, "small": torch.arange(3)}
     short = _ShortWrites()
     written = ff.write(short, ff.prepare(tree), {})  # type: ignore[arg-type]

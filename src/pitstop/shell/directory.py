@@ -185,7 +185,7 @@ def choose_resume(
     return ResumeChoice(entry=NO_CHECKPOINT, path=None, skipped=skipped)
 
 
-WriteCheckpoint = Callable[[BinaryIO, CheckpointEntry], object]
+WriteCheckpoint = Callable[[BinaryIO, CheckpointEntry, Callable[[], None]], object]
 
 
 class CheckpointDirectory:
@@ -240,14 +240,17 @@ class CheckpointDirectory:
     def execute(self, plan: SavePlan, write: WriteCheckpoint) -> list[str]:
         """Carry out ``plan``: publish its checkpoint with ``write``, then pointers, then deletions.
 
-        ``write(file, entry)`` writes the whole checkpoint file. On :class:`SaveError` the
+        ``write(file, entry, sync)`` writes the whole checkpoint file (``sync`` as in
+        :data:`~pitstop.shell.publish.WriteFile`). On :class:`SaveError` the
         directory is as it was before the call. Returns the names retention deleted.
         """
         if not self._lock.held:
             raise SaveError(f"{self.path} is not open for writing (call open() first)")
         entry = plan.entry
         if entry is not NO_CHECKPOINT:
-            publish_file(self.storage, entry.name, self.run_id, lambda f: write(f, entry))
+            publish_file(
+                self.storage, entry.name, self.run_id, lambda f, sync: write(f, entry, sync)
+            )
         try:
             self._symlinks = publish_pointers(
                 self.storage,

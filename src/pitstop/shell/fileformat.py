@@ -5,7 +5,8 @@
 # A file without a valid footer is incomplete. Where tensor bytes go is decided by
 # pitstop.core.layout; this module only carries the layout out. Nothing is written until the
 # whole tree has been checked (SaveError names the key path). CRC-32 checksums are computed
-# while the bytes are written — beside each write, in a helper thread — never in a second pass.
+# from the tensors' memory, never by reading the file back: for CPU tensors on several threads
+# once the data is written, while the file's fsync runs (pitstop.shell.checksums).
 # Reading never unpickles: the manifest is msgpack with allow-listed ext codes and dtype names,
 # and every descriptor is checked against the file before a tensor is built over it. verify()
 # accounts for every byte of the file, so any single changed byte is detected.
@@ -21,12 +22,11 @@ import contextlib
 import ctypes
 import mmap
 import os
-import queue
 import struct
 import sys
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import BinaryIO, Final
 
@@ -36,6 +36,7 @@ import torch
 
 from pitstop.core.layout import Span, TensorExtent, align, layout_tensors
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
+from pitstop.shell.checksums import Checksummer, crc32, crc32_combine, default_threads
 from pitstop.shell.treecodec import (
     TENSOR_DTYPES,
     TensorRef,
@@ -93,11 +94,11 @@ _TENSOR_KEYS: Final = ("blob", "offset", "dtype", "shape", "stride", "storage_of
 _U64: Final = 1 << 64
 _I64: Final = 1 << 63
 
-# Writing: bytes go out in chunks of _CHUNK; a chunk of at least _OVERLAP_MIN bytes is
-# checksummed in a helper thread while the main thread writes it (zlib.crc32 releases the GIL).
+# Writing: bytes go out in chunks of _CHUNK. Files with at least _PARALLEL_MIN bytes of data
+# are checksummed on a pool of threads (pitstop.shell.checksums); smaller ones inline.
 # Tensors off the CPU are copied to host memory _DEVICE_CHUNK bytes at a time.
 _CHUNK: Final = 2 << 20
-_OVERLAP_MIN: Final = 512 << 10
+_PARALLEL_MIN: Final = 4 << 20
 _DEVICE_CHUNK: Final = 64 << 20
 
 
@@ -322,14 +323,25 @@ def _extent(tensor: torch.Tensor, index: int) -> tuple[TensorExtent, int]:
     ), first
 
 
-def write(file: BinaryIO, prepared: Prepared, meta: Mapping[str, object]) -> int:
+def write(
+    file: BinaryIO,
+    prepared: Prepared,
+    meta: Mapping[str, object],
+    *,
+    sync: Callable[[], None] | None = None,
+) -> int:
     """Write a complete checkpoint file for ``prepared`` to ``file``; return the bytes written.
 
-    ``file`` is an open binary file positioned at its start; the caller owns temp names, fsync
-    and rename. ``meta`` is stored as given (str keys; the same value types as the tree but no
-    tensors) and comes back as :attr:`Manifest.meta`. Checksums are computed as the bytes are
-    written. :class:`~pitstop.errors.SaveError` for bad meta is raised before a byte is written;
-    I/O errors propagate as :class:`OSError`.
+    ``file`` is an open binary file positioned at its start; the caller owns temp names, the
+    final fsync and rename. ``meta`` is stored as given (str keys; the same value types as the
+    tree but no tensors) and comes back as :attr:`Manifest.meta`.
+
+    ``sync``, when given, makes the bytes written so far durable (an fsync): it runs on a
+    helper thread once the data region is written, while the checksums of CPU tensors are
+    computed on the other cores, so that a durable save costs about the disk's time rather than
+    the disk's plus the checksums'. Tensors off the CPU are checksummed as they are copied to
+    host memory. :class:`~pitstop.errors.SaveError` for bad meta is raised before a byte is
+    written; I/O errors (``sync``'s included) propagate as :class:`OSError`.
     """
     meta_bytes = _encode_meta(meta)
     tables = [_descriptor_table(prepared.tensors), _blob_table(prepared.spans, None)]
@@ -341,19 +353,30 @@ def write(file: BinaryIO, prepared: Prepared, meta: Mapping[str, object]) -> int
         )
     sink = _Sink(file)
     sink.put(_pack_header())
-    crcs: list[int] = []
-    big = any(span.length >= _OVERLAP_MIN for span in prepared.spans)
-    with _CrcThread() if big else contextlib.nullcontext() as pool:
-        for span, source in zip(prepared.spans, prepared.sources, strict=True):
+    crcs = [0] * len(prepared.spans)
+    big = prepared.data_end >= _PARALLEL_MIN
+    with Checksummer(default_threads() if big else 0) as pool:
+        deferred: list[tuple[int, memoryview]] = []  # CPU spans: checksummed after the write
+        for index, (span, source) in enumerate(zip(prepared.spans, prepared.sources, strict=True)):
             sink.put(bytes(span.offset - sink.position))  # zero padding up to the aligned span
-            crc = 0
-            for chunk in _span_chunks(source, span):
-                crc = sink.put_checksummed(chunk, crc, pool)
-            crcs.append(crc)
-    if sink.position != prepared.data_end:
-        raise SaveError(
-            f"wrote {sink.position} bytes of data, the layout planned {prepared.data_end}"
-        )
+            if span.length == 0:
+                continue
+            raw = _raw_bytes(source, span)
+            if raw.device.type == "cpu":
+                view = _host_view(raw, span.start, span.length)
+                for chunk in _chunks(view):
+                    sink.put(chunk)
+                deferred.append((index, view))
+            else:
+                crcs[index] = _write_from_device(sink, raw, span, pool)
+        if sink.position != prepared.data_end:
+            raise SaveError(
+                f"wrote {sink.position} bytes of data, the layout planned {prepared.data_end}"
+            )
+        with _in_background(sync if big else None):
+            jobs = [(index, pool.start(view)) for index, view in deferred]
+            for index, job in jobs:
+                crcs[index] = job.result()
     packer = msgpack.Packer(use_bin_type=True)
     manifest = b"".join(
         (
@@ -444,76 +467,57 @@ class _Sink:
             view = view[written:]
             self.position += written
 
-    def put_checksummed(self, chunk: memoryview, crc: int, pool: _CrcThread | None) -> int:
-        """Write ``chunk`` and return the CRC-32 continued over it from ``crc``."""
-        if pool is None or chunk.nbytes < _OVERLAP_MIN:
-            crc = zlib.crc32(chunk, crc)
-            self.put(chunk)
-            return crc
-        pool.start(chunk, crc)
-        try:
-            self.put(chunk)
-        finally:
-            crc = pool.result()  # always wait: the helper reads memory this call lends it
-        return crc
 
-
-class _CrcThread:
-    """CRC-32 of one chunk at a time on a helper thread, beside the main thread's write.
-
-    A plain thread rather than concurrent.futures, whose executors refuse work once the
-    interpreter starts to exit — when a Checkpointer left open still publishes its last save.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pitstop-crc", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._results.put(zlib.crc32(*job))
-            except BaseException as exc:
-                self._results.put(exc)
-
-    def start(self, chunk: memoryview, crc: int) -> None:
-        """Begin the CRC-32 of ``chunk`` continued from ``crc``."""
-        self._jobs.put((chunk, crc))
-
-    def result(self) -> int:
-        """Wait for the CRC-32 begun by :meth:`start`."""
-        result = self._results.get()
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def __enter__(self) -> _CrcThread:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-
-def _span_chunks(source: torch.Tensor, span: Span) -> Iterator[memoryview]:
-    """Yield the bytes ``[span.start, span.stop)`` of ``source``'s storage, in host memory."""
-    if span.length == 0:
+@contextlib.contextmanager
+def _in_background(work: Callable[[], None] | None) -> Iterator[None]:
+    """Run ``work`` on a helper thread during the block; wait for it after; raise its error."""
+    if work is None:
+        yield
         return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            failure.append(exc)
+
+    # A plain thread: executors refuse work once the interpreter starts to exit.
+    thread = threading.Thread(target=run, name="pitstop-sync", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _raw_bytes(source: torch.Tensor, span: Span) -> torch.Tensor:
+    """``source``'s whole storage as a flat uint8 tensor, checked against what prepare() saw."""
     storage = source.untyped_storage()
     identity = span.storage  # (device type, device index, data_ptr) for a non-empty span
     assert isinstance(identity, tuple)
     pointer = identity[2]
     if storage.data_ptr() != pointer or storage.nbytes() < span.stop:
         raise SaveError("a tensor's storage was replaced or resized between prepare() and write()")
-    raw = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage)
-    if source.device.type == "cpu":
-        yield from _chunks(_host_view(raw, span.start, span.length))
-        return
+    return torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage)
+
+
+def _write_from_device(sink: _Sink, raw: torch.Tensor, span: Span, pool: Checksummer) -> int:
+    """Copy a span to host memory a piece at a time, write it, and return its CRC-32."""
+    crc = 0
     for start in range(span.start, span.stop, _DEVICE_CHUNK):
         host = raw[start : min(start + _DEVICE_CHUNK, span.stop)].to("cpu")
-        yield from _chunks(_host_view(host, 0, host.numel()))
+        view = _host_view(host, 0, host.numel())
+        job = pool.start(view)  # checksummed beside the write; `host` outlives the job
+        try:
+            for chunk in _chunks(view):
+                sink.put(chunk)
+        finally:
+            piece = job.result()
+        crc = crc32_combine(crc, piece, view.nbytes)
+    return crc
 
 
 def _host_view(raw: torch.Tensor, start: int, length: int) -> memoryview:
@@ -799,7 +803,7 @@ def _check_blob(data: memoryview, manifest: Manifest, index: int) -> None:
 
 def _check_crc(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
     blob = manifest.blobs[index]
-    if len(data) != blob.length or zlib.crc32(data) != blob.crc32:
+    if len(data) != blob.length or crc32(memoryview(data)) != blob.crc32:
         raise CheckpointCorrupt(
             f"{manifest.path}: blob {index} (bytes {blob.offset}..{blob.stop}, holding "
             f"{manifest.blob_users(index)}) fails its checksum"

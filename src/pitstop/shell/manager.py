@@ -418,7 +418,7 @@ class Checkpointer:
         if entry is NO_CHECKPOINT:
 
             def repoint() -> None:
-                directory.execute(plan, lambda file, entry: None)
+                directory.execute(plan, lambda file, entry, sync: None)
 
             return repoint
         tree, meta = self._capture()
@@ -457,7 +457,9 @@ class Checkpointer:
         prepared = prepare()
         self._directory.execute(
             plan,
-            lambda file, entry: fileformat.write(file, prepared, {**meta, **entry_meta(entry)}),
+            lambda file, entry, sync: fileformat.write(
+                file, prepared, {**meta, **entry_meta(entry)}, sync=sync
+            ),
         )
         log.info(
             "saved %s (%s): %.3fs to durable",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -27,7 +28,7 @@ from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, 
 from pitstop.errors import SaveError
 from pitstop.shell.storage import FileKind, Storage
 
-__all__ = ["delete_checkpoints", "publish_file", "publish_pointers"]
+__all__ = ["WriteFile", "delete_checkpoints", "publish_file", "publish_pointers"]
 
 log = logging.getLogger("pitstop")
 
@@ -37,9 +38,13 @@ _NO_SYMLINKS = frozenset(
 )
 
 
-def publish_file(
-    storage: Storage, name: str, token: str, write: Callable[[BinaryIO], object]
-) -> None:
+WriteFile = Callable[[BinaryIO, Callable[[], None]], object]
+"""``write(file, sync)`` puts a file's contents into ``file``. It may call ``sync()`` to make
+what it has written so far durable early (for example while it computes checksums);
+:func:`publish_file` syncs the whole file after it in any case."""
+
+
+def publish_file(storage: Storage, name: str, token: str, write: WriteFile) -> None:
     """Publish ``name`` with the contents ``write`` puts into a file, durably and atomically.
 
     Raises :class:`~pitstop.errors.SaveError` naming the file and the failed step; then
@@ -52,7 +57,7 @@ def publish_file(
         file = storage.create_exclusive(temp)
         try:
             step = "write"
-            write(file)
+            write(file, functools.partial(storage.sync_file, file))
             step = "fsync"
             storage.sync_file(file)
         finally:
@@ -131,7 +136,7 @@ def publish_pointers(
             ) from exc
 
     contents = json.dumps(latest_json(catalog, pointers, policy), indent=2) + "\n"
-    publish_file(storage, LATEST_JSON, token, lambda f: f.write(contents.encode("utf-8")))
+    publish_file(storage, LATEST_JSON, token, lambda f, _: f.write(contents.encode("utf-8")))
     return symlinks
 
 

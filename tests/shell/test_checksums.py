@@ -1,0 +1,178 @@
+"""Parallel CRC-32: combining pieces gives zlib's CRC of the whole, on any number of threads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import zlib
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dirtools import save, snapshot
+from pitstop.core.records import Policy
+from pitstop.errors import SaveError
+from pitstop.shell import checksums, fileformat
+from pitstop.shell.checksums import PIECE, Checksummer, crc32, crc32_combine
+from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.storage import LocalStorage
+
+
+@given(st.binary(max_size=300), st.binary(max_size=300), st.integers(0, 0xFFFFFFFF))
+def test_combine_equals_the_crc_of_the_concatenation(a: bytes, b: bytes, start: int) -> None:
+    assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(a + b, start)
+
+
+@given(st.integers(0, 1 << 40), st.integers(0, 0xFFFFFFFF), st.integers(0, 0xFFFFFFFF))
+def test_combine_is_associative_over_long_lengths(n: int, c1: int, c2: int) -> None:
+    # (A+B)+C == A+(B+C) for any lengths, with B's CRC c2 and C all zero bytes of length n.
+    zero = zlib.crc32(bytes(1000))
+    left = crc32_combine(crc32_combine(c1, c2, n), zero, 1000)
+    right = crc32_combine(c1, crc32_combine(c2, zero, 1000), n + 1000)
+    assert left == right
+
+
+def test_combine_rejects_a_negative_length() -> None:
+    with pytest.raises(ValueError, match="length2"):
+        crc32_combine(0, 0, -1)
+
+
+def _data(nbytes: int) -> memoryview:
+    generator = torch.Generator().manual_seed(nbytes)
+    tensor = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    return memoryview(tensor.numpy()).cast("B")
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+@pytest.mark.parametrize("nbytes", [0, 1, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE + 12345])
+def test_pool_crc_equals_zlib(threads: int, nbytes: int) -> None:
+    view = _data(nbytes)
+    with Checksummer(threads) as pool:
+        jobs = [pool.start(view), pool.start(view[nbytes // 3 :])]
+        assert jobs[0].result() == zlib.crc32(view)
+        assert jobs[1].result() == zlib.crc32(view[nbytes // 3 :])
+    assert crc32(view, threads) == zlib.crc32(view)
+
+
+def test_an_error_in_a_piece_is_raised_by_result() -> None:
+    strided = memoryview(bytearray(3 * PIECE))[::2]  # zlib refuses non-contiguous buffers
+    with Checksummer(2) as pool:
+        job = pool.start(strided)
+        with pytest.raises(BufferError):
+            job.result()
+
+
+def test_leaving_the_block_on_an_error_ends_every_thread() -> None:
+    view = _data(4 * PIECE)
+
+    def start_then_fail() -> None:
+        with Checksummer(2) as pool:
+            for _ in range(20):
+                pool.start(view)
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        start_then_fail()
+    assert not [t for t in threading.enumerate() if t.name.startswith("pitstop-crc")]
+
+
+def test_negative_thread_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="threads"):
+        Checksummer(-1)
+
+
+# --- in the file writer -----------------------------------------------------------------------
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(1 << 19, generator=generator) for i in range(5)}  # 10 MiB
+
+
+def test_a_large_file_is_synced_once_after_its_data_and_reads_back(tmp_path: Path) -> None:
+    prepared = fileformat.prepare(_big_state())
+    path = tmp_path / "f.pitstop"
+    sizes: list[int] = []
+    with open(path, "wb") as file:
+        written = fileformat.write(
+            file, prepared, {}, sync=lambda: sizes.append(os.fstat(file.fileno()).st_size)
+        )
+    assert sizes == [prepared.data_end]  # after the data, before the manifest
+    assert written == path.stat().st_size
+    fileformat.verify(path)
+    loaded = fileformat.load(path)
+    assert isinstance(loaded, dict)
+    for key, tensor in _big_state().items():
+        assert torch.equal(loaded[key], tensor)
+
+
+def test_a_small_file_is_not_synced_early(tmp_path: Path) -> None:
+    calls: list[int] = []
+    with open(tmp_path / "f.pitstop", "wb") as file:
+        fileformat.write(
+            file, fileformat.prepare({"x": torch.ones(4)}), {}, sync=lambda: calls.append(1)
+        )
+    assert calls == []
+
+
+def test_device_chunks_are_checksummed_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The path for tensors off the CPU, run on a CPU tensor with small host copies.
+    monkeypatch.setattr(fileformat, "_DEVICE_CHUNK", PIECE + 4096)
+    tensor = torch.randn(3 * PIECE // 4 + 1000)
+    prepared = fileformat.prepare({"x": tensor})
+    (span,) = prepared.spans
+    raw = fileformat._raw_bytes(tensor, span)
+
+    class Buffer:
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, chunk: memoryview) -> int:
+            self.data += chunk
+            return chunk.nbytes
+
+    buffer = Buffer()
+    sink = fileformat._Sink(buffer)  # type: ignore[arg-type]
+    with Checksummer(2) as pool:
+        crc = fileformat._write_from_device(sink, raw, span, pool)
+    expected = bytes(memoryview(tensor.numpy()).cast("B"))
+    assert bytes(buffer.data) == expected
+    assert crc == zlib.crc32(expected)
+
+
+class _FailingSync(LocalStorage):
+    """Fails the first fsync of a checkpoint file that is still being written."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.armed = False
+
+    def sync_file(self, file: BinaryIO) -> None:
+        if self.armed and os.fstat(file.fileno()).st_size == self.data_end:
+            self.armed = False
+            raise OSError(errno.EIO, "injected fault in the early fsync")
+        super().sync_file(file)
+
+    data_end = -1
+
+
+def test_a_failed_early_sync_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
+    storage = _FailingSync(tmp_path)
+    with CheckpointDirectory(tmp_path, policy=Policy(keep_last=1), storage=storage) as directory:
+        save(directory, 1, tree=_big_state())
+        before = snapshot(tmp_path)
+        storage.data_end = fileformat.prepare(_big_state()).data_end
+        storage.armed = True
+        with pytest.raises(SaveError, match="injected fault in the early fsync"):
+            save(directory, 2, tree=_big_state())
+        assert not storage.armed, "the early fsync should have run"
+        assert snapshot(tmp_path) == before
+
+
+def test_default_threads_is_within_bounds() -> None:
+    assert 1 <= checksums.default_threads() <= 8
