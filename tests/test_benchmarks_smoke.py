@@ -54,3 +54,53 @@ def test_plan_scale_rejects_sizes_below_two(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         plan_scale.main(["--sizes", "1"])
     assert "--sizes" in capsys.readouterr().err
+
+
+def test_save_load_prints_every_operation(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    save_load = _load("save_load")
+    args = ["--size-mib", "1", "--tensors", "4", "--repeats", "1", "--dir", str(tmp_path)]
+    assert save_load.main([*args, "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    for operation in ("write+fsync (limit)", "pitstop save (durable)", "readinto (limit)"):
+        assert f"| {operation} |" in out, out
+    assert "pitstop.load" in out
+
+
+def test_checksum_speed_prints_every_candidate(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    checksum_speed = _load("checksum_speed")
+    out_json = tmp_path / "rates.json"
+    assert checksum_speed.main(["--mib", "1", "--repeats", "1", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for name in ("zlib.crc32 (one call)", "write, then crc32 on the pool", "fileformat verify"):
+        assert name in out, out
+    assert '"write, then crc32 on the pool"' in out_json.read_text()
+
+
+def test_write_strategies_prints_every_strategy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    write_strategies = _load("write_strategies")
+    args = ["--mib", "20", "--repeats", "1", "--threads", "1,2", "--dir", str(tmp_path)]
+    assert write_strategies.main(args) == 0
+    out = capsys.readouterr().out
+    for name in (
+        "write+fsync",
+        "crc before each write",
+        "crc beside each write",
+        "crc during fsync, 1 thread(s)",
+        "crc during fsync, 2 thread(s)",
+        "pwrite, 2 threads",
+    ):
+        assert f"| {name} |" in out, out
+    assert "pwrite, 1 threads" not in out
+    assert list(tmp_path.iterdir()) == []  # every file removed
+
+
+def test_write_strategies_rejects_zero_threads(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _load("write_strategies").main(["--threads", "0"])
+    assert "--threads" in capsys.readouterr().err

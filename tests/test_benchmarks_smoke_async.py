@@ -156,4 +156,7 @@ def test_train_overhead_has_a_row_per_mode(
     assert set(rows) == set(modes)
     # Saves at steps 4 and 8 (not at the last step, 12).
     assert [rows[m]["saves"] for m in modes] == [0, 0, 2, 2, 2]
+    # A save's CPU time is measured per checkpointing mode (with the loop idle), and only there.
+    assert [rows[m]["cpu_per_save_s"] is None for m in modes] == [True, True, False, False, False]
+    assert all(rows[m]["cpu_per_save_s"] > 0 for m in ("sync", "async", "overlap"))
     assert "| async overhead <= 3% (control:" in out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -186,27 +186,36 @@ def _walk(tree: Any, visit: Callable[[torch.Tensor], None]) -> None:
         if isinstance(node, torch.Tensor):
             visit(node.detach())
         elif isinstance(node, dict):
-            stack.extend(node.values())
+            stack.extend(value for value in node.values() if type(value) not in _ATOMS)
         elif isinstance(node, (list, tuple, set, frozenset)):
-            stack.extend(node)
+            stack.extend(item for item in node if type(item) not in _ATOMS)
+
+
+# Leaves with nothing to copy. Checked inline, since RNG states are long tuples of ints (the
+# Python stream's is 625 of them) and snapshot() runs while the training loop waits.
+_ATOMS: Final = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def _rebuild(node: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    kind = type(node)
+    if kind in _ATOMS:
+        return node
     if isinstance(node, torch.Tensor):
         return replace(node)
     if isinstance(node, dict):
-        items = [(key, _rebuild(value, replace)) for key, value in node.items()]
-        return (
-            collections.OrderedDict(items) if type(node) is collections.OrderedDict else dict(items)
-        )
-    if type(node) is list:
-        return [_rebuild(item, replace) for item in node]
+        items = [
+            (key, value if type(value) in _ATOMS else _rebuild(value, replace))
+            for key, value in node.items()
+        ]
+        return collections.OrderedDict(items) if kind is collections.OrderedDict else dict(items)
+    if kind is list:
+        return [item if type(item) in _ATOMS else _rebuild(item, replace) for item in node]
     if isinstance(node, torch.Size):
         return node
-    if type(node) is tuple:
-        return tuple(_rebuild(item, replace) for item in node)
-    if type(node) is set:
+    if kind is tuple:
+        return tuple(item if type(item) in _ATOMS else _rebuild(item, replace) for item in node)
+    if kind is set:
         return {_rebuild(item, replace) for item in node}
-    if type(node) is frozenset:
+    if kind is frozenset:
         return frozenset(_rebuild(item, replace) for item in node)
     return node
