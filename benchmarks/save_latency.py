@@ -733,6 +733,33 @@ def plot(results: list[Result], path: Path) -> bool:
     return True
 
 
+def replay(path: Path, plot_path: Path | None) -> int:
+    """Print the tables (and plot) of the rows an earlier ``--json`` run wrote."""
+    rows = json.loads(path.read_text())
+    results = [
+        Result(
+            system=row["system"],
+            mode=row["mode"],
+            size_bytes=row["size_bytes"],
+            call_s=row["call_s"],
+            blocking_s=row["blocking_s"],
+            durable_s=row["durable_s"],
+            peak_rss_extra_bytes=row["peak_rss_extra_bytes"],
+            reported_blocking_s=row["reported_blocking_s"],
+            file_bytes=None,
+        )
+        for row in rows
+    ]
+    for size in sorted({r.size_bytes for r in results}):
+        print()
+        print(f"### {size / MIB:.0f} MiB (from {path})")
+        print()
+        print_table([r for r in results if r.size_bytes == size])
+    if plot_path is not None:
+        plot(results, plot_path)
+    return 0
+
+
 def _cpu_model() -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         for line in cpuinfo:
@@ -764,7 +791,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="", help="comma list: run only candidates whose name contains one"
     )
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        help="measure nothing: print the tables (and --plot) from rows an earlier --json wrote",
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        return replay(Path(args.from_json), Path(args.plot) if args.plot else None)
     if args.repeats < 1 or args.tensors < 1:
         parser.error("--repeats and --tensors must be >= 1")
     device = torch.device(args.device)

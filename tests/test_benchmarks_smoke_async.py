@@ -114,6 +114,23 @@ def test_save_latency_json_rows(save_latency: tuple[str, list[dict[str, object]]
     assert never_durable == {("floor", "copy_ (preallocated)"), ("torch", "save (no fsync)")}
 
 
+def test_save_latency_replays_its_json_rows(
+    save_latency: tuple[str, list[dict[str, object]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out, rows = save_latency
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps(rows))
+    assert _load("save_latency").main(["--from-json", str(saved)]) == 0
+    replayed = capsys.readouterr().out
+    table = re.compile(r"^\| pitstop \| async \|.*$", re.MULTILINE)
+    first, again = table.search(out), table.search(replayed)
+    assert first is not None
+    assert again is not None
+    assert again.group(0) == first.group(0)  # the same figures, measured once
+
+
 def test_save_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     module = _load("save_latency")
     with pytest.raises(SystemExit):
