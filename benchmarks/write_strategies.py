@@ -24,6 +24,7 @@ from one round to the next, so that the disk's noise hits all alike; each figure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -34,7 +35,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -49,8 +50,14 @@ def _chunks(view: memoryview) -> list[memoryview]:
     return [view[i : i + CHUNK] for i in range(0, view.nbytes, CHUNK)]
 
 
-def _open(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+@contextlib.contextmanager
+def _fresh(path: Path) -> Iterator[int]:
+    """A new file's descriptor, closed after the block."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -60,44 +67,32 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 def floor(view: memoryview, path: Path) -> None:
-    fd = _open(path)
-    try:
+    with _fresh(path) as fd:
         _write_all(fd, view)
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def crc_before(view: memoryview, path: Path) -> None:
-    fd = _open(path)
-    try:
+    with _fresh(path) as fd:
         crc = 0
         for chunk in _chunks(view):
             crc = zlib.crc32(chunk, crc)
-            os.write(fd, chunk)
+            _write_all(fd, chunk)
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def crc_beside(view: memoryview, path: Path) -> None:
-    fd = _open(path)
-    try:
-        with checksums.Checksummer(1) as pool:
-            jobs = []
-            for chunk in _chunks(view):
-                jobs.append(pool.start(chunk))
-                os.write(fd, chunk)
-                jobs[-1].result()  # one chunk at a time, as the helper thread did
+    with _fresh(path) as fd, checksums.Checksummer(1) as pool:
+        for chunk in _chunks(view):
+            job = pool.start(chunk)
+            _write_all(fd, chunk)
+            job.result()  # one chunk at a time, as the helper thread did
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def crc_during_fsync(threads: int) -> Callable[[memoryview, Path], None]:
     def run(view: memoryview, path: Path) -> None:
-        fd = _open(path)
-        try:
+        with _fresh(path) as fd:
             _write_all(fd, view)
             syncing = threading.Thread(target=os.fsync, args=(fd,))
             syncing.start()
@@ -106,19 +101,16 @@ def crc_during_fsync(threads: int) -> Callable[[memoryview, Path], None]:
                     pool.start(view).result()
             finally:
                 syncing.join()
-            os.write(fd, TAIL)
+            _write_all(fd, memoryview(TAIL))
             os.fsync(fd)
-        finally:
-            os.close(fd)
 
     return run
 
 
 def pwrite_threads(threads: int) -> Callable[[memoryview, Path], None]:
     def run(view: memoryview, path: Path) -> None:
-        fd = _open(path)
-        try:
-            part = -(-view.nbytes // threads // CHUNK) * CHUNK
+        part = -(-view.nbytes // threads // CHUNK) * CHUNK
+        with _fresh(path) as fd:
 
             def write_part(start: int) -> None:
                 for offset in range(start, min(start + part, view.nbytes), CHUNK):
@@ -133,8 +125,6 @@ def pwrite_threads(threads: int) -> Callable[[memoryview, Path], None]:
             for worker in workers:
                 worker.join()
             os.fsync(fd)
-        finally:
-            os.close(fd)
 
     return run
 
