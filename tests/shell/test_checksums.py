@@ -176,3 +176,25 @@ def test_a_failed_early_sync_leaves_the_directory_as_it_was(tmp_path: Path) -> N
 
 def test_default_threads_is_within_bounds() -> None:
     assert 1 <= checksums.default_threads() <= 8
+
+
+def test_a_thread_that_cannot_start_ends_the_ones_that_did(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_start = threading.Thread.start
+    calls: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        calls.append(self.name)
+        if len(calls) == 3:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start"):
+        Checksummer(4)
+    monkeypatch.undo()
+    for thread in [t for t in threading.enumerate() if t.name.startswith("pitstop-crc")]:
+        thread.join(timeout=60)
+        assert not thread.is_alive(), f"{thread.name} was left running"
+    assert calls == ["pitstop-crc-0", "pitstop-crc-1", "pitstop-crc-2"]

@@ -144,8 +144,15 @@ class Checksummer:
             threading.Thread(target=self._run, name=f"pitstop-crc-{i}", daemon=True)
             for i in range(threads)
         ]
-        for thread in self._threads:
-            thread.start()
+        started = 0
+        try:
+            for thread in self._threads:
+                thread.start()
+                started += 1
+        except BaseException:  # (cannot start a thread) end the ones that did start
+            for _ in range(started):
+                self._work.put(None)
+            raise
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
