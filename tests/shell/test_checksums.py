@@ -198,3 +198,24 @@ def test_a_thread_that_cannot_start_ends_the_ones_that_did(
         thread.join(timeout=60)
         assert not thread.is_alive(), f"{thread.name} was left running"
     assert calls == ["pitstop-crc-0", "pitstop-crc-1", "pitstop-crc-2"]
+
+
+def test_a_large_file_is_written_without_new_threads_when_none_can_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python >= 3.12 refuses new threads at interpreter exit, when a Checkpointer left open
+    # still publishes its last save: the writer then checksums and syncs on its own thread.
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    prepared = fileformat.prepare(_big_state())
+    path = tmp_path / "f.pitstop"
+    synced: list[int] = []
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with open(path, "wb") as file:
+        fileformat.write(
+            file, prepared, {}, sync=lambda: synced.append(os.fstat(file.fileno()).st_size)
+        )
+    monkeypatch.undo()
+    assert synced == [prepared.data_end]
+    fileformat.verify(path)

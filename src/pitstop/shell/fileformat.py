@@ -355,7 +355,11 @@ def write(
     sink.put(_pack_header())
     crcs = [0] * len(prepared.spans)
     big = prepared.data_end >= _PARALLEL_MIN
-    with Checksummer(default_threads() if big else 0) as pool:
+    try:
+        pool = Checksummer(default_threads() if big else 0)
+    except RuntimeError:  # no new threads now (Python >= 3.12 at interpreter exit): in line
+        pool = Checksummer(0)
+    with pool:
         deferred: list[tuple[int, memoryview]] = []  # CPU spans: checksummed after the write
         for index, (span, source) in enumerate(zip(prepared.spans, prepared.sources, strict=True)):
             sink.put(bytes(span.offset - sink.position))  # zero padding up to the aligned span
@@ -484,7 +488,12 @@ def _in_background(work: Callable[[], None] | None) -> Iterator[None]:
 
     # A plain thread: executors refuse work once the interpreter starts to exit.
     thread = threading.Thread(target=run, name="pitstop-sync", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # no new threads now (Python >= 3.12 at interpreter exit): in order
+        work()
+        yield
+        return
     try:
         yield
     finally:
