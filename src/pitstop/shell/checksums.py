@@ -86,11 +86,8 @@ class CrcJob:
     """The CRC-32 of one buffer, computed piece by piece; :meth:`result` waits for it."""
 
     def __init__(self, view: memoryview) -> None:
-        self.lengths = [
-            min(PIECE, view.nbytes - start) for start in range(0, view.nbytes, PIECE)
-        ] or [0]
         self.pieces = [view[start : start + PIECE] for start in range(0, view.nbytes, PIECE)]
-        self._crcs = [0] * len(self.lengths)
+        self._crcs = [0] * len(self.pieces)
         self._left = len(self.pieces)
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -119,9 +116,9 @@ class CrcJob:
         self._done.wait()
         if self._error is not None:
             raise self._error
-        crc = self._crcs[0]
-        for piece_crc, length in zip(self._crcs[1:], self.lengths[1:], strict=True):
-            crc = crc32_combine(crc, piece_crc, length)
+        crc = 0  # the CRC-32 of nothing
+        for piece, piece_crc in zip(self.pieces, self._crcs, strict=True):
+            crc = crc32_combine(crc, piece_crc, piece.nbytes)
         return crc
 
 
