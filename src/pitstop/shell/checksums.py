@@ -125,7 +125,8 @@ class CrcJob:
 class Checksummer:
     """A pool of threads computing CRC-32s; use as a context manager.
 
-    ``threads=0`` computes each CRC on the calling thread, inside :meth:`start`. Leaving the
+    ``threads=0`` computes each CRC on the calling thread, inside :meth:`start`; so does a pool
+    whose threads cannot be started (``RuntimeError`` from ``Thread.start``). Leaving the
     ``with`` block waits for the threads to end — pieces not yet started are dropped — so no
     thread reads a buffer after the block: the caller may free it. Plain threads rather than a
     ``concurrent.futures`` executor, which refuses work once the interpreter starts to exit
@@ -146,10 +147,16 @@ class Checksummer:
             for thread in self._threads:
                 thread.start()
                 started += 1
-        except BaseException:  # (cannot start a thread) end the ones that did start
+        except BaseException as exc:  # end the threads that did start
             for _ in range(started):
                 self._work.put(None)
-            raise
+            for thread in self._threads[:started]:
+                thread.join()
+            self._threads = []
+            if not isinstance(exc, RuntimeError):
+                raise
+            # No new threads now (Python >= 3.12 at interpreter exit, when a Checkpointer left
+            # open publishes its last save; or none left): compute in line, like threads=0.
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:

@@ -355,11 +355,7 @@ def write(
     sink.put(_pack_header())
     crcs = [0] * len(prepared.spans)
     big = prepared.data_end >= _PARALLEL_MIN
-    try:
-        pool = Checksummer(default_threads() if big else 0)
-    except RuntimeError:  # no new threads now (Python >= 3.12 at interpreter exit): in line
-        pool = Checksummer(0)
-    with pool:
+    with Checksummer(default_threads() if big else 0) as pool:
         deferred: list[tuple[int, memoryview]] = []  # CPU spans: checksummed after the write
         for index, (span, source) in enumerate(zip(prepared.spans, prepared.sources, strict=True)):
             sink.put(bytes(span.offset - sink.position))  # zero padding up to the aligned span
