@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from pitstop.core.records import Best, Policy, Progress, SaveReason
+from pitstop.core.session import SaveStatus
 from pitstop.core.targets import target_step
 from pitstop.errors import (
     CheckpointCorrupt,
@@ -30,7 +31,8 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from pitstop.shell.manager import Checkpoint, Checkpointer
+    from pitstop.shell.checkpoint import Checkpoint
+    from pitstop.shell.manager import Checkpointer
     from pitstop.shell.resolve import load, verify
     from pitstop.shell.sampler import ResumableSampler
     from pitstop.shell.stop import StopRequest
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 # Public names that need torch, and the module each comes from.
 _LAZY = {
-    "Checkpoint": "pitstop.shell.manager",
+    "Checkpoint": "pitstop.shell.checkpoint",
     "Checkpointer": "pitstop.shell.manager",
     "ResumableSampler": "pitstop.shell.sampler",
     "StopRequest": "pitstop.shell.stop",
@@ -75,6 +77,7 @@ __all__ = [
     "ResumableSampler",
     "SaveError",
     "SaveReason",
+    "SaveStatus",
     "StopRequest",
     "__version__",
     "export_weights",

@@ -16,6 +16,7 @@ from torch import nn
 import pitstop
 from pitstop.errors import SaveError
 from pitstop.shell import fileformat
+from pitstop.shell.capture import deferrable
 from pitstop.shell.directory import scan
 from pitstop.shell.staging import storage_keys
 from pitstop.shell.storage import LocalStorage
@@ -240,8 +241,8 @@ def test_overlap_copies_the_ema_before_returning(tmp_path: Path) -> None:
         tmp_path, model=model, ema=ema, state={"optimizer": optimizer}, async_save="overlap"
     ) as ckpt:
         # Deterministically: the EMA is not among what is copied later.
-        assert storage_keys(ema.parameters()).isdisjoint(ckpt._deferrable())
-        assert storage_keys(model.parameters()) <= ckpt._deferrable()
+        assert storage_keys(ema.parameters()).isdisjoint(deferrable(ckpt._live))
+        assert storage_keys(model.parameters()) <= deferrable(ckpt._live)
         saved = ckpt.save(pitstop.Progress(step=1))
         ema.update_parameters(model)  # no optimizer.step() in between
         ckpt.wait()

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
-import pitstop.shell.manager as manager
+import pitstop.shell.restore as restore
 from pitstop import (
     Best,
     Checkpointer,
@@ -436,7 +436,7 @@ def test_incompatible_run_is_refused_and_left_untouched(
     run = build_run(seed=1, **mutation.build)
     run.train(1)  # live optimizer, scaler and EMA state that a partial restore would change
     if mutation.world_size != 1:
-        monkeypatch.setattr(manager, "_world", lambda: (0, mutation.world_size))
+        monkeypatch.setattr(restore, "world", lambda: (0, mutation.world_size))
     with run.checkpointer(directory) as ckpt:
         before = capture(run)
         with pytest.raises(IncompatibleCheckpoint) as raised:
@@ -505,6 +505,121 @@ def test_model_extra_state_mismatch_is_all_or_nothing(reference: Path, seeded: N
         with pytest.raises(IncompatibleCheckpoint):
             ckpt.resume()
         assert_unchanged(run, before)
+
+
+class RefusingEma(nn.Sequential):
+    """An EMA module whose extra state refuses what the checkpoint holds (a version check)."""
+
+    refuse = False
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"version": 1}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        if self.refuse:
+            raise RuntimeError("EMA version check failed")
+
+
+def _ema_of(model: nn.Module, *, refuse: bool) -> RefusingEma:
+    ema = RefusingEma(copy.deepcopy(OrderedDict(model.named_children())))
+    ema.refuse = refuse
+    return ema
+
+
+class Stomps(nn.Linear):
+    """A layer whose own load code overwrites its tensors, then fails."""
+
+    armed = False
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        if not self.armed:
+            super()._load_from_state_dict(state_dict, prefix, *args)
+            return
+        with torch.no_grad():
+            self.weight.fill_(123.0)
+        raise RuntimeError("layer refused")
+
+
+def _saved_with_extra(directory: Path, *, own_ema: bool = False) -> None:
+    saved = build_run()
+    if own_ema:
+        saved.ema, saved.ema_updates = _ema_of(saved.model, refuse=False), False  # type: ignore[assignment]
+    saved.extra = {"refuses": Counter(3)}
+    with saved.checkpointer(directory) as ckpt:
+        saved.train(2)
+        ckpt.save(saved.progress)
+
+
+def test_an_ema_that_fails_while_loading_leaves_the_model_untouched(
+    tmp_path: Path, seeded: None
+) -> None:
+    """Issue 10, defect 1: the EMA fails in set_extra_state after every check passed."""
+    _saved_with_extra(tmp_path, own_ema=True)
+    run = build_run(seed=1)
+    run.ema, run.ema_updates = _ema_of(run.model, refuse=True), False  # type: ignore[assignment]
+    run.extra = {"refuses": Counter(4)}
+    run.train(1)
+    with run.checkpointer(tmp_path) as ckpt:
+        before = capture(run)
+        with pytest.raises(IncompatibleCheckpoint, match="EMA version check failed"):
+            ckpt.resume()
+        assert_unchanged(run, before)
+
+
+def test_a_module_whose_own_load_code_fails_is_put_back(tmp_path: Path, seeded: None) -> None:
+    _saved_with_extra(tmp_path)
+    run = build_run(seed=1)
+    stomps = Stomps(16, 16)
+    stomps.load_state_dict(run.model.fc2.state_dict())
+    stomps.armed = True
+    run.model.fc2 = stomps
+    run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=0.1)
+    run.scheduler = LambdaLR(run.optimizer, lambda step: 0.5**step)
+    run.extra = {"refuses": Counter(4)}
+    run.train(1)
+    with run.checkpointer(tmp_path) as ckpt:
+        before = capture(run)
+        with pytest.raises(IncompatibleCheckpoint, match="layer refused"):
+            ckpt.resume()
+        assert_unchanged(run, before)
+
+
+def test_a_failure_while_restoring_the_rng_puts_everything_back(
+    tmp_path: Path, seeded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _saved_with_extra(tmp_path)
+    run = build_run(seed=1)
+    run.extra = {"refuses": Counter(4)}
+    run.train(1)
+    real = restore.restore_rng
+    calls = []
+
+    def half_then_fail(state: Any) -> None:
+        calls.append(state)
+        if len(calls) == 1:  # the checkpoint's streams: some are set, then it fails
+            random.setstate(state["python"])
+            torch.set_rng_state(state["torch"].clone())
+            raise ValueError("malformed NumPy state")
+        real(state)
+
+    monkeypatch.setattr(restore, "restore_rng", half_then_fail)
+    with run.checkpointer(tmp_path) as ckpt:
+        before = capture(run)
+        with pytest.raises(IncompatibleCheckpoint, match="random number generators"):
+            ckpt.resume()
+        assert_unchanged(run, before)
+    assert len(calls) >= 2  # the streams were put back
+
+
+def test_plain_modules_are_not_copied_for_rollback(tmp_path: Path, seeded: None) -> None:
+    """No second copy of plain weights: only modules with load code of their own are cloned."""
+    assert restore._plain(build_model())
+    assert restore._plain(AveragedModel(build_model()))
+    assert not restore._plain(WithExtraState(nn.Linear(2, 2)))
+    assert not restore._plain(nn.Sequential(Stomps(2, 2)))
+    hooked = build_model()
+    hooked.register_load_state_dict_post_hook(lambda module, keys: None)
+    assert not restore._plain(hooked)
 
 
 # --- strict=False -----------------------------------------------------------------------------

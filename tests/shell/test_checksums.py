@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dirtools import save, snapshot
 from pitstop.core.records import Policy
 from pitstop.errors import SaveError
-from pitstop.shell import checksums, fileformat
+from pitstop.shell import checksums, fileformat, filewrite
 from pitstop.shell.checksums import PIECE, Checksummer, crc32, crc32_combine
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.storage import LocalStorage
@@ -122,11 +122,11 @@ def test_a_small_file_is_not_synced_early(tmp_path: Path) -> None:
 
 def test_device_chunks_are_checksummed_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     # The path for tensors off the CPU, run on a CPU tensor with small host copies.
-    monkeypatch.setattr(fileformat, "_DEVICE_CHUNK", PIECE + 4096)
+    monkeypatch.setattr(filewrite, "_DEVICE_CHUNK", PIECE + 4096)
     tensor = torch.randn(3 * PIECE // 4 + 1000)
     prepared = fileformat.prepare({"x": tensor})
     (span,) = prepared.spans
-    raw = fileformat._raw_bytes(tensor, span)
+    raw = filewrite._raw_bytes(tensor, span)
 
     class Buffer:
         def __init__(self) -> None:
@@ -137,9 +137,9 @@ def test_device_chunks_are_checksummed_piece_by_piece(monkeypatch: pytest.Monkey
             return chunk.nbytes
 
     buffer = Buffer()
-    sink = fileformat._Sink(buffer)  # type: ignore[arg-type]
+    sink = filewrite._Sink(buffer)  # type: ignore[arg-type]
     with Checksummer(2) as pool:
-        crc = fileformat._write_from_device(sink, raw, span, pool)
+        crc = filewrite._write_from_device(sink, raw, span, pool)
     expected = bytes(memoryview(tensor.numpy()).cast("B"))
     assert bytes(buffer.data) == expected
     assert crc == zlib.crc32(expected)

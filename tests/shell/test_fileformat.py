@@ -860,6 +860,48 @@ def test_hostile_files_raise_checkpoint_corrupt(case: str, tmp_path: Path) -> No
             check(path)
 
 
+@st.composite
+def hostile_manifests(draw: st.DrawFn) -> bytes:
+    """Arbitrary bytes, or a valid manifest with a few bytes changed, inserted or cut."""
+    if draw(st.booleans()):
+        return draw(st.binary(min_size=1, max_size=300))
+    data = bytearray(packed(document()))
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(data) - 1))
+        action = draw(st.sampled_from(["change", "insert", "cut"]))
+        if action == "change":
+            data[at] = draw(st.integers(0, 255))
+        elif action == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=4))
+        elif len(data) > 1:
+            del data[at]
+    return bytes(data)
+
+
+@given(manifest=hostile_manifests())
+def test_any_manifest_bytes_load_or_raise_checkpoint_corrupt(
+    manifest: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Header, footer and checksums valid: every check of the manifest itself is exercised.
+    path = assemble(fresh(_shared_dir(tmp_path_factory)), manifest, DATA)
+    for check in (ff.read_manifest, ff.load, ff.verify):
+        try:
+            check(path)
+        except CheckpointCorrupt as error:
+            assert str(error).startswith(f"{path}: ")  # noqa: PT017  # named, never another kind
+
+
+@given(data=st.binary(max_size=400))
+def test_any_file_bytes_load_or_raise_checkpoint_corrupt(
+    data: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    path = fresh(_shared_dir(tmp_path_factory))
+    path.write_bytes(data)
+    for check in (ff.read_manifest, ff.load, ff.verify):
+        with pytest.raises(CheckpointCorrupt, match=str(path)):
+            check(path)
+
+
 class _Canary:
     """Unpickling this creates the directory ``path``."""
 

@@ -24,8 +24,8 @@ from dirtools import save
 from pitstop.core.metadata import entry_meta
 from pitstop.core.records import Best, CheckpointEntry, Policy, Progress
 from pitstop.core.schedule import Call
-from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
-from pitstop.shell import fileformat
+from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint, SaveError
+from pitstop.shell import atomic, fileformat
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.weights import (
     export_weights,
@@ -34,6 +34,7 @@ from pitstop.shell.weights import (
     unwrap_model,
     weights_view,
 )
+from storagetrace import Op, OsSpy, durability_problems, recording_local_storage
 
 # --- helpers ----------------------------------------------------------------------------------
 
@@ -466,14 +467,15 @@ def test_export_replaces_the_file_atomically(
     out = out_dir / "w.pt"
     out.write_bytes(b"previous export")
 
-    def fail_midway(obj: object, target: Any) -> None:
-        Path(target).write_bytes(b"half a file")
+    def fail_midway(obj: object, file: Any) -> None:
+        file.write(b"half a file")
         raise OSError("disk full")
 
     with monkeypatch.context() as patch:
         patch.setattr(torch, "save", fail_midway)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(SaveError, match=r"could not write .*w\.pt: disk full") as info:
             export_weights(path, out)
+    assert f"{out}:" in str(info.value)  # the path asked for, not the temp file's
     assert out.read_bytes() == b"previous export"
     assert sorted(os.listdir(out_dir)) == ["probe", "w.pt"]  # the temp file is gone
 
@@ -481,6 +483,17 @@ def test_export_replaces_the_file_atomically(
     assert_same_state(model.state_dict(), torch.load(out, weights_only=True))
     assert out.stat().st_mode & 0o777 == umask_mode  # an ordinary file, not mkstemp's 0o600
     assert sorted(os.listdir(out_dir)) == ["probe", "w.pt"]
+
+
+def test_export_is_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = save_model(tmp_path, trained()[0])
+    ops: list[Op] = []
+    monkeypatch.setattr(atomic, "LocalStorage", recording_local_storage(ops))
+    spy = OsSpy(monkeypatch)
+    out = export_weights(path, tmp_path / "exports" / "w.pt")
+    assert durability_problems(ops) == []
+    assert Op("replace", ops[0].name, "w.pt") in ops  # through the one atomic-write helper
+    assert spy.problems(out) == []
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "bfloat16", "BF16", torch.bfloat16])

@@ -16,10 +16,12 @@ from torch.utils.data import TensorDataset
 from trainkit import last, steps_on_disk, tree
 
 from pitstop.core.records import Policy, Progress, SaveReason
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, SaveError
+from pitstop.shell import atomic
 from pitstop.shell.manager import Checkpoint
 from pitstop.train import Reporter, TrainConfig, Trainer, TrainState
 from pitstop.train.task import mse_loss
+from storagetrace import Op, OsSpy, durability_problems, recording_local_storage
 from trees import assert_same
 
 SAMPLES, BATCH = 48, 4  # 12 micro-batches per epoch
@@ -239,6 +241,48 @@ def test_save_model_writes_a_plain_state_dict(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"writes .pt files"):
         trainer.save_model(tmp_path / "model.bin")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ema.pt", "raw.pt"]  # no temp left
+
+
+def test_save_model_is_durable_through_the_atomic_write_helper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = make_trainer()
+    trainer.train(TrainConfig(max_steps=1))
+    ops: list[Op] = []
+    monkeypatch.setattr(atomic, "LocalStorage", recording_local_storage(ops))
+    spy = OsSpy(monkeypatch)
+    target = trainer.save_model(tmp_path / "models" / "raw.pt")
+    # The helper's publish sequence (temp, write, fsync, close, rename, directory fsync) ...
+    assert [op.kind for op in ops if op.kind != "write"] == [
+        "create",
+        "sync_file",
+        "close",
+        "replace",
+        "sync_directory",
+    ]
+    assert ops[-2] == Op("replace", ops[0].name, "raw.pt")
+    assert durability_problems(ops) == []
+    # ... and the fsyncs really reach the file and its directory.
+    assert spy.problems(target) == []
+    assert_same(torch.load(target, weights_only=True), dict(trainer.model.state_dict()))
+
+
+def test_save_model_failure_is_a_save_error_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = make_trainer()
+    target = tmp_path / "raw.pt"
+    target.write_bytes(b"before")
+
+    def full(obj: object, file: Any) -> None:
+        file.write(b"part")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SaveError, match=r"could not write .*raw\.pt: disk full"):
+        trainer.save_model(target)
+    assert target.read_bytes() == b"before"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.pt"]
 
 
 def test_configuration_errors() -> None:

@@ -27,6 +27,8 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from pitstop.shell.atomic import write_atomically
+
 __all__ = ["DEMO_CONFIG", "run_demo"]
 
 TARGET = 40
@@ -100,7 +102,7 @@ def _plot(
     axes.set_title("pitstop: a paused and resumed run follows the straight one exactly")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=120))
     plt.close(figure)
     return True
 
@@ -124,7 +126,8 @@ def run_demo(console: Console) -> int:
 
     console.print(f"[bold]2.[/bold] training again in a child process ({root}/resumed)")
     config_path = root / "resumed.yaml"
-    config_path.write_text(yaml.safe_dump(_config(root / "resumed"), sort_keys=False))
+    text = yaml.safe_dump(_config(root / "resumed"), sort_keys=False)
+    write_atomically(config_path, lambda file: file.write(text.encode("utf-8")))
     stopped, code = _signalled_run(console, config_path)
     if code != 0:
         console.print(f"[red]the child exited with status {code}[/red]")

@@ -30,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_export(console: Console, args: argparse.Namespace) -> int:
     """Run ``pitstop export``; 0 on success, 2 for a bad suffix or dtype."""
-    from pitstop.cli.formatting import format_size
+    from pitstop.formatting import format_size
     from pitstop.shell.weights import export_weights
 
     try:

@@ -8,10 +8,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pitstop.cli.formatting import format_size
 from pitstop.core.records import NO_CHECKPOINT, PointerName
 from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
+from pitstop.formatting import format_size
 from pitstop.shell import fileformat
 from pitstop.shell.directory import choose_resume, scan
 from pitstop.shell.resolve import recorded_policy, verify

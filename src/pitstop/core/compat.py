@@ -27,10 +27,14 @@ __all__ = [
     "TensorSpec",
     "diff_components",
     "diff_config",
+    "diff_ema",
+    "diff_hyperparameters",
     "diff_param_groups",
     "diff_tensors",
     "diff_world_size",
     "flatten",
+    "judge",
+    "layout_differences",
 ]
 
 
@@ -165,6 +169,58 @@ def diff_components(
         for name in sorted(live_names - stored_names)
     ]
     return missing, frozenset(stored_names - live_names)
+
+
+def diff_ema(*, stored: bool, live: bool) -> list[Difference]:
+    """EMA weights on one side only: the run's EMA needs them (hard); extras are dropped (soft)."""
+    if live and not stored:
+        return [Difference(kind=Kind.MISSING, message="ema: the checkpoint holds no EMA weights")]
+    if stored and not live:
+        return [
+            Difference(
+                kind=Kind.UNEXPECTED,
+                message="ema: the checkpoint holds EMA weights, the run has no EMA",
+                soft=True,
+            )
+        ]
+    return []
+
+
+def diff_hyperparameters(
+    where: str, stored: Sequence[Iterable[str]], live: Sequence[Iterable[str]]
+) -> list[Difference]:
+    """Compare the setting names of each optimizer parameter group (``params`` excluded).
+
+    Settings only on one side are a newer torch's additions; settings on both sides that the
+    other lacks mean another optimizer type.
+    """
+    out = []
+    for index, (was, now) in enumerate(zip(stored, live, strict=False)):
+        was_keys, now_keys = set(was) - {"params"}, set(now) - {"params"}
+        if was_keys - now_keys and now_keys - was_keys:
+            out.append(
+                Difference(
+                    kind=Kind.GROUPS,
+                    message=f"{where}: parameter group {index} has settings "
+                    f"{sorted(was_keys - now_keys)} only in the checkpoint and "
+                    f"{sorted(now_keys - was_keys)} only in the run (another optimizer type?)",
+                )
+            )
+    return out
+
+
+def layout_differences(differences: Iterable[Difference]) -> list[Difference]:
+    """Of a generic component's tensor differences, the ones that refuse a restore.
+
+    Keys that come and go are the component's business; a tensor under the same key path
+    must keep its shape and dtype.
+    """
+    return [d for d in differences if d.kind in {Kind.SHAPE, Kind.DTYPE}]
+
+
+def judge(differences: Sequence[Difference], *, strict: bool) -> bool:
+    """Whether ``differences`` refuse the restore: any hard one, or any at all when strict."""
+    return any(not d.soft for d in differences) or (strict and bool(differences))
 
 
 def diff_world_size(stored: int, live: int) -> list[Difference]:

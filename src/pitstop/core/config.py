@@ -1,25 +1,37 @@
-# The YAML `checkpoint:` section.
+# The YAML `checkpoint:` section, and the strict converter every configuration record goes
+# through.
 #
 # Rules: keys and defaults follow the seed (`enabled`, `directory`, `every_steps`, `keep_last`,
 # `resume`) plus pitstop's own (`every_seconds`, `keep_every`, `best`, `save_final`, `async`).
 # Unknown keys and wrong types are errors; every problem is reported at once, each as a key path
 # (`checkpoint.keep_lst: unknown key (did you mean keep_last?)`). Types are strict: "100" is not
 # an int and 1 is not a bool. `best` is a metric name or {metric, mode}. A relative `directory`
-# resolves under the run's output directory.
-# How: one cattrs converter with forbid_extra_keys and strict primitive hooks; its validation
-# error tree is flattened into ConfigError problems.
+# resolves under the run's output directory. Only a bad configuration becomes a ConfigError: a
+# missing required key, an unknown key, a wrong type, a validator's ConfigError. Any other
+# exception raised while structuring is a bug and propagates as itself.
+# How: a ConfigConverter is one cattrs converter (forbid_extra_keys, strict primitive hooks,
+# each field checked by its own validator) built once, with every hook, for a fixed set of
+# records: the core's (CheckpointConfig, Best) plus those its caller names. Nothing registers
+# hooks on it afterwards. Its validation error tree gets YAML keys in its notes and one leaf per
+# unknown key, then cattrs.transform_error turns it into key paths.
 
-"""The ``checkpoint:`` configuration section and its strict converter."""
+"""The ``checkpoint:`` configuration section and the strict configuration converter."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
-from typing import Any, Literal, cast, get_args, get_origin
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar, cast, get_args, get_origin
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
 from cattrs.gen import make_dict_structure_fn, override
 
 from pitstop.core.records import Best, Policy
@@ -36,12 +48,14 @@ from pitstop.errors import ConfigError, InvalidValue
 __all__ = [
     "AsyncMode",
     "CheckpointConfig",
+    "ConfigConverter",
     "converter",
     "parse_checkpoint_config",
-    "register_record",
     "resolve_directory",
-    "structure",
 ]
+
+T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 AsyncMode = bool | Literal["overlap"]
 
@@ -83,20 +97,13 @@ class CheckpointConfig:
         )
 
 
-# --- the converter ----------------------------------------------------------------------------
+# --- strict hooks -----------------------------------------------------------------------------
 
-# The records a configuration is made of, with their Python attribute → YAML key renames.
-_RECORDS: dict[type, Mapping[str, str]] = {CheckpointConfig: {"async_": "async"}, Best: {}}
-
-
-def register_record(cls: type, renames: Mapping[str, str] | None = None) -> None:
-    """Teach :data:`converter` a configuration record: strict, renamed, validated per field.
-
-    Each field is structured and then checked by its own validator, so every bad field is
-    reported under its own key path, all at once.
-    """
-    _RECORDS[cls] = dict(renames or {})
-    converter.register_structure_hook(cls, _record_hook(converter, cls, _RECORDS[cls]))
+# The core's own configuration records, with their Python attribute → YAML key renames.
+_CORE_RECORDS: Mapping[type, Mapping[str, str]] = {
+    CheckpointConfig: {"async_": "async"},
+    Best: {},
+}
 
 
 def _describe(value: object) -> str:
@@ -105,25 +112,25 @@ def _describe(value: object) -> str:
 
 def _strict_int(value: object, _: type) -> int:
     if not is_int(value):
-        raise TypeError(f"expected an int, got {_describe(value)}")
+        raise ConfigError(f"expected an int, got {_describe(value)}")
     return value
 
 
 def _strict_float(value: object, _: type) -> float:
     if not is_real(value):
-        raise TypeError(f"expected a number, got {_describe(value)}")
+        raise ConfigError(f"expected a number, got {_describe(value)}")
     return float(value)
 
 
 def _strict_bool(value: object, _: type) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {_describe(value)}")
+        raise ConfigError(f"expected true or false, got {_describe(value)}")
     return value
 
 
 def _strict_str(value: object, _: type) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {_describe(value)}")
+        raise ConfigError(f"expected a string, got {_describe(value)}")
     return value
 
 
@@ -131,7 +138,7 @@ def _literal(value: object, cls: Any) -> object:
     allowed = get_args(cls)
     if value not in allowed or type(value) not in {type(a) for a in allowed}:
         choices = ", ".join(repr(a) for a in allowed)
-        raise TypeError(f"expected one of {choices}, got {_describe(value)}")
+        raise ConfigError(f"expected one of {choices}, got {_describe(value)}")
     return value
 
 
@@ -146,16 +153,39 @@ def _field_hook(conv: cattrs.Converter, cls: type, field: attrs.Attribute[Any]) 
 
 
 def _record_hook(conv: cattrs.Converter, cls: type, renames: Mapping[str, str]) -> Any:
+    """Structure a mapping into ``cls``: strict, renamed, each field checked by its validator,
+    so every bad field is reported under its own key, all at once."""
     attrs.resolve_types(cls)
     overrides: dict[str, Any] = {
         f.name: override(rename=renames.get(f.name), struct_hook=_field_hook(conv, cls, f))
         for f in attrs.fields(cls)
         if f.init
     }
-    return make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True, **overrides)
+    from_mapping: Callable[[Mapping[str, Any], Any], object] = make_dict_structure_fn(
+        cls, conv, _cattrs_forbid_extra_keys=True, **overrides
+    )
+
+    def hook(value: object, annotation: type) -> object:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"expected a mapping, got {_describe(value)}")
+        return from_mapping(value, annotation)
+
+    return hook
 
 
-def _make_converter() -> cattrs.Converter:
+def _best_hook(from_mapping: Callable[[object, type], object]) -> Any:
+    def hook(value: object, cls: type) -> object:
+        if isinstance(value, str):
+            return Best(value)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"expected a metric name or {{metric, mode}}, got {_describe(value)}")
+        return from_mapping(value, cls)
+
+    return hook
+
+
+def _build(records: Mapping[type, Mapping[str, str]]) -> cattrs.Converter:
+    """The one place a configuration converter gets its hooks: all of them, before first use."""
     conv = cattrs.Converter(forbid_extra_keys=True)
     conv.register_structure_hook(int, _strict_int)
     conv.register_structure_hook(float, _strict_float)
@@ -164,90 +194,187 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(lambda t: get_origin(t) is cast(Any, Literal), _literal)
     # The union is checked by the field's own validator.
     conv.register_structure_hook_func(lambda t: t == AsyncMode, lambda value, _: value)
-    for cls, renames in _RECORDS.items():
-        conv.register_structure_hook(cls, _record_hook(conv, cls, renames))
-
-    best_from_mapping = _record_hook(conv, Best, _RECORDS[Best])
-
-    def structure_best(value: object, cls: type) -> Best:
-        if isinstance(value, str):
-            return Best(value)
-        if not isinstance(value, Mapping):
-            raise TypeError(f"expected a metric name or {{metric, mode}}, got {_describe(value)}")
-        best: Best = best_from_mapping(value, cls)
-        return best
-
-    conv.register_structure_hook(Best, structure_best)
+    for cls, renames in records.items():
+        hook = _record_hook(conv, cls, renames)
+        conv.register_structure_hook(cls, _best_hook(hook) if cls is Best else hook)
     return conv
 
 
-converter: cattrs.Converter = _make_converter()
-"""The one converter every pitstop configuration record is structured with."""
+# --- errors as key paths ----------------------------------------------------------------------
 
 
-def _keys_of(cls: type | None) -> list[str]:
-    if cls is None or not attrs.has(cls):
-        return []
-    renames = _RECORDS.get(cls, {})
-    return [renames.get(a.name, a.name) for a in attrs.fields(cls) if a.init]
+class _UnknownKey(Exception):
+    """One key of a mapping that its record does not have (one leaf per key)."""
+
+    def __init__(self, key: str, known: Sequence[str]) -> None:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
+        self.problem = f"unknown key ({hint})"
+        super().__init__(self.problem)
 
 
-def _problems(exc: BaseException, path: str) -> list[str]:
-    """Flatten a cattrs validation error tree into ``key.path: problem`` lines."""
-    if isinstance(exc, ForbiddenExtraKeysError):
-        known = _keys_of(exc.cl)
-        lines = []
-        for key in sorted(exc.extra_fields):
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
-            lines.append(f"{path}.{key}: unknown key ({hint})")
-        return lines
-    if isinstance(exc, ClassValidationError):
-        renames = _RECORDS.get(exc.cl, {})
-        attr_notes, rest = exc.group_exceptions()
-        lines = []
-        for sub, note in attr_notes:
-            lines += _problems(sub, f"{path}.{renames.get(note.name, note.name)}")
-        for sub in rest:
-            lines += _problems(sub, path)
-        return lines
-    if isinstance(exc, IterableValidationError):
-        index_notes, rest = exc.group_exceptions()
-        lines = []
-        for sub, index_note in index_notes:
-            lines += _problems(sub, f"{path}[{index_note.index!r}]")
-        for sub in rest:
-            lines += _problems(sub, path)
-        return lines
-    if isinstance(exc, KeyError):
-        return [f"{path}: required key missing"]
-    if isinstance(exc, InvalidValue):
-        return [f"{path}: {exc.requirement}"]
-    if isinstance(exc, ConfigError):
-        return [f"{path}: {p}" for p in exc.problems]
-    return [f"{path}: {exc}"]
+def _attribute_note(exc: BaseException) -> AttributeValidationNote | None:
+    for note in getattr(exc, "__notes__", ()):
+        if isinstance(note, AttributeValidationNote):
+            return note
+    return None
 
 
-def structure(data: object, cls: type[Any], *, path: str) -> Any:
-    """Structure ``data`` into ``cls`` with the strict converter.
+def _iterable_index(exc: BaseException) -> int | str | None:
+    for note in getattr(exc, "__notes__", ()):
+        if isinstance(note, IterableValidationNote):
+            return note.index
+    return None
 
-    Raises :class:`~pitstop.errors.ConfigError` listing every problem as a key path under
-    ``path`` (``checkpoint.keep_lst: unknown key (did you mean keep_last?)``).
-    """
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping, got {_describe(data)}")
+
+def _item(data: object, index: int | str | None) -> object:
+    """``data[index]``, or None where there is no such item."""
+    if index is None:
+        return None
     try:
-        return converter.structure(data, cls)
-    except (cattrs.BaseValidationError, ConfigError, TypeError, ValueError, KeyError) as exc:
-        raise ConfigError(sorted(_problems(exc, path)) or [f"{path}: {exc}"]) from None
+        return cast(Any, data)[index]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _noted(exc: E, notes: Iterable[str]) -> E:
+    """``exc`` with exactly ``notes`` (cattrs reads them, also on Python 3.10)."""
+    setattr(exc, "__notes__", list(notes))  # noqa: B010  # typeshed has no __notes__ on 3.10
+    return exc
+
+
+def _descriptions(exc: BaseException) -> tuple[str, ...]:
+    """What is wrong, for a leaf that :meth:`ConfigConverter._keyed` let through."""
+    if isinstance(exc, InvalidValue):
+        return (exc.requirement,)  # the key path names the field; "Record.field" would repeat it
+    if isinstance(exc, ConfigError):
+        return exc.problems
+    if isinstance(exc, _UnknownKey):
+        return (exc.problem,)
+    if isinstance(exc, KeyError):
+        return ("required key missing",)
+    raise AssertionError(f"not a configuration problem: {exc!r}")  # _keyed raised it
+
+
+class ConfigConverter:
+    """The strict converter for a fixed set of configuration records.
+
+    ``records``: the caller's attrs records (the core's :class:`CheckpointConfig` and
+    :class:`~pitstop.core.records.Best` are always included); ``renames``: per record, its
+    Python attribute → YAML key renames (``{"async_": "async"}``). Every hook is registered
+    here, once; the converter is never changed afterwards, so each module that needs more
+    records builds its own from this one definition.
+    """
+
+    def __init__(
+        self,
+        records: Iterable[type] = (),
+        *,
+        renames: Mapping[type, Mapping[str, str]] | None = None,
+    ) -> None:
+        table = {cls: dict(keys) for cls, keys in _CORE_RECORDS.items()}
+        for cls in records:
+            if not attrs.has(cls):
+                raise TypeError(f"a configuration record must be an attrs class, got {cls!r}")
+            table[cls] = dict((renames or {}).get(cls, {}))
+            unknown = set(table[cls]) - {a.name for a in attrs.fields(cls)}
+            if unknown:
+                raise TypeError(f"{cls.__qualname__} has no fields {sorted(unknown)} to rename")
+        self._renames: Mapping[type, Mapping[str, str]] = table
+        self._converter = _build(table)
+
+    @property
+    def records(self) -> tuple[type, ...]:
+        """The records this converter structures."""
+        return tuple(self._renames)
+
+    def keys(self, cls: type) -> list[str]:
+        """The YAML keys of the record ``cls``, in field order."""
+        renames = self._renames.get(cls, {})
+        return [renames.get(a.name, a.name) for a in attrs.fields(cls) if a.init]
+
+    def structure(self, data: object, cls: type[T], *, path: str) -> T:
+        """Structure the mapping ``data`` into the record ``cls``.
+
+        Raises :class:`~pitstop.errors.ConfigError` listing every problem as a key path under
+        ``path`` (``checkpoint.keep_lst: unknown key (did you mean keep_last?)``). Any other
+        exception (a bug in a hook or a validator) propagates as it is.
+        """
+        if cls not in self._renames:
+            raise TypeError(f"{cls.__qualname__} is not a record of this converter")
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(data)}")
+        try:
+            structured: T = self._converter.structure(data, cls)
+        except BaseValidationError as exc:  # also a record's own check across its fields
+            raise ConfigError(sorted(self._problems(exc, data, path))) from None
+        return structured
+
+    def _problems(self, exc: BaseValidationError, data: object, path: str) -> list[str]:
+        """``key.path: problem`` lines for a validation error tree, via transform_error."""
+        found: list[tuple[str, ...]] = []
+
+        def describe(leaf: BaseException, _: object) -> str:
+            found.append(_descriptions(leaf))
+            return str(len(found) - 1)  # an index, so the line parses back unambiguously
+
+        lines = []
+        for line in cattrs.transform_error(self._keyed(exc, data), path, describe):
+            index, _, where = line.partition(" @ ")
+            lines += [f"{where}: {problem}" for problem in found[int(index)]]
+        return lines
+
+    def _keyed(self, exc: BaseValidationError, data: object) -> BaseValidationError:
+        """Return ``exc``'s tree with YAML keys in its attribute notes and one leaf per unknown
+        key. A leaf that is not a configuration problem is a bug: it is raised as itself.
+
+        ``data`` is what ``exc`` was structuring: a required key is missing only if a KeyError
+        names it and ``data`` lacks it.
+        """
+        renames = self._renames.get(exc.cl, {}) if isinstance(exc, ClassValidationError) else {}
+        leaves: list[Exception] = []
+        for sub in exc.exceptions:
+            if isinstance(sub, ForbiddenExtraKeysError):
+                known = self.keys(sub.cl) if sub.cl in self._renames else []
+                leaves += [
+                    _noted(_UnknownKey(key, known), [AttributeValidationNote(key, key, None)])
+                    for key in sorted(sub.extra_fields)
+                ]
+                continue
+            note = _attribute_note(sub)
+            key = None if note is None else renames.get(note.name, note.name)
+            index = key if key is not None else _iterable_index(sub)
+            if isinstance(sub, BaseValidationError):
+                sub = self._keyed(sub, _item(data, index))
+            elif isinstance(sub, ConfigError):
+                pass
+            elif (
+                isinstance(sub, KeyError)
+                and key is not None
+                and sub.args == (key,)
+                and isinstance(data, Mapping)
+                and key not in data
+            ):
+                pass  # cattrs looked the required key up and the mapping lacks it
+            else:
+                sub.__suppress_context__ = True  # the group that held it adds nothing
+                raise sub  # a bug, not a bad configuration
+            if note is not None and key is not None:
+                notes = [n for n in getattr(sub, "__notes__", ()) if n is not note]
+                _noted(sub, [*notes, AttributeValidationNote(key, key, note.type)])
+            leaves.append(sub)
+        return _noted(exc.derive(leaves), getattr(exc, "__notes__", ()))
+
+
+converter: ConfigConverter = ConfigConverter()
+"""The converter of the core's own records (the ``checkpoint:`` section and ``best``)."""
 
 
 def parse_checkpoint_config(
     data: Mapping[str, object] | None, *, path: str = "checkpoint"
 ) -> CheckpointConfig:
     """Parse a ``checkpoint:`` mapping (``None`` or empty: all defaults)."""
-    config: CheckpointConfig = structure({} if data is None else data, CheckpointConfig, path=path)
-    return config
+    return converter.structure({} if data is None else data, CheckpointConfig, path=path)
 
 
 def resolve_directory(output_dir: str, directory: str) -> str:

@@ -38,6 +38,7 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
+from pitstop.errors import ConfigError
 
 __all__ = ["Call", "SaveDecision", "ScheduleState", "decide_save", "resumed_state"]
 
@@ -118,16 +119,23 @@ def decide_save(
     now: float,
     metrics: Metrics | None = None,
     stop: bool = False,
+    manual_reason: SaveReason = SaveReason.MANUAL,
 ) -> SaveDecision:
     """Decide what ``call`` at ``progress`` should do under ``policy``.
 
     ``pointers`` supplies the best value so far; ``now`` is the caller's monotonic clock;
-    ``stop`` says a stop has been requested.
+    ``stop`` says a stop has been requested. ``manual_reason``: what an explicit save records
+    (``FINAL`` also moves the ``final`` pointer); ``BEST`` is the metric's to decide.
     """
+    if manual_reason is SaveReason.BEST:
+        raise ConfigError(
+            "a save's reason cannot be 'best': the best pointer follows Policy.best's metric "
+            "(pass metrics= to maybe_save)"
+        )
     reasons: set[SaveReason] = set()
     step = progress.step
     if call is Call.MANUAL:
-        reasons.add(SaveReason.MANUAL)
+        reasons.add(manual_reason)
     if policy.every_steps is not None and step > 0 and step % policy.every_steps == 0:
         reasons.add(SaveReason.INTERVAL)
     if (

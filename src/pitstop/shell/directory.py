@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import BinaryIO
 
 import attrs
 
-from pitstop.core.metadata import entry_from_meta, pointers_from_latest_json
+from pitstop.core.metadata import entry_from_meta, entry_meta, pointers_from_latest_json
 from pitstop.core.naming import LATEST_JSON, NOT_A_CHECKPOINT, EntryKind, classify, parse_name
 from pitstop.core.plan import SavePlan
 from pitstop.core.pointers import reconcile_pointers
@@ -267,6 +268,33 @@ class CheckpointDirectory:
         self.catalog = plan.catalog.without(deleted)
         self.pointers = plan.pointers
         return deleted
+
+    def publish(
+        self,
+        plan: SavePlan,
+        entry: CheckpointEntry,
+        prepare: Callable[[], fileformat.Prepared],
+        meta: Mapping[str, object],
+    ) -> None:
+        """Write ``entry``'s checkpoint file from ``prepare()`` and ``meta``; carry ``plan`` out."""
+        started = time.perf_counter()
+        prepared = prepare()
+        self.execute(
+            plan,
+            lambda file, entry, sync: fileformat.write(
+                file, prepared, {**meta, **entry_meta(entry)}, sync=sync
+            ),
+        )
+        log.info(
+            "saved %s (%s): %.3fs to durable",
+            self.storage.path(entry.name),
+            entry.reason.value,
+            time.perf_counter() - started,
+        )
+
+    def repoint(self, plan: SavePlan) -> None:
+        """Carry out a plan that writes no file, only moves pointers."""
+        self.execute(plan, lambda file, entry, sync: None)
 
     def _roll_back(self, plan: SavePlan) -> None:
         """Undo a save whose pointers failed: old pointers back, the new file out."""

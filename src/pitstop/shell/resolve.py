@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.metadata import policy_from_latest_json
-from pitstop.core.naming import LATEST_JSON, POINTER_NAMES
-from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
+from pitstop.core.metadata import entry_from_meta, policy_from_latest_json
+from pitstop.core.naming import (
+    LATEST_JSON,
+    NOT_A_CHECKPOINT,
+    POINTER_NAMES,
+    checkpoint_name,
+    parse_name,
+)
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell import fileformat
-from pitstop.shell.directory import choose_resume, scan
+from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
 from pitstop.shell.storage import LocalStorage
 
-__all__ = ["load", "recorded_policy", "resolve_checkpoint", "verify"]
+__all__ = ["find_resume", "load", "recorded_policy", "resolve_checkpoint", "verify"]
 
 
 def recorded_policy(directory: Path) -> Policy | None:
@@ -92,3 +99,35 @@ def verify(checkpoint: str | os.PathLike[str]) -> Path:
     path = resolve_checkpoint(checkpoint, fallback=False)
     fileformat.verify(path)
     return path
+
+
+def find_resume(
+    directory: CheckpointDirectory, source: str | os.PathLike[str]
+) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
+    """What ``Checkpointer.resume(source)`` restores: a verified file and its entry.
+
+    ``source`` is a pointer name of ``directory`` (or a path to one of its own pointers: fresh
+    when it has none), or any checkpoint argument, which must verify (no fallback).
+    """
+    names = {p.value for p in PointerName}
+    if not (isinstance(source, str) and source in names):
+        path = Path(source)
+        if path.name in names and path.parent.resolve() == directory.path.resolve():
+            source = path.name  # this directory's own pointer: resume from it, fresh if none
+    best = directory.policy.best
+    if isinstance(source, str) and source in names:
+        storage = directory.storage
+        found = scan(storage, best)
+        choice = choose_resume(storage, found, PointerName(source), best)
+        if choice.path is None and source != PointerName.LAST.value and found.catalog:
+            raise CheckpointNotFound(f"{directory.path} has no valid {source} checkpoint")
+        return choice.path, choice.entry
+    path = resolve_checkpoint(source, fallback=False)
+    fileformat.verify(path)
+    meta = fileformat.read_manifest(path).meta
+    name = path.name if parse_name(path.name) is not NOT_A_CHECKPOINT else None
+    if name is None:
+        progress = meta.get("progress")
+        step = progress.get("step") if isinstance(progress, Mapping) else None
+        name = checkpoint_name(step) if isinstance(step, int) else path.name
+    return path, entry_from_meta(name, meta)

@@ -1,31 +1,49 @@
 # Snapshots for saving in the background: the state copied once into reused host buffers.
 #
-# Rules: a snapshot copies each storage the tree's tensors use — once, however many tensors
-# share it — into a host staging buffer, and rebuilds the tree's containers around views of
-# those buffers with the original offsets and strides. So the snapshot holds exactly what the
-# live state held at the call (later in-place updates cannot leak into it), tied weights stay
-# tied, and writing the snapshot yields the same file as writing the live state. Buffers are
-# allocated once and reused across saves (pinned, when the state is on CUDA); a pool hands
-# back a buffer of the exact size a storage needs, so an unchanged model reuses every buffer.
-# Copies from CUDA are non-blocking on a side stream; `ready()` waits for them.
-# How: one walk to find storages and their used byte ranges, one copy per storage, one walk
-# to rebuild the tree.
+# Rules: a snapshot accepts and refuses exactly the trees a synchronous save does — it walks
+# the tree with pitstop.shell.treewalk, so a value a checkpoint cannot hold is the same
+# SaveError, naming the same key path, raised before a buffer is taken. It copies each storage
+# the tree's tensors use — once, however many tensors share it — into a host staging buffer,
+# and rebuilds the tree's containers (same types) around views of those buffers with the
+# original offsets and strides. So the snapshot holds exactly what the live state held at the
+# call (later in-place updates cannot leak into it), tied weights stay tied, and writing the
+# snapshot yields the same file as writing the live state.
+# Memory is bounded: a storage of n bytes takes a free buffer of at least n and at most
+# n + slack(n) bytes (slack(n) = max(SLACK_MIN, n // SLACK_FRACTION)), else a new buffer of
+# exactly n; every free buffer the snapshot does not take is dropped before any is allocated.
+# So an unchanged model reuses every buffer, and after a snapshot the pool holds only that
+# snapshot's buffers: at most the state's size plus slack(n) per storage, however the state
+# grows or shrinks from save to save. Buffers are pinned when the state is on CUDA (a dropped
+# one goes back to torch's caching host allocator). Copies from CUDA are non-blocking on a
+# side stream; `ready()` waits for them.
+# How: one walk (checks every value, rebuilds the containers with an empty placeholder tensor
+# per tensor, and records the bytes each storage uses); buffers are matched or allocated; one
+# copy per storage; each placeholder is then set to its view of its buffer.
 
 """Staging: copy a state tree into reusable host buffers, preserving storage sharing."""
 
 from __future__ import annotations
 
-import collections
+import bisect
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 
-from pitstop.shell.fileformat import ALIGNMENT
+from pitstop.core.manifest import ALIGNMENT
+from pitstop.shell.treewalk import storage_of, walk
 
-__all__ = ["StagingPool", "storage_keys"]
+__all__ = ["SLACK_FRACTION", "SLACK_MIN", "StagingPool", "slack", "storage_keys"]
+
+SLACK_MIN: Final = 4096
+SLACK_FRACTION: Final = 8
 
 _StorageKey = tuple[str, int | None, int]
+
+
+def slack(nbytes: int) -> int:
+    """How much larger than ``nbytes`` a reused buffer may be."""
+    return max(SLACK_MIN, nbytes // SLACK_FRACTION)
 
 
 def _storage_key(tensor: torch.Tensor) -> _StorageKey:
@@ -37,30 +55,83 @@ def storage_keys(tensors: Any) -> frozenset[_StorageKey]:
     return frozenset(_storage_key(t) for t in tensors if t.numel())
 
 
+def _placeholder(dtype: torch.dtype) -> torch.Tensor:
+    # (a uint8 view for complex32, whose torch.empty warns that it is experimental)
+    if dtype is torch.complex32:
+        return torch.empty(0, dtype=torch.uint8).view(dtype)
+    return torch.empty(0, dtype=dtype)
+
+
+def _elements_spanned(tensor: torch.Tensor) -> int:
+    """Elements from ``tensor``'s first to its last, inclusive (it has at least one)."""
+    if tensor.is_contiguous():
+        return tensor.numel()
+    return 1 + sum(
+        (int(n) - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+
+
+class _Buffer:
+    """One staging buffer: ``nbytes`` bytes of host memory, pinned or not."""
+
+    __slots__ = ("nbytes", "pinned", "tensor")
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.nbytes = nbytes
+        self.pinned = pinned
+
+
+def _match(free: list[_Buffer], needs: list[tuple[int, bool]]) -> list[_Buffer | None]:
+    """For each ``(nbytes, pinned)`` need, a distinct free buffer that fits it, or None.
+
+    A buffer fits a need of n bytes if it is as pinned and holds n to n + slack(n) bytes; an
+    exact size is taken first (an unchanged state), else the smallest that fits.
+    """
+    exact: dict[tuple[int, bool], list[_Buffer]] = {}
+    for buffer in free:
+        exact.setdefault((buffer.nbytes, buffer.pinned), []).append(buffer)
+    found: list[_Buffer | None] = [None] * len(needs)
+    missed = []
+    for index, need in enumerate(needs):
+        same = exact.get(need)
+        if same:
+            found[index] = same.pop()
+        else:
+            missed.append(index)
+    if missed:
+        left = sorted((b for same in exact.values() for b in same), key=lambda b: b.nbytes)
+        for pinned in (False, True):
+            kind = [b for b in left if b.pinned is pinned]
+            sizes = [b.nbytes for b in kind]
+            for index in missed:
+                nbytes, wanted = needs[index]
+                if wanted is not pinned:
+                    continue
+                at = bisect.bisect_left(sizes, nbytes)
+                if at < len(sizes) and sizes[at] <= nbytes + slack(nbytes):
+                    del sizes[at]
+                    found[index] = kind.pop(at)
+    return found
+
+
 class StagingPool:
     """Host buffers for snapshots, reused across saves; one snapshot in use at a time."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = collections.defaultdict(list)
-        self._lent: list[tuple[tuple[int, bool], torch.Tensor]] = []
+        self._free: list[_Buffer] = []  # the last snapshot's buffers, once released
+        self._lent: list[_Buffer] = []  # the current snapshot's
         self._events: list[Any] = []
         self._after: dict[int | None, Any] = {}
-        self.allocated_bytes = 0
 
-    def _take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        key = (nbytes, pinned)
-        free = self._free[key]
-        buffer = free.pop() if free else None
-        if buffer is None:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-            self.allocated_bytes += nbytes
-        self._lent.append((key, buffer))
-        return buffer
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of staging buffers the pool holds now, lent or free."""
+        return sum(b.nbytes for b in self._lent) + sum(b.nbytes for b in self._free)
 
     def release(self) -> None:
         """Return every buffer of the last snapshot to the pool (its writer is done)."""
-        for key, buffer in self._lent:
-            self._free[key].append(buffer)
+        self._free.extend(self._lent)
         self._lent.clear()
         self._events.clear()
 
@@ -69,50 +140,95 @@ class StagingPool:
         for event in self._events:
             event.synchronize()
 
+    def _lend(self, needs: list[tuple[int, bool]]) -> list[torch.Tensor]:
+        """A buffer for each ``(nbytes, pinned)`` need: reused where one fits, else new."""
+        found = _match(self._free, needs)
+        # What this snapshot does not take is dropped now, before anything is allocated.
+        self._free = []
+        self._lent = [b for b in found if b is not None]
+        tensors = []
+        for (nbytes, pinned), buffer in zip(needs, found, strict=True):
+            if buffer is None:
+                buffer = _Buffer(nbytes, pinned)
+                self._lent.append(buffer)
+            tensors.append(buffer.tensor if buffer.nbytes == nbytes else buffer.tensor[:nbytes])
+        return tensors
+
     def snapshot(
         self, tree: Any, *, defer: frozenset[_StorageKey] = frozenset()
     ) -> tuple[Any, Callable[[], None]]:
         """Copy ``tree``'s tensors into staging buffers; return the tree over those copies.
 
-        Containers are rebuilt (dict, list, tuple, set, frozenset, OrderedDict); other leaves
-        are kept as they are. Storages in ``defer`` (see :func:`storage_keys`) are not copied
-        yet: the returned function copies them, and must run before the snapshot is read and
-        before those storages change. Call :meth:`release` once the snapshot has been written.
+        Containers are rebuilt with their exact types; other leaves are kept as they are.
+        Raises :class:`~pitstop.errors.SaveError` naming the key path of a value a checkpoint
+        cannot hold, as a synchronous save does, before any buffer is taken. Storages in
+        ``defer`` (see :func:`storage_keys`) are not copied yet: the returned function copies
+        them, and must run before the snapshot is read and before those storages change. Call
+        :meth:`release` once the snapshot has been written.
         """
         if self._lent:
             raise RuntimeError("the previous snapshot is still in use; release() it first")
-        self._after = {}  # device index -> the caller's stream position at this call
-        ranges: dict[_StorageKey, list[int]] = {}
+        ranges: dict[_StorageKey, list[int]] = {}  # storage -> [first, stop) byte range used
         sources: dict[_StorageKey, torch.Tensor] = {}
+        views: list[tuple[torch.Tensor, torch.Tensor, _StorageKey]] = []  # placeholder, source
 
-        def visit(tensor: torch.Tensor) -> None:
-            if tensor.numel() == 0:
-                return
-            key = _storage_key(tensor)
-            itemsize = tensor.element_size()
-            first = int(tensor.storage_offset()) * itemsize
-            last = first + itemsize * (
-                1
-                + sum(
-                    (int(n) - 1) * int(s)
-                    for n, s in zip(tensor.shape, tensor.stride(), strict=True)
+        def visit(tensor: torch.Tensor, path: str) -> torch.Tensor:
+            key: _StorageKey | None = None
+            # A placeholder, set to its view of its buffer once copied.
+            copy = _placeholder(tensor.dtype)
+            if tensor.numel() == 0:  # no bytes to copy; shape and strides as they were
+                copy.set_(copy.untyped_storage(), 0, tensor.shape, tensor.stride())
+            else:
+                storage = storage_of(tensor, path)
+                key = (
+                    ("cpu", None, storage.data_ptr())
+                    if tensor.is_cpu
+                    else (tensor.device.type, tensor.device.index, storage.data_ptr())
                 )
-            )
-            start = first & -ALIGNMENT  # keep the alignment the file format relies on
-            span = ranges.get(key)
-            ranges[key] = (
-                [start, last] if span is None else [min(span[0], start), max(span[1], last)]
-            )
-            sources.setdefault(key, tensor)
+                itemsize = tensor.element_size()
+                first = int(tensor.storage_offset()) * itemsize
+                stop = first + itemsize * _elements_spanned(tensor)
+                start = first & -ALIGNMENT  # keep the alignment the file format relies on
+                span = ranges.get(key)
+                if span is None:
+                    ranges[key] = [start, stop]
+                    sources[key] = tensor
+                else:
+                    span[0], span[1] = min(span[0], start), max(span[1], stop)
+            if tensor.is_conj():
+                copy = copy.conj()
+            if tensor.is_neg():
+                copy = torch._neg_view(copy)
+            if key is not None:
+                views.append((copy, tensor, key))
+            return copy
 
-        _walk(tree, visit)
+        staged_tree = walk(tree, on_tensor=visit)  # SaveError here: nothing taken yet
+        try:
+            after = self._stage(ranges, sources, views, defer)
+        except BaseException:
+            self.ready()
+            self.release()
+            raise
+        return staged_tree, after
 
+    def _stage(
+        self,
+        ranges: dict[_StorageKey, list[int]],
+        sources: dict[_StorageKey, torch.Tensor],
+        views: list[tuple[torch.Tensor, torch.Tensor, _StorageKey]],
+        defer: frozenset[_StorageKey],
+    ) -> Callable[[], None]:
+        """Take the buffers, copy (all but ``defer``) and point each placeholder at its copy."""
+        self._after = {}  # device index -> the caller's stream position at this call
+        keys = list(ranges)
+        buffers = self._lend([(ranges[k][1] - ranges[k][0], sources[k].is_cuda) for k in keys])
         staged: dict[_StorageKey, tuple[torch.Tensor, int]] = {}
         copies_now: list[tuple[torch.Tensor, torch.Tensor]] = []
         copies_later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for key, (start, stop) in ranges.items():
+        for key, buffer in zip(keys, buffers, strict=True):
             source = sources[key]
-            buffer = self._take(stop - start, pinned=source.device.type == "cuda")
+            start, stop = ranges[key]
             raw = torch.empty(0, dtype=torch.uint8, device=source.device).set_(
                 source.untyped_storage()
             )
@@ -123,31 +239,11 @@ class StagingPool:
                 event.record(torch.cuda.current_stream(source.device))
                 self._after[source.device.index] = event
         self._copy(copies_now)
-
-        seen: dict[int, torch.Tensor] = {}
-
-        def replace(original: torch.Tensor) -> torch.Tensor:
-            known = seen.get(id(original))
-            if known is not None:
-                return known
-            tensor = original.detach()
-            if tensor.numel() == 0:
-                copy = torch.empty(tensor.shape, dtype=tensor.dtype)
-            else:
-                buffer, start = staged[_storage_key(tensor)]
-                itemsize = tensor.element_size()
-                offset = int(tensor.storage_offset()) - start // itemsize
-                copy = torch.empty(0, dtype=tensor.dtype).set_(
-                    buffer.untyped_storage(), offset, tensor.shape, tensor.stride()
-                )
-            if tensor.is_conj():
-                copy = copy.conj()
-            if tensor.is_neg():
-                copy = torch._neg_view(copy)
-            seen[id(original)] = copy
-            return copy
-
-        return _rebuild(tree, replace), lambda: self._copy(copies_later, guard=False)
+        for copy, tensor, key in views:
+            buffer, start = staged[key]
+            offset = int(tensor.storage_offset()) - start // tensor.element_size()
+            copy.set_(buffer.untyped_storage(), offset, tensor.shape, tensor.stride())
+        return lambda: self._copy(copies_later, guard=False)
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True) -> None:
         """Copy each source into its buffer; from CUDA, non-blocking on a side stream.
@@ -177,45 +273,3 @@ class StagingPool:
             self._events.append(event)
             if guard:
                 torch.cuda.current_stream(index).wait_stream(stream)
-
-
-def _walk(tree: Any, visit: Callable[[torch.Tensor], None]) -> None:
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            visit(node.detach())
-        elif isinstance(node, dict):
-            stack.extend(value for value in node.values() if type(value) not in _ATOMS)
-        elif isinstance(node, (list, tuple, set, frozenset)):
-            stack.extend(item for item in node if type(item) not in _ATOMS)
-
-
-# Leaves with nothing to copy. Checked inline, since RNG states are long tuples of ints (the
-# Python stream's is 625 of them) and snapshot() runs while the training loop waits.
-_ATOMS: Final = frozenset({int, float, bool, str, bytes, type(None)})
-
-
-def _rebuild(node: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    kind = type(node)
-    if kind in _ATOMS:
-        return node
-    if isinstance(node, torch.Tensor):
-        return replace(node)
-    if isinstance(node, dict):
-        items = [
-            (key, value if type(value) in _ATOMS else _rebuild(value, replace))
-            for key, value in node.items()
-        ]
-        return collections.OrderedDict(items) if kind is collections.OrderedDict else dict(items)
-    if kind is list:
-        return [item if type(item) in _ATOMS else _rebuild(item, replace) for item in node]
-    if isinstance(node, torch.Size):
-        return node
-    if kind is tuple:
-        return tuple(item if type(item) in _ATOMS else _rebuild(item, replace) for item in node)
-    if kind is set:
-        return {_rebuild(item, replace) for item in node}
-    if kind is frozenset:
-        return frozenset(_rebuild(item, replace) for item in node)
-    return node

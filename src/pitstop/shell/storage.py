@@ -83,10 +83,15 @@ class Storage(Protocol):
 
 
 class LocalStorage:
-    """A directory on a local filesystem."""
+    """A directory on a local filesystem.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    ``mode``: the permissions new files are created with, less the umask (``0o644`` for a
+    checkpoint directory's files; ``0o666`` makes them like any file the user creates).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, mode: int = 0o644) -> None:
         self.root = Path(root)
+        self.mode = mode
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
@@ -121,10 +126,10 @@ class LocalStorage:
         return os.lstat(self.path(name)).st_size
 
     def create_exclusive(self, name: str) -> BinaryIO:
-        """Create ``name`` (mode 0644) for unbuffered writing; fail if it exists."""
+        """Create ``name`` (``mode`` less the umask) for unbuffered writing; fail if it exists."""
         self.root.mkdir(parents=True, exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path(name), flags, 0o644)
+        fd = os.open(self.path(name), flags, self.mode)
         return os.fdopen(fd, "wb", buffering=0)
 
     def sync_file(self, file: BinaryIO) -> None:

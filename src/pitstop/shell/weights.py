@@ -9,17 +9,16 @@
 # view needs are read, and each blob read is checked against its CRC-32 first. Loading is
 # all-or-nothing: names, shapes and dtypes are compared (pitstop.core.compat) and every
 # difference is reported before any tensor of the model is touched. Exports are plain
-# {name: tensor} dicts, written atomically (temp file, fsync, rename, directory fsync).
+# {name: tensor} dicts, written atomically (temp file, fsync, rename, directory fsync: the one
+# helper, pitstop.shell.atomic).
 # How: fileformat.load with select= for each subtree; the core compares; torch copies.
 
 """Load a checkpoint's raw or EMA weights into a model, or export them as a plain state dict."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import secrets
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,8 +30,10 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel
 
 from pitstop.core.compat import diff_tensors
+from pitstop.core.schema import RAW, weights_meta, weights_path
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
 from pitstop.shell import fileformat
+from pitstop.shell.atomic import write_atomically
 from pitstop.shell.resolve import resolve_checkpoint
 from pitstop.shell.state import tensor_specs
 from pitstop.shell.treecodec import TensorRef, subtree
@@ -162,29 +163,14 @@ def _check_weights(weights: object) -> Weights:
 
 def _weights_meta(manifest: fileformat.Manifest) -> tuple[str, list[str]]:
     """Return ``(ema_buffers, buffer names)`` from the manifest's ``weights`` meta."""
-    meta = manifest.meta.get("weights")
-    if meta is None:  # not written by a Checkpointer: the EMA's own state dict is the EMA
-        return "own", []
-    if not isinstance(meta, Mapping):
-        raise CheckpointCorrupt(f"{manifest.path}: manifest key 'weights' must be a mapping")
-    ema_buffers = meta.get("ema_buffers", "own")
-    if ema_buffers not in ("own", "raw"):
-        raise CheckpointCorrupt(
-            f"{manifest.path}: manifest key 'weights.ema_buffers' must be 'own' or 'raw', "
-            f"got {ema_buffers!r}"
-        )
-    buffers = meta.get("buffers", [])
-    if not isinstance(buffers, (list, tuple)) or not all(isinstance(b, str) for b in buffers):
-        raise CheckpointCorrupt(
-            f"{manifest.path}: manifest key 'weights.buffers' must be a list of names"
-        )
-    return ema_buffers, list(buffers)
+    meta = weights_meta(manifest.meta, str(manifest.path))
+    return meta.ema_buffers, list(meta.buffers)
 
 
 def _stored(manifest: fileformat.Manifest, kind: str) -> Mapping[str, object] | None:
     """The decoded (tensor-free) subtree ``weights.<kind>``, or None when there is none."""
     try:
-        node = subtree(manifest.tree, ("weights", kind))
+        node = subtree(manifest.tree, weights_path(kind))  # type: ignore[arg-type]
     except KeyError:
         return None
     if not isinstance(node, Mapping):
@@ -217,7 +203,7 @@ def _raw_buffers(
     # One unverified, lazily mapped load of weights.raw (no bytes are read until touched), then
     # a CRC-32 check of the buffers' blobs only: loading them one select at a time would read
     # and parse the whole manifest once per buffer.
-    tree = fileformat.load(path, select=("weights", "raw"), verify=False)
+    tree = fileformat.load(path, select=weights_path(RAW), verify=False)
     assert isinstance(tree, Mapping)
     fileformat.check_blobs(manifest, (manifest.tensors[ref.index].blob for ref in refs.values()))
     return _tensor_dict({name: tree[name] for name in refs}, f"{path} weights.raw")
@@ -258,7 +244,7 @@ def _view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
         raise IncompatibleCheckpoint(
             [f"{path} holds no model weights (no weights.raw): it is not a training checkpoint"]
         )
-    view = _tensor_dict(fileformat.load(path, select=("weights", kind)), f"{path} weights.{kind}")
+    view = _tensor_dict(fileformat.load(path, select=weights_path(kind)), f"{path} weights.{kind}")
     if kind == "ema":
         ema_buffers, buffers = _weights_meta(manifest)
         raw = _stored(manifest, "raw")
@@ -330,35 +316,6 @@ def _export_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
-def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
-    """Write ``target`` via ``write(temp)``: a temp file beside it, fsync, rename, dir fsync."""
-    directory = target.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    temp = directory / f".{target.name}.{secrets.token_hex(6)}.tmp"
-    # 0o666 less the umask, as for any file the user creates (mkstemp would make it 0o600).
-    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        mode = os.stat(temp).st_mode & 0o777
-        write(temp)
-        os.chmod(temp, mode)  # safetensors' save_file recreates the file 0o600
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        raise
-    with contextlib.suppress(OSError):  # some platforms cannot fsync a directory
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def export_weights(
     checkpoint: str | os.PathLike[str],
     path: str | os.PathLike[str],
@@ -375,11 +332,13 @@ def export_weights(
     (a floating-point ``torch.dtype`` or ``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"float16"``,
     ``"fp32"``, ...) converts floating-point tensors only; integer and bool tensors (such as
     BatchNorm's ``num_batches_tracked``) keep their dtype. Every tensor is written contiguous.
-    The file appears atomically (temp file in the same directory, fsync, rename). Returns the
-    path written.
+    The file appears atomically and durably (temp file in the same directory, fsync, rename,
+    directory fsync). Returns the path written.
 
     Raises :class:`~pitstop.errors.ConfigError` for another suffix, a bad ``dtype``, a bad
-    ``weights`` or a missing ``safetensors``; otherwise as :func:`weights_view`.
+    ``weights`` or a missing ``safetensors``; :class:`~pitstop.errors.SaveError` naming
+    ``path`` when writing fails (``path`` is then as it was); otherwise as
+    :func:`weights_view`.
     """
     target = Path(path)
     suffix = target.suffix.lower()
@@ -390,10 +349,10 @@ def export_weights(
         )
     convert = _export_dtype(dtype)
     kind = _check_weights(weights)
-    save_file: Callable[[dict[str, torch.Tensor], str], object] | None = None
+    serialize: Callable[[dict[str, torch.Tensor]], bytes] | None = None
     if suffix == ".safetensors":
         try:
-            save_file = importlib.import_module("safetensors.torch").save_file
+            serialize = importlib.import_module("safetensors.torch").save
         except ImportError as error:
             raise ConfigError(
                 f"exporting {target} needs the safetensors package: "
@@ -419,8 +378,8 @@ def export_weights(
             copies[identity] = copy
         plain[name] = copy
     if suffix == ".pt":
-        _write_atomically(target, lambda temp: torch.save(plain, temp))
+        write_atomically(target, lambda file: torch.save(plain, file))
     else:
-        assert save_file is not None
-        _write_atomically(target, lambda temp: save_file(plain, str(temp)))
+        assert serialize is not None
+        write_atomically(target, lambda file: file.write(serialize(plain)))
     return target

@@ -1,17 +1,19 @@
 # The YAML run configuration of the reference trainer.
 #
 # Rules: a run file has the sections run, model, data, optimizer, scheduler, ema and checkpoint
-# (the core's CheckpointConfig). Every section is a frozen attrs record registered in the core's
-# strict converter: unknown keys, wrong types (a string is not a number, 1 is not a bool) and
-# missing required keys are errors, all reported at once, each as a key path
+# (the core's CheckpointConfig). Every section is a frozen attrs record structured by this
+# module's own ConfigConverter (the core's one definition of strictness, built here once with
+# these sections; the core's own converter is left alone): unknown keys, wrong types (a string
+# is not a number, 1 is not a bool) and missing required keys are errors, all reported at
+# once, each as a key path
 # (`run.max_stepz: unknown key (did you mean max_steps?)`). Required: run.output_dir and
 # optimizer.lr; everything else has a default. Command-line flags are applied to the raw mapping
 # before it is structured, so they are validated like the file. The part of the configuration a
 # resume must match (the recipe) leaves out the cumulative limits (run.max_steps, run.epochs,
 # scheduler.max_steps: a resume may raise them), where the run lives and runs (output_dir,
 # device) and what only changes reporting or saving (eval_every, log_every, checkpoint).
-# How: pure Python (no torch): yaml.safe_load, the core's structure() per section, and plain
-# dict building for the recipe.
+# How: pure Python (no torch): yaml.safe_load, the converter's structure() per section, and
+# plain dict building for the recipe.
 
 """The YAML run configuration: sections, strict parsing, and command-line overrides."""
 
@@ -26,7 +28,7 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from pitstop.core.config import CheckpointConfig, register_record, resolve_directory, structure
+from pitstop.core.config import CheckpointConfig, ConfigConverter, resolve_directory
 from pitstop.core.validators import (
     count,
     count_or_none,
@@ -151,15 +153,10 @@ class EmaSection:
     decay: float = attrs.field(default=0.999, validator=_fraction)
 
 
-for _section in (
-    RunSection,
-    ModelSection,
-    DataSection,
-    OptimizerSection,
-    SchedulerSection,
-    EmaSection,
-):
-    register_record(_section)
+# The one converter of a run file: the core's records (checkpoint, best) and these sections.
+_CONVERTER = ConfigConverter(
+    (RunSection, ModelSection, DataSection, OptimizerSection, SchedulerSection, EmaSection)
+)
 
 # Section name → (record, whether the section may be left out).
 _SECTIONS: dict[str, tuple[type, bool]] = {
@@ -288,7 +285,7 @@ def load_config(source: RunConfig | Mapping[str, Any] | str | os.PathLike[str]) 
         if value is None and optional:
             continue  # an empty section: all defaults
         try:
-            sections[name] = structure(value, cls, path=name)
+            sections[name] = _CONVERTER.structure(value, cls, path=name)
         except ConfigError as exc:
             problems += exc.problems
     if problems:

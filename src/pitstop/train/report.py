@@ -27,7 +27,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from pitstop.cli.formatting import format_size
+from pitstop.formatting import format_size
 
 if TYPE_CHECKING:
     from pitstop.core.records import Progress as RunProgress

@@ -15,7 +15,8 @@
 # RNG, and evaluation draws none: so N steps, stop, resume, M steps is bitwise the same run as
 # N + M steps on the CPU.
 # How: a Checkpointer per train() call, with optimizer, scheduler and sampler as components; the
-# loop itself is pitstop.train.loop; a Reporter hears about steps, evaluations and saves.
+# loop itself is pitstop.train.loop; a Reporter hears about steps, evaluations and saves;
+# save_model writes through pitstop.shell.atomic (temp, fsync, rename, directory fsync).
 
 """Trainer: the reference training loop with stop requests, checkpoints and exact resume."""
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Callable, Mapping, Sized
 from pathlib import Path
@@ -47,6 +47,7 @@ from pitstop import (
     StopRequest,
 )
 from pitstop.core.validators import is_int
+from pitstop.shell.atomic import write_atomically
 from pitstop.shell.weights import plain_state_dict
 from pitstop.train.loop import TrainLoop
 from pitstop.train.records import TrainConfig, TrainState
@@ -231,7 +232,9 @@ class Trainer:
 
         No wrapper prefixes (``module.``, ``_orig_mod.``); loadable with
         ``torch.load(path, weights_only=True)``. ``weights="ema"`` writes the averaged weights.
-        The file appears atomically. To export weights from a saved checkpoint instead, use
+        The file appears atomically and durably (temp file, fsync, rename, directory fsync);
+        a failure raises :class:`~pitstop.errors.SaveError` naming ``path`` and leaves it as it
+        was. To export weights from a saved checkpoint instead, use
         :func:`pitstop.export_weights`.
         """
         target = Path(path)
@@ -246,12 +249,4 @@ class Trainer:
             name: tensor.detach().to("cpu", copy=True).contiguous()
             for name, tensor in plain_state_dict(module).items()
         }
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            torch.save(plain, temp)
-            os.replace(temp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
-        return target
+        return write_atomically(target, lambda file: torch.save(plain, file))

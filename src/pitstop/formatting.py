@@ -1,4 +1,8 @@
-"""How pitstop shows numbers to people (shared by the CLI and the trainer's reports)."""
+"""How pitstop shows numbers to people, shared by the CLI and the trainer's reports.
+
+A neutral module (pure Python, no torch, no I/O), so that ``pitstop.train`` needs nothing from
+``pitstop.cli``: the dependency goes one way, cli → train.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,137 @@
+# Capturing a run's whole state as the tree and meta of one checkpoint.
+#
+# Rules: the tree follows pitstop.core.schema (weights.raw, weights.ema, ema.n_averaged,
+# state.<name>, rng.<rank>); it references the live tensors (no copies): a synchronous save
+# writes straight from them, a background one copies them into staging first. Components the
+# resumed checkpoint holds that nobody has registered yet are carried forward as they were,
+# with their parameter-group names, so a later register() still finds them. In overlap mode
+# the storages that only optimizer.step() changes may be copied later (deferrable): the
+# model's parameters and the optimizers' state, never a buffer or the EMA (an EMA update may
+# run when a GradScaler skips the step, and with it the pre-hook that waits for the copy).
+# How: state_dict() of each object, plus the manifest meta the restore checks read.
+
+"""Capture: the live state as a checkpoint tree and its manifest meta."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from pitstop.core.schema import (
+    EMA,
+    EMA_COUNT,
+    RAW,
+    RNG,
+    STATE,
+    WEIGHTS,
+    WeightsMeta,
+    encode_weights_meta,
+)
+from pitstop.shell.staging import storage_keys
+from pitstop.shell.state import capture_rng, optimizer_groups
+from pitstop.shell.weights import unwrap_model
+
+__all__ = ["LiveState", "capture", "deferrable", "world"]
+
+
+def world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 without torch.distributed)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@attrs.define(kw_only=True)
+class LiveState:
+    """The live objects a Checkpointer saves and restores."""
+
+    model: nn.Module
+    ema: nn.Module | None
+    components: dict[str, Any]
+    config: dict[str, Any] | None
+    pending: dict[str, Any] = attrs.Factory(dict)
+    """Stored component states not registered yet (deferred)."""
+    pending_groups: dict[str, Any] = attrs.Factory(dict)
+    """Their optimizers' parameter groups, by name."""
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The components that are torch optimizers."""
+        return [o for o in self.components.values() if isinstance(o, torch.optim.Optimizer)]
+
+
+def capture(live: LiveState) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint tree (referencing live tensors) and manifest meta of ``live``."""
+    rank, world_size = world()
+    weights: dict[str, Any] = {RAW: live.model.state_dict()}
+    tree: dict[str, Any] = {
+        WEIGHTS: weights,
+        STATE: {
+            **live.pending,
+            **{name: obj.state_dict() for name, obj in live.components.items()},
+        },
+        RNG: {rank: capture_rng()},
+    }
+    ema_buffers = "own"
+    if live.ema is not None:
+        weights[EMA] = unwrap_model(live.ema).state_dict()
+        if isinstance(live.ema, AveragedModel):
+            tree[EMA_COUNT] = {"n_averaged": live.ema.n_averaged}
+            ema_buffers = "own" if live.ema.use_buffers else "raw"
+    described = WeightsMeta(
+        ema=live.ema is not None,
+        ema_buffers=ema_buffers,  # type: ignore[arg-type]  # "own" or "raw", set just above
+        buffers=tuple(name for name, _ in live.model.named_buffers()),
+    )
+    meta = {
+        "pitstop": _version(),
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "world_size": world_size,
+        "config": live.config,
+        "components": sorted({*live.components, *live.pending}),
+        "optimizers": {
+            **{n: g for n, g in live.pending_groups.items() if n in live.pending},
+            **{
+                name: optimizer_groups(obj, live.model)
+                for name, obj in live.components.items()
+                if isinstance(obj, torch.optim.Optimizer)
+            },
+        },
+        WEIGHTS: encode_weights_meta(described),
+    }
+    return tree, meta
+
+
+def deferrable(live: LiveState) -> frozenset[tuple[str, int | None, int]]:
+    """Storages that only ``optimizer.step()`` changes: the model's parameters, optimizer state."""
+    params = list(live.model.parameters())
+    state = [
+        value
+        for obj in live.optimizers()
+        for per_param in obj.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    kept: list[torch.Tensor] = [*live.model.buffers()]
+    if live.ema is not None:
+        kept += [*live.ema.parameters(), *live.ema.buffers()]
+    return storage_keys([*params, *state]) - storage_keys(kept)
+
+
+def _version() -> str:
+    from pitstop import __version__
+
+    return __version__
+
+
+def stored_groups(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizers' parameter groups recorded in ``meta`` (empty when absent)."""
+    groups = meta.get("optimizers")
+    return dict(groups) if isinstance(groups, Mapping) else {}

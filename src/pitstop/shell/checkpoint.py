@@ -1,0 +1,114 @@
+# The public record of one checkpoint, and the Checkpointer's argument checks.
+#
+# Rules: a Checkpoint is a frozen record of a catalog entry — path, progress, reason, detail,
+# sequence number, metrics. One returned by a background save carries a ticket to its save
+# session, so it can say whether it is published yet and wait for it; equality ignores it.
+# Metrics are floats (numbers, 0-d tensors, NumPy scalars; never str or bool). A save's reason
+# is a SaveReason (by value) or the caller's own words, recorded as a manual save's detail.
+# How: attrs records and small functions; errors are ConfigError naming the argument.
+
+"""Checkpoint: one checkpoint as the Checkpointer reports it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
+from pitstop.core.session import SaveStatus
+from pitstop.errors import ConfigError
+from pitstop.shell.session import SaveTicket
+
+__all__ = ["Checkpoint", "manual_reason", "metrics_of", "stop_detail"]
+
+
+@attrs.frozen(kw_only=True)
+class Checkpoint:
+    """One checkpoint: published, or (from a background save) on its way.
+
+    ``reason``: why it was written; ``detail``: the caller's words (``save(reason="eval")``)
+    or the signal behind a stop. A record returned by a background save says whether it is
+    published yet (:attr:`published`, :meth:`wait`).
+    """
+
+    path: Path
+    progress: Progress
+    reason: SaveReason
+    seq: int
+    metrics: Metrics = attrs.field(hash=False)
+    detail: str = ""
+    ticket: SaveTicket | None = attrs.field(default=None, eq=False, hash=False, repr=False)
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the checkpoint holds."""
+        return self.progress.step
+
+    @property
+    def status(self) -> SaveStatus:
+        """``PENDING`` while a background save is being written, then published or failed."""
+        return SaveStatus.PUBLISHED if self.ticket is None else self.ticket.status()
+
+    @property
+    def published(self) -> bool:
+        """Whether the checkpoint is durable and pointed to."""
+        return self.status is SaveStatus.PUBLISHED
+
+    def wait(self) -> bool:
+        """Wait until the save is published (True) or has failed (False).
+
+        A failure's error is raised by the Checkpointer's next call, whatever it is.
+        """
+        status = SaveStatus.PUBLISHED if self.ticket is None else self.ticket.wait()
+        return status is SaveStatus.PUBLISHED
+
+    @classmethod
+    def of(
+        cls, directory: Path, entry: CheckpointEntry, ticket: SaveTicket | None = None
+    ) -> Checkpoint:
+        """The public record of the catalog ``entry`` in ``directory``."""
+        return cls(
+            path=directory / entry.name,
+            progress=entry.progress,
+            reason=entry.reason,
+            seq=entry.seq,
+            metrics=entry.metrics,
+            detail=entry.detail,
+            ticket=ticket,
+        )
+
+
+def metrics_of(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
+    """Metrics as floats: numbers, 0-d tensors and NumPy scalars; never str or bool."""
+    if metrics is None:
+        return None
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (str, bytes, bool)):
+            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}")
+        try:
+            out[str(key)] = float(value)  # type: ignore[arg-type]  # tensors, numpy scalars
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}") from None
+    return out
+
+
+def stop_detail(stop: object) -> tuple[bool, str]:
+    if stop is None or not stop:
+        return False, ""
+    reason = getattr(stop, "reason", None)
+    return True, str(reason) if reason else "requested"
+
+
+def manual_reason(reason: object) -> tuple[SaveReason, str]:
+    """``save(reason=...)``: a SaveReason by value, or any other words kept as the detail."""
+    if isinstance(reason, SaveReason):
+        return reason, ""
+    if not isinstance(reason, str) or not reason:
+        raise ConfigError(f"save(reason=...) must be a non-empty str, got {reason!r}")
+    try:
+        return SaveReason(reason), ""
+    except ValueError:
+        return SaveReason.MANUAL, reason

@@ -1,0 +1,229 @@
+# Restoring a checkpoint into the live run: check everything, then touch, and undo on failure.
+#
+# Rules: every difference between the checkpoint and the run is found before anything is
+# touched (the rules — hard or soft, parameter groups by name, EMA on one side only — are
+# pitstop.core.compat's). Then the restore is all-or-nothing: when anything raises while
+# loading — a component's load_state_dict, a module's set_extra_state or load hook, the RNG —
+# the model, the EMA, every component and every RNG stream are put back exactly as they were.
+# Order: components first (a torch optimizer's load replaces its state and groups, so keeping
+# references to the old ones is its whole snapshot; any other component's state_dict() is
+# deep-copied), then modules whose loading runs code of their own (extra state, load hooks, a
+# load override — their tensors are cloned first), then the RNG, and last the modules whose
+# loading is only torch's checked copy into tensors of the same names, shapes and dtypes, which
+# cannot fail once the checks passed — so no second copy of the weights is ever made for them.
+# How: a list of undo actions, run in reverse on failure.
+
+"""Restore: compatibility checks, then an all-or-nothing load into the live objects."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from pitstop.core.compat import (
+    Difference,
+    Kind,
+    diff_components,
+    diff_config,
+    diff_ema,
+    diff_hyperparameters,
+    diff_param_groups,
+    diff_tensors,
+    diff_world_size,
+    layout_differences,
+)
+from pitstop.core.schema import EMA, EMA_COUNT, RAW, RNG, STATE, WEIGHTS
+from pitstop.errors import IncompatibleCheckpoint
+from pitstop.shell.capture import LiveState, world
+from pitstop.shell.state import capture_rng, describe, entry_specs, optimizer_groups, restore_rng
+from pitstop.shell.weights import unwrap_model
+
+__all__ = ["apply", "component_differences", "differences"]
+
+log = logging.getLogger("pitstop")
+
+
+def differences(
+    live: LiveState, tree: Mapping[str, Any], meta: Mapping[str, Any]
+) -> tuple[list[Difference], frozenset[str]]:
+    """Every difference between the stored ``tree`` and the run, and the deferred names."""
+    weights = tree.get(WEIGHTS, {})
+    out = diff_tensors(
+        "model", entry_specs(weights.get(RAW, {})), entry_specs(live.model.state_dict())
+    )
+    out += diff_ema(stored=EMA in weights, live=live.ema is not None)
+    if live.ema is not None and EMA in weights:
+        out += diff_tensors(
+            "ema", entry_specs(weights[EMA]), entry_specs(unwrap_model(live.ema).state_dict())
+        )
+    stored_state = tree.get(STATE, {})
+    missing, deferred = diff_components(stored_state, live.components)
+    out += missing
+    stored_groups = meta.get("optimizers", {})
+    for name, obj in live.components.items():
+        if name in stored_state:
+            out += component_differences(live, name, obj, stored_state[name], stored_groups)
+    if live.config is not None or meta.get("config") is not None:
+        out += diff_config(meta.get("config"), live.config)
+    out += diff_world_size(int(meta.get("world_size", 1)), world()[1])
+    return out, deferred
+
+
+def component_differences(
+    live: LiveState, name: str, obj: Any, stored: Any, stored_groups: Mapping[str, Any]
+) -> list[Difference]:
+    """Every difference between component ``name``'s stored state and ``obj``."""
+    if isinstance(obj, torch.optim.Optimizer):
+        groups = stored.get("param_groups", []) if isinstance(stored, Mapping) else []
+        return [
+            *diff_param_groups(
+                f"optimizer {name!r}",
+                stored_groups.get(name, []),
+                optimizer_groups(obj, live.model),
+            ),
+            *diff_hyperparameters(f"optimizer {name!r}", groups, obj.param_groups),
+        ]
+    out = layout_differences(
+        diff_tensors(f"component {name!r}", describe(stored), describe(obj.state_dict()))
+    )
+    judge = getattr(obj, "state_differences", None)  # a component may judge for itself
+    if callable(judge):
+        out += [
+            Difference(kind=Kind.COMPONENT, message=f"component {name!r}: {m}")
+            for m in judge(stored)
+        ]
+    return out
+
+
+def load_component(name: str, obj: Any, stored: Any) -> None:
+    """``obj.load_state_dict(stored)``, undone if it raises; IncompatibleCheckpoint then."""
+    undo: list[Callable[[], object]] = []
+    try:
+        undo.append(_component_undo(obj))
+        obj.load_state_dict(stored)
+    except Exception as exc:
+        _undo_all(undo, f"component {name!r}")
+        raise IncompatibleCheckpoint(
+            [f"component {name!r}: load_state_dict failed: {exc}"]
+        ) from exc
+
+
+def apply(live: LiveState, tree: Mapping[str, Any], path: Path) -> None:
+    """Restore ``tree`` (already checked) into ``live``; on any failure put everything back."""
+    stored_state = tree.get(STATE, {})
+    weights = tree[WEIGHTS]
+    modules = [(live.model, weights[RAW], "the model")]
+    if live.ema is not None:
+        modules.insert(0, (unwrap_model(live.ema), weights[EMA], "the EMA"))
+    own_code = [m for m in modules if not _plain(m[0])]
+    plain = [m for m in modules if _plain(m[0])]
+    undo: list[Callable[[], object]] = []
+    rng_before = capture_rng()
+    what = "the model"
+    try:
+        for name, obj in live.components.items():
+            if name in stored_state:
+                what = f"component {name!r}"
+                undo.append(_component_undo(obj))
+                obj.load_state_dict(stored_state[name])
+        with torch.no_grad():
+            for module, stored, label in own_code:
+                what = label
+                undo.append(_module_undo(module))
+                module.load_state_dict(stored)
+            if isinstance(live.ema, AveragedModel) and EMA_COUNT in tree:
+                what = "the EMA's n_averaged"
+                before = live.ema.n_averaged.clone()
+                undo.append(partial(live.ema.n_averaged.copy_, before))
+                live.ema.n_averaged.copy_(tree[EMA_COUNT]["n_averaged"])
+            what = "the random number generators"
+            undo.append(lambda: restore_rng(rng_before))
+            rng = tree.get(RNG, {}).get(world()[0])
+            if rng is not None:
+                restore_rng(rng)
+            for module, stored, label in plain:
+                what = label
+                module.load_state_dict(stored)
+    except Exception as exc:
+        _undo_all(undo, what)
+        restore_rng(rng_before)
+        raise IncompatibleCheckpoint(
+            [f"{path.name}: {what}: load_state_dict failed: {exc}"]
+        ) from exc
+
+
+def _undo_all(undo: list[Callable[[], object]], what: str) -> None:
+    for action in reversed(undo):
+        try:
+            with torch.no_grad():
+                action()
+        except Exception as again:  # the object that failed may refuse its own state
+            log.error("could not put %s back after a failed restore: %s", what, again)
+
+
+def _component_undo(obj: Any) -> Callable[[], None]:
+    """How to put ``obj`` back as it is now."""
+    if (
+        isinstance(obj, torch.optim.Optimizer)
+        and type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict
+    ):
+        # torch's load builds a new state and new groups; the old ones stay untouched.
+        state, groups = obj.state, obj.param_groups
+
+        def put_back() -> None:
+            obj.__setstate__({"state": state, "param_groups": groups})
+
+        return put_back
+    before = copy.deepcopy(obj.state_dict())
+    return lambda: obj.load_state_dict(before)
+
+
+def _module_undo(module: nn.Module) -> Callable[[], None]:
+    """How to put ``module``'s tensors and extra state back, bypassing its own load code."""
+    live = module.state_dict(keep_vars=True)
+    saved = {
+        key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for key, value in live.items()
+    }
+    extra = {
+        name: copy.deepcopy(m.get_extra_state())
+        for name, m in module.named_modules()
+        if type(m).get_extra_state is not nn.Module.get_extra_state
+    }
+
+    def put_back() -> None:
+        for key, value in saved.items():
+            target = live[key]
+            if isinstance(target, torch.Tensor):
+                target.detach().copy_(value)
+        modules = dict(module.named_modules())
+        for name, state in extra.items():
+            modules[name].set_extra_state(state)
+
+    return put_back
+
+
+def _plain(module: nn.Module) -> bool:
+    """Whether loading ``module`` is only torch's checked copy into its tensors."""
+    if type(module).load_state_dict is not nn.Module.load_state_dict:
+        return False
+    for m in module.modules():
+        cls = type(m)
+        if cls.get_extra_state is not nn.Module.get_extra_state:
+            return False
+        if cls.set_extra_state is not nn.Module.set_extra_state:
+            return False
+        own_load = cls._load_from_state_dict is not nn.Module._load_from_state_dict
+        if own_load and not cls.__module__.startswith("torch."):
+            return False
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return False
+    return True

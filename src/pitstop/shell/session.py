@@ -1,0 +1,250 @@
+# Driving the save session: the writer thread, waiting at each call, and errors never lost.
+#
+# Rules: every decision is pitstop.core.session's — which phase follows which event, what a
+# call waits for, whether it raises the pending failure. This module holds the one mutable
+# Session value under a condition variable, applies events from the loop's thread and the
+# writer's, and waits where the core says. A background save's error is kept with the core's
+# record of which save failed and raised by the next call of any kind, as a SaveError naming
+# the step and the file. Deferred copies (overlap mode) are taken by whichever thread needs
+# them first: the writer when it gets to them, or the loop at its next optimizer step — so the
+# loop never waits for a writer thread that has not been scheduled yet.
+# Nothing here refers to the Checkpointer: a dropped Checkpointer is collected (and its
+# directory unlocked) even while a job or an optimizer hook still refers to its session.
+# How: a condition variable, one daemon worker thread started at the first background save
+# (a hard exit never hangs on it; the temp file it leaves is removed when the directory is
+# next opened), and jobs that are plain closures over what they write.
+
+"""SaveSession: one save in flight, on the loop's thread or a writer thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pitstop.core.session import (
+    NO_FAILURE,
+    Event,
+    Phase,
+    Request,
+    SaveStatus,
+    Session,
+    Until,
+    advance,
+    claim_copy,
+    gate,
+    satisfied,
+    save_status,
+)
+from pitstop.errors import PitstopError, SaveError
+
+__all__ = ["Reported", "SaveSession", "SaveTicket"]
+
+log = logging.getLogger("pitstop")
+
+Copy = Callable[[bool], None]
+"""Deferred copies: ``copy(guard)``; with ``guard``, later work on this stream waits for them."""
+
+
+@attrs.frozen(kw_only=True)
+class Reported:
+    """A failed background save, handed to the caller to raise: the error and what to undo."""
+
+    error: BaseException
+    undo: Any
+
+
+class SaveSession:
+    """The save session of one Checkpointer (see :mod:`pitstop.core.session`)."""
+
+    def __init__(self, directory: Path, *, background: bool) -> None:
+        self._directory = directory
+        self._cond = threading.Condition()
+        self._state = Session(background=background)
+        self._error: BaseException | None = None
+        self._undo: Any = None
+        self._job: Callable[[], None] | None = None
+        self._copy: Copy | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def state(self) -> Session:
+        """The session's current state (a frozen record)."""
+        with self._cond:
+            return self._state
+
+    # --- the loop's side ------------------------------------------------------------------
+
+    def enter(self, request: Request) -> Reported | None:
+        """Wait as the core's gate says for ``request``; return the failure to raise, if any.
+
+        Raises :class:`~pitstop.errors.PitstopError` when the session is closed.
+        """
+        started = time.perf_counter()
+        with self._cond:
+            rule = gate(self._state, request)
+            if rule.refuse:
+                raise PitstopError(f"the Checkpointer of {self._directory} is {rule.refuse}")
+        if rule.until is not Until.NOW:
+            self._take_copy(guard=True)
+        with self._cond:
+            while not satisfied(self._state, rule.until):
+                self._cond.wait()
+            waited = time.perf_counter() - started
+            if waited > 0.001 and request is not Request.STEP:
+                log.info("%s waited %.3fs for the save in flight", request.value, waited)
+            if not rule.raise_failure or self._state.failure is NO_FAILURE:
+                return None
+            return self._report()
+
+    def _report(self) -> Reported:
+        failure = self._state.failure
+        assert failure is not NO_FAILURE
+        assert self._error is not None
+        error, undo = self._error, self._undo
+        self._error = self._undo = None
+        self._state = advance(self._state, Event.REPORTED)
+        if isinstance(error, Exception):
+            where = self._directory / failure.name
+            wrapped = SaveError(f"background save of step {failure.step} ({where}) failed: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
+        return Reported(error=error, undo=undo)
+
+    def step_hook(self, *_: object) -> None:
+        """Optimizer step pre-hook (overlap mode): parameters change only once copied."""
+        self.enter(Request.STEP)
+
+    def begin(self, step: int, name: str, undo: Any) -> int:
+        """A save starts capturing; ``undo`` is handed back if it fails. Returns its ticket."""
+        with self._cond:
+            self._state = advance(self._state, Event.BEGIN, step=step, name=name)
+            self._undo = undo
+            return self._state.ticket
+
+    def event(self, event: Event) -> None:
+        """Apply ``event`` (CAPTURED, PUBLISHED or ABORTED from the loop's thread)."""
+        with self._cond:
+            self._state = advance(self._state, event)
+            self._cond.notify_all()
+
+    def hand_over(self, write: Callable[[], None], copy: Copy | None) -> None:
+        """Hand the captured save to the writer thread; ``copy``: the copies left to do."""
+        with self._cond:
+            self._state = advance(self._state, Event.DEFER if copy else Event.CAPTURED)
+            self._copy = copy
+            self._job = write
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=_work, args=(self,), name="pitstop-writer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def close(self) -> Reported | None:
+        """Wait for the save in flight, stop the writer thread; return a failure to raise."""
+        reported = self.enter(Request.CLOSE)
+        with self._cond:
+            if self._state.phase is not Phase.CLOSED:
+                self._state = advance(self._state, Event.CLOSE)
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        return reported
+
+    def status(self, ticket: int) -> SaveStatus:
+        """What became of save number ``ticket``."""
+        with self._cond:
+            return save_status(self._state, ticket)
+
+    def wait_for(self, ticket: int) -> SaveStatus:
+        """Wait until save number ``ticket`` is published or has failed."""
+        self._take_copy(guard=True)
+        with self._cond:
+            while save_status(self._state, ticket) is SaveStatus.PENDING:
+                self._cond.wait()
+            return save_status(self._state, ticket)
+
+    # --- both sides ------------------------------------------------------------------------
+
+    def _take_copy(self, *, guard: bool) -> None:
+        """Run the deferred copies on this thread if nobody has taken them yet."""
+        with self._cond:
+            if not claim_copy(self._state):
+                return
+            self._state = advance(self._state, Event.CLAIM)
+            copy, self._copy = self._copy, None
+        assert copy is not None
+        try:
+            copy(guard)
+        except BaseException as exc:
+            self._fail(exc)
+            if threading.current_thread() is self._thread:
+                raise
+            return
+        self.event(Event.COPIED)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._state.phase in (Phase.FAILED, Phase.IDLE, Phase.CLOSED):
+                return
+            self._error = exc
+            self._state = advance(self._state, Event.FAILED)
+            self._cond.notify_all()
+
+    # --- the writer's side -----------------------------------------------------------------
+
+    def _next_job(self) -> Callable[[], None] | None:
+        with self._cond:
+            while self._job is None and not self._stopping:
+                self._cond.wait()
+            job, self._job = self._job, None
+            return job
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            self._take_copy(guard=False)
+            with self._cond:
+                while self._state.phase is Phase.COPYING:  # the loop took the copies
+                    self._cond.wait()
+                if self._state.phase is not Phase.WRITING:
+                    return  # the copies failed: nothing to write
+            job()
+        except BaseException as exc:  # kept for the caller, never lost
+            self._fail(exc)
+            return
+        self.event(Event.PUBLISHED)
+
+
+class SaveTicket:
+    """A background save's link to its session: published yet, or wait for it."""
+
+    def __init__(self, session: SaveSession, number: int) -> None:
+        self._session = session
+        self._number = number
+
+    def status(self) -> SaveStatus:
+        """Pending, published or failed."""
+        return self._session.status(self._number)
+
+    def wait(self) -> SaveStatus:
+        """Wait until the save is published or has failed."""
+        return self._session.wait_for(self._number)
+
+
+def _work(session: SaveSession) -> None:
+    """The writer thread: one job at a time, until the session closes."""
+    while True:
+        job = session._next_job()
+        if job is None:
+            return
+        session._run(job)
+        del job  # hold nothing of a finished save while waiting for the next

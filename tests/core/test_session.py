@@ -1,0 +1,238 @@
+"""The save session state machine: its table, its gates, and a rule-based model of it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pitstop.core.session import (
+    NO_FAILURE,
+    TRANSITIONS,
+    Event,
+    IllegalTransition,
+    Phase,
+    Request,
+    SaveStatus,
+    Session,
+    Until,
+    advance,
+    claim_copy,
+    gate,
+    reads_live,
+    satisfied,
+    save_status,
+)
+from pitstop.errors import PitstopError
+
+SAVING = {Phase.CAPTURING, Phase.DEFERRED, Phase.COPYING, Phase.WRITING}
+
+
+@pytest.mark.parametrize(("phase", "event"), list(itertools.product(Phase, Event)))
+def test_every_pair_outside_the_table_is_illegal(phase: Phase, event: Event) -> None:
+    session = Session(background=True, phase=phase, ticket=1, step=5, name="step_5")
+    if (phase, event) in TRANSITIONS:
+        assert advance(session, event).phase is TRANSITIONS[phase, event]
+    else:
+        with pytest.raises(IllegalTransition, match=phase.value) as raised:
+            advance(session, event)
+        assert isinstance(raised.value, PitstopError)
+        assert "step 5" in str(raised.value)
+
+
+def test_a_background_save_from_begin_to_published() -> None:
+    session = Session(background=True)
+    session = advance(session, Event.BEGIN, step=3, name="step_000000000003.pitstop")
+    assert (session.phase, session.ticket, session.step) == (Phase.CAPTURING, 1, 3)
+    assert reads_live(session)
+    session = advance(session, Event.DEFER)
+    assert claim_copy(session)
+    assert not satisfied(session, Until.COPIED)
+    session = advance(session, Event.CLAIM)
+    assert not claim_copy(session)  # one thread copies
+    session = advance(session, Event.COPIED)
+    assert not reads_live(session)
+    assert satisfied(session, Until.COPIED)
+    assert not satisfied(session, Until.SETTLED)
+    assert save_status(session, 1) is SaveStatus.PENDING
+    session = advance(session, Event.PUBLISHED)
+    assert satisfied(session, Until.SETTLED)
+    assert save_status(session, 1) is SaveStatus.PUBLISHED
+
+
+def test_a_synchronous_save_reads_the_live_state_while_it_writes() -> None:
+    session = advance(Session(background=False), Event.BEGIN, step=1, name="a")
+    session = advance(session, Event.CAPTURED)
+    assert reads_live(session)
+    background = advance(advance(Session(background=True), Event.BEGIN), Event.CAPTURED)
+    assert not reads_live(background)
+
+
+def test_a_failure_is_named_and_reported_once() -> None:
+    session = advance(Session(background=True), Event.BEGIN, step=7, name="step_7")
+    session = advance(advance(session, Event.CAPTURED), Event.FAILED)
+    assert session.failure != NO_FAILURE
+    assert (session.failure.step, session.failure.name) == (7, "step_7")  # type: ignore[union-attr]
+    assert save_status(session, 1) is SaveStatus.FAILED
+    for request in Request:
+        assert gate(session, request).until is not Until.SETTLED or satisfied(
+            session, Until.SETTLED
+        )
+    session = advance(session, Event.REPORTED)
+    assert session.failure is NO_FAILURE
+    assert save_status(session, 1) is SaveStatus.FAILED  # still known as failed
+
+
+@pytest.mark.parametrize("request_", list(Request))
+def test_every_call_but_the_optimizer_hook_raises_a_pending_failure(request_: Request) -> None:
+    assert gate(Session(background=True), request_).raise_failure is (request_ is not Request.STEP)
+
+
+@pytest.mark.parametrize(
+    ("request_", "until"),
+    [
+        (Request.SAVE, Until.NOW),
+        (Request.LIST, Until.NOW),
+        (Request.REGISTER, Until.COPIED),
+        (Request.STEP, Until.COPIED),
+        (Request.WRITE, Until.SETTLED),
+        (Request.RESUME, Until.SETTLED),
+        (Request.WAIT, Until.SETTLED),
+        (Request.CLOSE, Until.SETTLED),
+    ],
+)
+def test_what_each_call_waits_for(request_: Request, until: Until) -> None:
+    assert gate(Session(background=True), request_).until is until
+
+
+@pytest.mark.parametrize("request_", list(Request))
+def test_a_closed_session_refuses_all_but_close_the_hook_and_listing(request_: Request) -> None:
+    closed = advance(Session(background=True), Event.CLOSE)
+    rule = gate(closed, request_)
+    assert rule.until is Until.NOW
+    assert bool(rule.refuse) is (request_ not in (Request.CLOSE, Request.STEP, Request.LIST))
+
+
+def test_an_unknown_ticket_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no save numbered 1"):
+        save_status(Session(background=True), 1)
+
+
+class SessionMachine(RuleBasedStateMachine):
+    """The session against a plain model: one save in flight, each outcome known, errors once.
+
+    Rules follow the life of a save (save / copy-finished / write-finished / write-failed) and
+    the calls that may come at any time (resume / register / close / drop), each asking its
+    gate first and only going on when the gate is satisfied, as the shell does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session = Session(background=True)
+        self.in_flight = False
+        self.outcomes: dict[int, SaveStatus] = {}
+        self.pending_error = False
+        self.raised = 0
+        self.failures = 0
+        self.closed = False
+
+    def _call(self, request: Request) -> bool:
+        """Ask the gate as the shell does; False when the call would have to wait."""
+        rule = gate(self.session, request)
+        if rule.refuse:
+            assert self.closed
+            return False
+        if not satisfied(self.session, rule.until):
+            assert self.in_flight
+            return False
+        if rule.raise_failure and self.session.failure is not NO_FAILURE:
+            assert self.pending_error
+            self.session = advance(self.session, Event.REPORTED)
+            self.pending_error = False
+            self.raised += 1
+        return True
+
+    @precondition(lambda self: not self.closed)
+    @rule(deferred=st.booleans(), step=st.integers(0, 10**6))
+    def save(self, deferred: bool, step: int) -> None:
+        if not self._call(Request.SAVE) or not self._call(Request.WRITE):
+            return
+        assert not self.in_flight
+        self.session = advance(self.session, Event.BEGIN, step=step, name=f"step_{step}")
+        self.session = advance(self.session, Event.DEFER if deferred else Event.CAPTURED)
+        self.in_flight = True
+        self.outcomes[self.session.ticket] = SaveStatus.PENDING
+
+    @precondition(lambda self: self.session.phase in (Phase.DEFERRED, Phase.COPYING))
+    @rule()
+    def copy_finished(self) -> None:
+        if claim_copy(self.session):
+            self.session = advance(self.session, Event.CLAIM)
+        self.session = advance(self.session, Event.COPIED)
+
+    @precondition(lambda self: self.session.phase is Phase.WRITING)
+    @rule()
+    def write_finished(self) -> None:
+        self.session = advance(self.session, Event.PUBLISHED)
+        self.in_flight = False
+        self.outcomes[self.session.ticket] = SaveStatus.PUBLISHED
+
+    @precondition(lambda self: self.session.phase in SAVING - {Phase.CAPTURING})
+    @rule()
+    def write_failed(self) -> None:
+        self.session = advance(self.session, Event.FAILED)
+        self.in_flight = False
+        self.pending_error = True
+        self.failures += 1
+        self.outcomes[self.session.ticket] = SaveStatus.FAILED
+
+    @rule(request=st.sampled_from([Request.RESUME, Request.REGISTER, Request.LIST, Request.WAIT]))
+    def call(self, request: Request) -> None:
+        went_on = self._call(request)
+        if went_on and request in (Request.RESUME, Request.WAIT):
+            assert not self.in_flight  # the directory includes the save
+        if went_on and request is Request.REGISTER:
+            assert not reads_live(self.session)
+
+    @rule()
+    def optimizer_step(self) -> None:
+        if self._call(Request.STEP):
+            assert not reads_live(self.session)
+
+    @precondition(lambda self: not self.in_flight)
+    @rule()
+    def close(self) -> None:
+        if self._call(Request.CLOSE) and not self.closed:
+            self.session = advance(self.session, Event.CLOSE)
+            self.closed = True
+
+    @precondition(lambda self: not self.in_flight and not self.closed)
+    @rule()
+    def drop(self) -> None:
+        """A dropped Checkpointer's finalizer closes it: a failure nobody raised is dropped."""
+        self.session = advance(self.session, Event.CLOSE)
+        self.closed = True
+        self.pending_error = False
+
+    @rule(event=st.sampled_from(list(Event)))
+    def any_event(self, event: Event) -> None:
+        """An event the table does not allow raises and changes nothing."""
+        if (self.session.phase, event) in TRANSITIONS:
+            return
+        before = self.session
+        with pytest.raises(IllegalTransition):
+            advance(self.session, event)
+        assert self.session == before
+
+    @invariant()
+    def one_save_in_flight_and_every_outcome_known(self) -> None:
+        assert (self.session.phase in SAVING) is self.in_flight
+        for ticket, status in self.outcomes.items():
+            assert save_status(self.session, ticket) is status
+        assert (self.session.failure is not NO_FAILURE) is self.pending_error
+        assert self.raised <= self.failures
+
+
+TestSessionMachine = SessionMachine.TestCase

@@ -1,0 +1,241 @@
+"""The save session in the shell: what each call waits for, records that tell, errors once.
+
+The writer thread is held back at its start by a gate the test opens, so every interleaving
+below is the one the test names — never a race that usually goes one way.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pitstop
+import pitstop.shell.session as session_module
+from pitstop import Checkpointer, Progress, SaveReason
+from pitstop.core.session import Phase, SaveStatus
+from pitstop.errors import DirectoryLocked, SaveError
+
+TIMEOUT = 60.0  # only a safeguard: a gate not opened by then is a failure, never a hang
+OPENER_TIMEOUT = 20.0  # shorter, so that a test's own opener gives up first
+
+
+def _run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, optimizer)
+    return model, optimizer
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class WriterGate:
+    """Holds the writer thread back at its start until :meth:`open`."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.timed_out = False
+
+    def open(self) -> None:
+        self.event.set()
+
+
+@pytest.fixture
+def writer_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[WriterGate]:
+    gate = WriterGate()
+    real: Callable[[session_module.SaveSession], None] = session_module._work
+
+    def held(session: session_module.SaveSession) -> None:
+        gate.timed_out = not gate.event.wait(TIMEOUT)
+        real(session)  # even then: a writer that never ran would hang close()
+
+    monkeypatch.setattr(session_module, "_work", held)
+    yield gate
+    gate.open()  # never leave a writer thread waiting
+    assert not gate.timed_out, "the test never opened the writer gate"
+
+
+def test_overlap_mode_optimizer_step_waits_for_the_copy(
+    tmp_path: Path, writer_gate: WriterGate
+) -> None:
+    """The step pre-hook takes the copy before step() changes the weights (issue 10)."""
+    model, optimizer = _run()
+    at_save = _weights(model)
+    with Checkpointer(
+        tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap"
+    ) as ckpt:
+        saved = ckpt.save(Progress(step=1))
+        assert not saved.published  # the writer has not even started
+        _step(model, optimizer)  # the hook must copy the weights before they change
+        writer_gate.open()
+        ckpt.wait()
+    assert not _same(_weights(model), at_save)
+    assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
+
+
+def test_resume_waits_for_the_save_in_flight(tmp_path: Path, writer_gate: WriterGate) -> None:
+    """Defect 2: resume() loading other weights while an overlap save's copy is pending."""
+    other, _ = _run(seed=1)
+    with Checkpointer(tmp_path / "other", model=other) as ckpt:
+        other_path = ckpt.save(Progress(step=9)).path
+    model, optimizer = _run()
+    at_save = _weights(model)
+    with Checkpointer(
+        tmp_path / "run", model=model, state={"optimizer": optimizer}, async_save="overlap"
+    ) as ckpt:
+        saved = ckpt.save(Progress(step=1))
+        session = ckpt._session
+
+        def open_once_copied() -> None:
+            # resume() must take the copy itself before it loads anything; only then is the
+            # writer let go (had resume not waited, the copy would see the loaded weights).
+            with session._cond:
+                session._cond.wait_for(
+                    lambda: session._state.phase is Phase.WRITING, OPENER_TIMEOUT
+                )
+            writer_gate.open()
+
+        opener = threading.Thread(target=open_once_copied)
+        opener.start()
+        try:
+            ckpt.resume(other_path, strict=False)
+        finally:
+            opener.join(TIMEOUT)
+        assert saved.published
+    assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
+    assert _same(_weights(model), _weights(other))
+
+
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_a_dropped_checkpointer_unlocks_its_directory(tmp_path: Path, mode: bool | str) -> None:
+    """Defect 3: no close(), no gc.collect(): dropping the last reference is enough."""
+    model, optimizer = _run()
+    ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save=mode)  # type: ignore[arg-type]
+    saved = ckpt.save(Progress(step=1))
+    alive = weakref.ref(ckpt)
+    del ckpt
+    assert alive() is None
+    assert saved.published  # the finalizer published what was in flight
+    assert not optimizer._optimizer_step_pre_hooks  # and removed its hook
+    with Checkpointer(tmp_path, model=model) as again:
+        assert again.resume() == Progress(step=1)
+
+
+def test_a_second_live_checkpointer_is_still_refused(tmp_path: Path) -> None:
+    model, _ = _run()
+    with Checkpointer(tmp_path, model=model, async_save=True), pytest.raises(DirectoryLocked):
+        Checkpointer(tmp_path, model=model)
+
+
+@pytest.mark.parametrize(
+    ("reason", "recorded", "detail"),
+    [
+        ("manual", SaveReason.MANUAL, ""),
+        ("before eval", SaveReason.MANUAL, "before eval"),
+        ("stop", SaveReason.STOP, ""),
+        (SaveReason.STOP, SaveReason.STOP, ""),
+        ("final", SaveReason.FINAL, ""),
+    ],
+)
+def test_save_records_the_reason_given(
+    tmp_path: Path, reason: str, recorded: SaveReason, detail: str
+) -> None:
+    """Defect 6: ``save(progress, reason=...)`` recorded ``manual`` whatever the reason."""
+    model, _ = _run()
+    with Checkpointer(tmp_path, model=model) as ckpt:
+        saved = ckpt.save(Progress(step=2), reason=reason)
+        listed = ckpt.checkpoints()[-1]
+    assert (saved.reason, saved.detail) == (recorded, detail)
+    assert (listed.reason, listed.detail) == (recorded, detail)
+    assert pitstop.load(saved.path) is not None
+    final = tmp_path / "final"
+    assert final.exists() is (recorded is SaveReason.FINAL)
+
+
+@pytest.mark.parametrize("reason", ["best", "", 3])
+def test_save_refuses_a_reason_it_cannot_record(tmp_path: Path, reason: object) -> None:
+    model, _ = _run()
+    with Checkpointer(tmp_path, model=model) as ckpt, pytest.raises(pitstop.ConfigError):
+        ckpt.save(Progress(step=2), reason=reason)  # type: ignore[arg-type]
+    assert list(tmp_path.glob("*.pitstop")) == []
+
+
+def test_a_background_record_says_when_it_is_published(
+    tmp_path: Path, writer_gate: WriterGate
+) -> None:
+    model, _ = _run()
+    with Checkpointer(tmp_path, model=model, async_save=True) as ckpt:
+        saved = ckpt.save(Progress(step=1))
+        assert saved.status is SaveStatus.PENDING
+        assert not saved.published
+        assert not saved.path.exists()
+        writer_gate.open()
+        assert saved.wait() is True
+        assert saved.published
+        assert saved.path.is_file()
+
+
+def _failing_directory(ckpt: Checkpointer, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ckpt._directory.execute
+    failures = iter([OSError(28, "No space left on device")])
+
+    def failing(plan, write):  # type: ignore[no-untyped-def]
+        for failure in failures:
+            raise failure
+        return real(plan, write)
+
+    monkeypatch.setattr(ckpt._directory, "execute", failing)
+
+
+CALLS: dict[str, Callable[[Checkpointer], object]] = {
+    "resume": lambda c: c.resume(),
+    "register": lambda c: c.register("counter", torch.optim.SGD([nn.Parameter(torch.ones(1))])),
+    "maybe_save": lambda c: c.maybe_save(Progress(step=3)),
+    "save": lambda c: c.save(Progress(step=3)),
+    "checkpoints": lambda c: c.checkpoints(),
+    "wait": lambda c: c.wait(),
+    "close": lambda c: c.close(),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_failed_background_save_is_raised_by_the_next_call_of_any_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    model, _ = _run()
+    ckpt = Checkpointer(tmp_path, model=model, async_save=True)
+    try:
+        _failing_directory(ckpt, monkeypatch)
+        saved = ckpt.save(Progress(step=2))
+        assert saved.wait() is False
+        assert saved.status is SaveStatus.FAILED
+        with pytest.raises(SaveError) as raised:
+            CALLS[call](ckpt)
+        message = str(raised.value)
+        assert "step 2" in message
+        assert str(tmp_path / "step_000000000002.pitstop") in message
+        assert "No space left on device" in message
+        CALLS["wait"](ckpt) if call != "close" else None  # raised once, not twice
+    finally:
+        ckpt.close()
+    assert not saved.published
+    assert list(tmp_path.glob("*.pitstop")) == []
