@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 from types import ModuleType
@@ -104,3 +105,44 @@ def test_write_strategies_rejects_zero_threads(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         _load("write_strategies").main(["--threads", "0"])
     assert "--threads" in capsys.readouterr().err
+
+
+def test_multirank_save_prints_every_candidate_and_ends_its_workers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    multirank_save = _load("multirank_save")
+    out_json = tmp_path / "rows.json"
+    args = ["--size-mib", "1", "--tensors", "4", "--repeats", "1", "--timeout", "120"]
+    assert multirank_save.main([*args, "--dir", str(tmp_path / "w"), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for system, mode, ranks in multirank_save.CANDIDATES:
+        assert re.search(rf"^\| {re.escape(f'{system} {mode}')} \| {ranks} \|", out, re.M), out
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == len(multirank_save.CANDIDATES)
+    assert all(row["durable_s"] >= row["worst_blocking_s"] > 0 for row in rows), rows
+    # pitstop's rank 0 wrote whole files; DCP wrote one file per rank.
+    written = tmp_path / "w"
+    assert list((written / "pitstop_2-rank_sync").glob("step_*.pitstop"))
+    assert sorted(p.name for p in (written / "dcp_2-rank_save").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+
+
+def test_resume_speed_prints_every_candidate_and_phase(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    resume_speed = _load("resume_speed")
+    out_json = tmp_path / "rows.json"
+    args = ["--sizes-mib", "1", "--tensors", "2", "--repeats", "1", "--warmups", "0"]
+    args += ["--phases", "--dir", str(tmp_path), "--json", str(out_json)]
+    assert resume_speed.main(args) == 0
+    out = capsys.readouterr().out
+    names = ("readinto (floor)", "torch.load + load_state_dict", "dcp.load", "pitstop resume")
+    for name in names:
+        assert f"| {name} |" in out, out
+    assert "| commit: copy into the model |" in out, out
+    rows = json.loads(out_json.read_text())
+    assert {row["candidate"] for row in rows} >= set(names)
+    assert all(row["x_floor"] > 0 and row["runs"] == 1 for row in rows)
+    assert list(tmp_path.iterdir()) == [out_json]  # every file removed

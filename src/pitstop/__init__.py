@@ -19,6 +19,7 @@ from pitstop.errors import (
     CheckpointNotFound,
     ConfigError,
     DirectoryLocked,
+    ImportRefused,
     IncompatibleCheckpoint,
     InvalidValue,
     PitstopError,
@@ -32,6 +33,8 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 if TYPE_CHECKING:
     from pitstop.shell.checkpoint import Checkpoint
+    from pitstop.shell.importer import import_checkpoint
+    from pitstop.shell.info import info
     from pitstop.shell.manager import Checkpointer
     from pitstop.shell.resolve import load, verify
     from pitstop.shell.sampler import ResumableSampler
@@ -45,6 +48,8 @@ _LAZY = {
     "ResumableSampler": "pitstop.shell.sampler",
     "StopRequest": "pitstop.shell.stop",
     "export_weights": "pitstop.shell.weights",
+    "import_checkpoint": "pitstop.shell.importer",
+    "info": "pitstop.shell.info",
     "load": "pitstop.shell.resolve",
     "load_weights": "pitstop.shell.weights",
     "verify": "pitstop.shell.resolve",
@@ -69,6 +74,7 @@ __all__ = [
     "Checkpointer",
     "ConfigError",
     "DirectoryLocked",
+    "ImportRefused",
     "IncompatibleCheckpoint",
     "InvalidValue",
     "PitstopError",
@@ -81,6 +87,8 @@ __all__ = [
     "StopRequest",
     "__version__",
     "export_weights",
+    "import_checkpoint",
+    "info",
     "load",
     "load_weights",
     "target_step",

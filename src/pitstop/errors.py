@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFound",
     "ConfigError",
     "DirectoryLocked",
+    "ImportRefused",
     "IncompatibleCheckpoint",
     "InvalidValue",
     "PitstopError",
@@ -82,6 +83,14 @@ class InvalidValue(ConfigError):
 
 class DirectoryLocked(PitstopError):
     """Another writer holds the checkpoint directory's lock."""
+
+
+class ImportRefused(PitstopError):
+    """A checkpoint from elsewhere that pitstop will not import, and why.
+
+    Raised by :func:`pitstop.import_checkpoint` for a file that only unpickling could read
+    (pitstop never unpickles) or that is no checkpoint format pitstop knows.
+    """
 
 
 class SaveError(PitstopError):

@@ -15,13 +15,17 @@ from pitstop.core.compat import (
     Difference,
     Kind,
     TensorSpec,
+    compare_config,
     diff_components,
     diff_config,
     diff_param_groups,
     diff_tensors,
     diff_world_size,
     flatten,
+    may_change_patterns,
+    may_change_rule,
 )
+from pitstop.errors import ConfigError
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -196,6 +200,19 @@ def test_param_groups_name_the_changed_parameters() -> None:
     assert len(diff_param_groups("o", [["a", "b"]], [["b", "a"]])) == 1
 
 
+@given(groups, groups)
+def test_positional_groups_are_compared_by_size_only(
+    live: list[list[str]], other: list[list[str]]
+) -> None:
+    """An imported optimizer's groups are positions (its parameters were never named)."""
+    positional = [list(range(len(g))) for g in live]
+    assert diff_param_groups("o", positional, live) == []
+    found = diff_param_groups("o", [list(range(len(g))) for g in other], live)
+    sizes = [len(g) for g in other] != [len(g) for g in live]
+    assert bool(found) is sizes
+    assert all("holds other parameters" not in d.message for d in found)
+
+
 def test_param_group_count() -> None:
     [difference] = diff_param_groups("optimizer 'opt'", [["a", "b"]], [["a"], ["b"]])
     assert "1 parameter group(s) in the checkpoint, 2 in the run" in difference.message
@@ -232,16 +249,22 @@ def test_components_accept_any_iterables() -> None:
 # --- diff_world_size --------------------------------------------------------------------------
 
 
-@given(st.integers(1, 1024), st.integers(1, 1024))
-def test_world_size(stored: int, live: int) -> None:
-    found = diff_world_size(stored, live)
+@given(
+    st.integers(1, 1024),
+    st.integers(1, 1024),
+    st.lists(st.text(alphabet="abcxyz_", min_size=1, max_size=8), max_size=3, unique=True),
+)
+def test_world_size(stored: int, live: int, per_rank: list[str]) -> None:
+    found = diff_world_size(stored, live, per_rank)
     if stored == live:
         assert found == []
         return
     [difference] = found
     assert difference.kind is Kind.WORLD_SIZE
-    assert not difference.soft
+    assert difference.soft  # strict=False loads the replicated state, per-rank starts fresh
     assert f"world size is {stored} in the checkpoint, {live} in the run" in difference.message
+    assert "RNG streams" in difference.message
+    assert all(f"component {name!r}" in difference.message for name in per_rank)
 
 
 # --- flatten ----------------------------------------------------------------------------------
@@ -439,3 +462,121 @@ def test_config_messages() -> None:
     # No stored config at all (a checkpoint written without config=) against a config.
     assert _paths(diff_config(None, {"lr": 0.1})) == ["config", "config.lr"]
     assert diff_config(None, None) == []
+
+
+# --- config_may_change --------------------------------------------------------------------------
+
+
+def _changed_paths(stored: object, live: object) -> list[str]:
+    was, now = flatten(stored, "config"), flatten(live, "config")
+    return sorted(
+        list(was.keys() ^ now.keys())
+        + [k for k in was.keys() & now.keys() if not _equal_leaf(was[k], now[k])]
+    )
+
+
+def _note_paths(noted: tuple[str, ...]) -> list[str]:
+    return [n.split(": ", 1)[0] for n in noted]
+
+
+patterns = st.lists(
+    st.text("abcdefgh_.*", min_size=1, max_size=6).filter(lambda p: p.strip(". ")), max_size=3
+)
+
+
+@given(config_maps, config_maps, patterns)
+def test_may_change_splits_every_changed_path_exactly_once(
+    stored: dict[str, Any], live: dict[str, Any], may_change: list[str]
+) -> None:
+    """Each changed key path is either a soft difference or a note, never both, never lost."""
+    compared = compare_config(stored, live, may_change=may_change)
+    refused = _paths(list(compared.differences))
+    noted = _note_paths(compared.noted)
+    assert sorted(refused + noted) == _changed_paths(stored, live)
+    assert not set(refused) & set(noted)
+    rule = may_change_rule(may_change_patterns(may_change))
+    for path in noted:
+        assert rule is not None
+        assert rule.fullmatch(path.removeprefix("config."))
+    for path in refused:
+        assert rule is None or not rule.fullmatch(path.removeprefix("config."))
+    assert diff_config(stored, live, may_change=may_change) == list(compared.differences)
+
+
+@given(config_maps, config_maps)
+def test_no_patterns_is_the_plain_comparison(stored: dict[str, Any], live: dict[str, Any]) -> None:
+    compared = compare_config(stored, live)
+    assert compared.noted == ()
+    assert list(compared.differences) == diff_config(stored, live)
+
+
+@given(config_maps, config_maps)
+def test_double_star_lets_everything_change(stored: dict[str, Any], live: dict[str, Any]) -> None:
+    assume(stored and live)  # the whole config missing is not under any key
+    assert diff_config(stored, live, may_change=["**"]) == []
+
+
+@given(config_maps, keys, configs, configs)
+def test_a_key_pattern_covers_the_key_and_everything_beneath_it(
+    config: dict[str, Any], key: str, was: object, now: object
+) -> None:
+    stored, live = {**config, key: was}, {**config, key: now}
+    assert diff_config(stored, live, may_change=[key]) == []
+    assert diff_config(stored, live, may_change=[f"config.{key}"]) == []
+    noted = compare_config(stored, live, may_change=[key]).noted
+    assert all(
+        p == f"config.{key}" or p.startswith((f"config.{key}.", f"config.{key}["))
+        for p in _note_paths(noted)
+    )
+
+
+def test_may_change_examples() -> None:
+    stored = {"max_iters": 100, "out_dir": "a", "run": {"seed": 0, "name": "x"}, "lr": 0.1}
+    live = {"max_iters": 200, "out_dir": "b", "run": {"seed": 1, "name": "y"}, "lr": 0.2}
+    compared = compare_config(stored, live, may_change=["max_iters", "out_dir", "run.*"])
+    assert [str(d) for d in compared.differences] == ["config.lr: 0.1 in the checkpoint, 0.2 now"]
+    assert compared.noted == (
+        "config.max_iters: 100 in the checkpoint, 200 now",
+        "config.out_dir: 'a' in the checkpoint, 'b' now",
+        "config.run.name: 'x' in the checkpoint, 'y' now",
+        "config.run.seed: 0 in the checkpoint, 1 now",
+    )
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "matches"),
+    [
+        ("run.max_steps", "run.max_steps", True),
+        ("run", "run.max_steps", True),
+        ("run", "runner", False),
+        ("run.*", "run.max_steps", True),
+        ("run.*", "run.a.b", True),  # beneath run.a
+        ("run.*", "run", False),
+        ("*.max_steps", "scheduler.max_steps", True),
+        ("*.max_steps", "a.b.max_steps", False),  # * stays within one key
+        ("**.max_steps", "a.b.max_steps", True),
+        ("max_?ters", "max_iters", True),
+        ("max_?ters", "max_.ters", False),
+        ("layers[0]", "layers[0].size", True),  # brackets are literal
+        ("layers[0]", "layers[1]", False),
+        ("layers", "layers[1].size", True),
+        ("a+b", "a+b", True),  # nothing else is special
+        ("a+b", "aab", False),
+    ],
+)
+def test_may_change_rule(pattern: str, path: str, matches: bool) -> None:
+    rule = may_change_rule([pattern])
+    assert rule is not None
+    assert bool(rule.fullmatch(path)) is matches
+
+
+@pytest.mark.parametrize("bad", ["max_iters", b"x", 3, None, [""], ["."], [3], ["ok", None]])
+def test_may_change_refuses_what_is_not_a_list_of_patterns(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="config_may_change"):
+        may_change_patterns(bad)
+
+
+def test_may_change_accepts_any_iterable_and_drops_the_root() -> None:
+    assert may_change_patterns(("a", "config.b")) == ("a", "b")
+    assert may_change_patterns(p for p in ["x.*"]) == ("x.*",)
+    assert may_change_rule([]) is None

@@ -158,8 +158,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         best = self.policy.best
         if best is None:
             return
-        for entry in self.driver.catalog:
-            if METRIC in entry.metrics:
+        for entry in self.driver.catalog:  # a step-0 checkpoint holds no training: no candidate
+            if METRIC in entry.metrics and entry.step > 0:
                 assert not best.improves(entry.metrics[METRIC], self.driver.pointers.best_value)
 
     @invariant()

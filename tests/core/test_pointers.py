@@ -122,7 +122,8 @@ def test_reconciled_pointers_name_published_checkpoints_and_no_better_best_exist
     pointers, warnings = reconcile_pointers(catalog, links=links, manifest=manifest, best=best)
     assert all(target in catalog for target in pointers.targets())
     if best is not None:
-        recorded = [e.metrics[METRIC] for e in catalog if METRIC in e.metrics]
+        # Candidates: checkpoints that recorded the metric after step 0 (nothing trained before).
+        recorded = [e.metrics[METRIC] for e in catalog if METRIC in e.metrics and e.step > 0]
         assert not any(best.improves(v, pointers.best_value) for v in recorded)
         if any(v == v for v in recorded):  # some finite value: there is a best checkpoint
             assert pointers.best is not NO_CHECKPOINT
@@ -161,3 +162,13 @@ def test_a_symlink_and_latest_json_that_disagree_are_reported() -> None:
         f"pointer final: symlink -> {_name(100)} but latest.json -> {_name(200)}; "
         "using the symlink",
     )
+
+
+def test_recompute_best_ignores_a_step_0_checkpoint() -> None:
+    """A manual save before training may record the metric; it holds no training to be best."""
+    untrained = CheckpointEntry(
+        progress=Progress(), seq=1, reason=SaveReason.MANUAL, metrics={METRIC: 0.0}
+    )
+    catalog = Catalog(entries=[untrained, _entry(5, 2, SaveReason.INTERVAL, val_loss=0.7)])
+    assert recompute_best(catalog, Best(METRIC)) == (_name(5), 0.7)
+    assert recompute_best(Catalog(entries=[untrained]), Best(METRIC)) == (NO_CHECKPOINT, None)

@@ -182,3 +182,55 @@ def test_a_stop_right_after_resuming_an_older_checkpoint_saves_it_again() -> Non
     driver.call(Call.FINISH, older.progress, stop=True)
     assert driver.written[-1] == 2
     assert driver.pointers.last == older.name  # a resume from `last` continues from the stop
+
+
+# --- nothing is best before there is something to compare -------------------------------------
+
+
+@given(policies, st.dictionaries(st.just(METRIC), metric_values, max_size=1), st.booleans())
+def test_an_evaluation_before_any_training_is_never_best(
+    policy: Policy, metrics: dict[str, float], finish: bool
+) -> None:
+    """Step 0 holds no update: a metric reported there saves nothing and moves no pointer."""
+    decision = decide_save(
+        policy,
+        ScheduleState(timer_start=0.0),
+        Pointers(),
+        call=Call.FINISH if finish else Call.MAYBE,
+        progress=Progress(),
+        now=1e9,
+        metrics=metrics,
+    )
+    assert SaveReason.BEST not in decision.reasons
+    assert PointerName.BEST not in decision.moves
+    if not finish:
+        assert not decision.acts
+
+
+def test_the_first_best_is_the_first_trained_step_that_reports_the_metric() -> None:
+    driver = Driver(Policy(best=Best(METRIC), save_final=False))
+    driver.call(Call.MAYBE, Progress(), metrics={METRIC: 5.0})  # the eval before training
+    assert driver.written == []
+    assert driver.pointers.best is NO_CHECKPOINT
+    driver.call(Call.MAYBE, Progress(step=1))  # no metric: not a candidate
+    driver.call(Call.MAYBE, Progress(step=2), metrics={"other": 0.0})  # not this metric either
+    assert driver.written == []
+    driver.call(Call.MAYBE, Progress(step=3), metrics={METRIC: 9.0})  # worse than step 0's
+    assert driver.written == [3]
+    assert driver.pointers.best == driver.catalog.entries[-1].name
+    assert driver.pointers.best_value == 9.0
+
+
+@given(policies, st.lists(st.none() | metric_values, min_size=1, max_size=12))
+def test_best_only_ever_points_at_a_trained_save_that_carries_the_metric(
+    policy: Policy, values: list[float | None]
+) -> None:
+    driver = Driver(policy)
+    for step, value in enumerate(values):  # step 0 first: an evaluation before training
+        metrics = None if value is None else {METRIC: value}
+        driver.call(Call.MAYBE, Progress(step=step), metrics=metrics)
+    if driver.pointers.best is not NO_CHECKPOINT:
+        entry = driver.catalog.get(driver.pointers.best)
+        assert entry is not NO_CHECKPOINT
+        assert entry.step > 0
+        assert METRIC in entry.metrics

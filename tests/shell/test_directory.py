@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dirtools import save
+from dirtools import save, snapshot
 from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Policy
 from pitstop.core.schedule import Call
+from pitstop.errors import SaveError
 from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
 from pitstop.shell.storage import LocalStorage
 
@@ -181,3 +182,95 @@ def test_retention_deletes_only_after_the_new_save(tmp_path: Path) -> None:
             save(directory, step, call=Call.MANUAL)
     names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".pitstop"))
     assert names == [_name(3), _name(4)]
+
+
+# --- what a writer refuses before it writes (issue 11) ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["last", "best", "final", "latest.json"])
+def test_a_directory_in_a_pointers_place_is_refused_at_open(run: Path, name: str) -> None:
+    target = run / name
+    target.unlink()
+    target.mkdir()
+    with pytest.raises(SaveError, match="is a directory") as info:
+        CheckpointDirectory(run).open()
+    assert str(target) in str(info.value)
+    assert f"mv {target} {target}.old" in str(info.value)
+    target.rmdir()
+    with CheckpointDirectory(run):  # the failed open released the lock
+        pass
+
+
+def test_a_protected_directory_refuses_a_fresh_save_naming_the_way_out(run: Path) -> None:
+    before = snapshot(run)
+    directory = CheckpointDirectory(run, protect=True)
+    with directory:
+        with pytest.raises(SaveError) as info:
+            save(directory, 1)
+        message = str(info.value)
+        for part in (str(run), "3 checkpoint(s)", "step 3", _name(3), "resume()"):
+            assert part in message
+        assert "overwrite=True" in message
+        assert snapshot(run) == before  # refused before a byte was written
+        directory.adopt()  # resumed: the checkpoints are this run's to replace
+        save(directory, 4)
+    assert scan(LocalStorage(run)).pointers.last == _name(4)
+
+
+def test_an_unprotected_directory_or_an_empty_one_saves(run: Path, tmp_path: Path) -> None:
+    with CheckpointDirectory(run) as directory:
+        save(directory, 4)
+    with CheckpointDirectory(tmp_path / "empty", protect=True) as directory:
+        save(directory, 1)
+
+
+def test_components_carried_forward_are_named_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pitstop"), CheckpointDirectory(tmp_path) as d:
+        d.note_carried(set(), "nothing")
+        d.note_carried({"opt", "sched"}, "step_000000000001.pitstop")
+        d.note_carried({"opt"}, "step_000000000001.pitstop")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "'opt', 'sched'" in warnings[0]
+    assert "step_000000000001.pitstop" in warnings[0]
+
+
+@pytest.mark.parametrize("world_size", ["two", 0, -1, 1.5, None, True])
+def test_a_malformed_world_size_is_corrupt(tmp_path: Path, world_size: object) -> None:
+    with CheckpointDirectory(tmp_path) as directory:
+        save(directory, 1)
+        save(directory, 2, meta={"world_size": world_size})
+    found = scan(LocalStorage(tmp_path))
+    assert [e.step for e in found.catalog] == [1]
+    assert "world_size" in found.unreadable[_name(2)]
+
+
+def test_a_best_value_the_checkpoint_did_not_record_is_not_trusted(run: Path) -> None:
+    latest = json.loads((run / "latest.json").read_text())
+    assert latest["best_value"] == 0.1
+    latest["best_value"] = 0.01  # flipped: it would keep a better run from becoming best
+    (run / "latest.json").write_text(json.dumps(latest))
+    found = scan(LocalStorage(run), Best("loss"))
+    assert (found.pointers.best, found.pointers.best_value) == (_name(2), 0.1)
+    assert any("best_value 0.01 is not what" in w for w in found.warnings)
+
+
+def test_a_latest_json_nested_too_deep_is_ignored(run: Path) -> None:
+    (run / "latest.json").write_text("[" * 200_000)
+    found = scan(LocalStorage(run))
+    assert found.pointers.last == _name(3)
+    assert any("latest.json is unreadable" in w for w in found.warnings)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_latest_json_that_is_no_regular_file_is_not_read(run: Path, kind: str) -> None:
+    (run / "latest.json").unlink()
+    if kind == "fifo":
+        os.mkfifo(run / "latest.json")
+    else:
+        os.symlink("/dev/zero", run / "latest.json")
+    found = scan(LocalStorage(run))  # returns at once: a FIFO is never opened for reading
+    assert found.pointers.last == _name(3)
+    assert any("latest.json is a" in w for w in found.warnings)

@@ -968,3 +968,43 @@ def test_checksum_benchmark_runs(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert "zlib.crc32 (one call)" in out
     assert "fileformat verify" in out
     assert out_json.exists()
+
+
+# --- what is not a regular file, and manifests claimed but not there ---------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
+def test_something_else_in_a_checkpoints_place_is_refused_before_it_is_read(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "step_000000000001.pitstop"
+    if kind == "fifo":
+        os.mkfifo(path)  # an open for reading would block until a writer came
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)  # a read would never end
+    else:
+        path.mkdir()
+    for check in (ff.read_manifest, ff.load, ff.verify):
+        with pytest.raises(CheckpointCorrupt, match=r"not a checkpoint: .* not a regular file"):
+            check(path)
+
+
+def test_a_footer_claiming_a_huge_manifest_is_refused_without_holding_it(tmp_path: Path) -> None:
+    """A 1 GiB manifest claimed over a sparse file: its start is checked first, then its
+    checksum a piece at a time; the claim costs neither seconds nor memory."""
+    from reliability.bounds import bounded
+
+    path = tmp_path / "claims.pitstop"
+    size = (2 << 30) + 4096
+    assemble(path, b"", manifest_offset=size - 40 - (1 << 30), manifest_length=1 << 30)
+    with open(path, "r+b") as file:  # move the footer to the end of a sparse 2 GiB file
+        file.seek(64)
+        footer = file.read(40)
+        file.truncate(64)
+        file.truncate(size - 40)
+        file.seek(size - 40)
+        file.write(footer)
+    for check in (ff.read_manifest, ff.verify):
+        _, error, _ = bounded(lambda check=check: check(path), seconds=5)
+        assert isinstance(error, CheckpointCorrupt)
+        assert "no manifest starts there" in str(error)

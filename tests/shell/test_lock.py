@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pitstop.errors import DirectoryLocked
+from pitstop.errors import DirectoryLocked, SaveError
 from pitstop.shell.lock import DirectoryLock
 
 HOLDER = """
@@ -90,3 +91,96 @@ def test_release_is_idempotent_and_reacquire_works(tmp_path: Path) -> None:
     assert not lock.held
     with DirectoryLock(tmp_path, run_id="b"), pytest.raises(DirectoryLocked, match="run b"):
         DirectoryLock(tmp_path, run_id="c").acquire()
+
+
+# --- the holder's record is readable whenever the lock is held ---------------------------------
+
+
+def _second_writer_during_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[DirectoryLock, list[BaseException]]:
+    """Writer "first" takes the lock; in the instant after its flock and before its record is
+    written, writer "second" tries (on its own thread). Returns the first lock and what the
+    second one raised."""
+    from pitstop.shell import lock as lock_module
+
+    real = lock_module.os.ftruncate
+    errors: list[BaseException] = []
+    seconds: list[threading.Thread] = []
+
+    def second() -> None:
+        try:
+            DirectoryLock(tmp_path, run_id="second").acquire()
+        except BaseException as error:
+            errors.append(error)
+
+    def ftruncate(fd: int, length: int) -> None:
+        if not seconds:  # the first writer's own record write: hold still while "second" tries
+            thread = threading.Thread(target=second)
+            seconds.append(thread)
+            thread.start()
+            thread.join(timeout=0.5)  # without a gate it is refused here, in the window
+        real(fd, length)
+
+    monkeypatch.setattr(lock_module.os, "ftruncate", ftruncate)
+    first = DirectoryLock(tmp_path, run_id="first")
+    first.acquire()
+    monkeypatch.setattr(lock_module.os, "ftruncate", real)
+    seconds[0].join(timeout=60)
+    assert not seconds[0].is_alive()
+    return first, errors
+
+
+def test_a_writer_starting_at_the_same_instant_names_the_holder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, errors = _second_writer_during_the_window(tmp_path, monkeypatch)
+    try:
+        assert len(errors) == 1
+        assert isinstance(errors[0], DirectoryLocked)
+        assert f"locked by run first (pid {os.getpid()}" in str(errors[0])
+    finally:
+        first.release()
+
+
+def test_a_writer_starting_during_a_takeover_names_the_new_holder_not_the_dead_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / ".lock").write_text('{"host": "gone", "pid": 999999, "run_id": "dead-run"}')
+    first, errors = _second_writer_during_the_window(tmp_path, monkeypatch)
+    try:
+        assert len(errors) == 1
+        message = str(errors[0])
+        assert "locked by run first" in message
+        assert "dead-run" not in message
+    finally:
+        first.release()
+
+
+# --- a .lock that is not a regular file --------------------------------------------------------
+
+
+def test_a_lock_symlink_is_refused_and_its_target_left_alone(tmp_path: Path) -> None:
+    victim = tmp_path / "precious.txt"
+    victim.write_text("do not truncate me")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(victim, run / ".lock")
+    with pytest.raises(SaveError, match=r"\.lock is a symlink, not pitstop's lock file"):
+        DirectoryLock(run, run_id="x").acquire()
+    assert victim.read_text() == "do not truncate me"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_lock_that_is_a_fifo_or_a_directory_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    lock = tmp_path / ".lock"
+    os.mkfifo(lock) if kind == "fifo" else lock.mkdir()
+    with pytest.raises(SaveError, match=r"\.lock is a (FIFO|directory), not pitstop's lock file"):
+        DirectoryLock(tmp_path, run_id="x").acquire()
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_a_pitstop_error(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-dir"
+    path.write_text("a file")
+    with pytest.raises(SaveError, match="is not a directory"):
+        DirectoryLock(path, run_id="x").acquire()

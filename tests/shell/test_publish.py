@@ -157,3 +157,23 @@ def test_a_filesystem_without_symlinks_keeps_pointers_in_latest_json(
     found = scan(LocalStorage(tmp_path))
     assert found.pointers.last == "step_000000000003.pitstop"
     assert "symlinks unsupported" in caplog.text
+
+
+def test_a_failed_first_save_leaves_an_empty_directory_empty(tmp_path: Path) -> None:
+    """The rollback of a first save restores "no pointers" — it writes no latest.json."""
+    probe = FaultyStorage(tmp_path / "count")
+    with _directory(tmp_path / "count", probe) as directory:
+        save(directory, 1)
+    total = len(probe.ops)
+    for fail_at in range(1, total + 1):
+        path = tmp_path / f"run{fail_at}"
+        storage = FaultyStorage(path, fail_at=fail_at)
+        with _directory(path, storage) as directory:
+            try:
+                save(directory, 1)
+            except SaveError as error:
+                message = str(error)
+                assert "step 1" in message
+                assert snapshot(path) == {}, f"fault at op {fail_at} ({storage.ops[-1]})"
+            else:
+                assert storage.ops[fail_at - 1] in {"remove", "sync_directory"}

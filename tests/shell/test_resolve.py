@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from pitstop.core.schedule import Call
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.resolve import resolve_checkpoint
+from reliability.bounds import bounded
 
 
 def _name(step: int) -> str:
@@ -72,3 +74,39 @@ def test_a_directory_without_a_final_says_so(run: Path) -> None:
         resolve_checkpoint(run / "final")
     with pytest.raises(CheckpointNotFound, match="has no final checkpoint"):
         resolve_checkpoint(run / "final", fallback=False)
+
+
+# --- latest.json that is a FIFO, a device or 2 GiB: every reader refuses it at once ----------
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _zero(path: Path) -> None:
+    os.symlink("/dev/zero", path)
+
+
+def _sparse(path: Path) -> None:
+    with open(path, "wb") as file:
+        file.truncate(2 << 30)
+
+
+@pytest.mark.parametrize("plant", [_fifo, _zero, _sparse], ids=["fifo", "dev-zero", "2GiB-sparse"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda run: pitstop.load(run),
+        lambda run: pitstop.verify(run / "last"),
+        lambda run: pitstop.load(run / "last"),
+    ],
+    ids=["load(dir)", "verify(dir/last)", "load(dir/last)"],
+)
+def test_a_latest_json_that_is_no_regular_file_never_hangs_or_grows_memory(
+    run: Path, plant: Any, call: Any
+) -> None:
+    (run / "latest.json").unlink()
+    plant(run / "latest.json")
+    result, error, _ = bounded(lambda: call(run))  # within 5 s and 500 MiB
+    assert error is None
+    assert result is not None

@@ -239,3 +239,18 @@ def test_a_failed_background_save_is_raised_by_the_next_call_of_any_kind(
         ckpt.close()
     assert not saved.published
     assert list(tmp_path.glob("*.pitstop")) == []
+
+
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_a_background_save_that_only_moves_pointers(tmp_path: Path, mode: bool | str) -> None:
+    """finish() at the step the last maybe_save wrote: no new file, `final` moves to it."""
+    model, _ = _run()
+    policy = pitstop.Policy(every_steps=2)
+    with Checkpointer(tmp_path, model=model, policy=policy, async_save=mode) as ckpt:  # type: ignore[arg-type]
+        written = ckpt.maybe_save(Progress(step=2))
+        final = ckpt.finish(Progress(step=2))
+        assert written is not None
+        assert final is not None
+        assert final.path == written.path
+        assert final.published
+    assert (tmp_path / "final").resolve() == written.path.resolve()

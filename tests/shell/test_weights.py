@@ -573,3 +573,124 @@ def test_with_the_checkpointer_when_it_exists(tmp_path: Path) -> None:
     fresh = Net(seed=7)
     load_weights(fresh, tmp_path / "ck", weights="ema")
     assert_same_state(expected, fresh.state_dict())
+
+
+# --- strict=False and map_location ---------------------------------------------------------------
+
+
+class _NewHead(nn.Module):
+    """Net's body with another head: fine-tuning a trained model for a new task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.classifier = nn.Linear(3, 5)
+
+
+def test_strict_false_loads_what_is_shared_and_returns_the_rest(tmp_path: Path) -> None:
+    source, _ = trained()
+    path = save_model(tmp_path, source)
+    model = _NewHead()
+    head = {k: v.clone() for k, v in model.classifier.state_dict().items()}
+    result = load_weights(model, path, strict=False)
+    assert result.missing_keys == ["classifier.weight", "classifier.bias"]
+    assert result.unexpected_keys == ["head.weight", "head.bias"]
+    assert (result.missing_keys, result.unexpected_keys) == tuple(result)  # load_state_dict-like
+    shared = {k: v for k, v in source.state_dict().items() if not k.startswith("head.")}
+    assert_same_state(shared, {k: v for k, v in model.state_dict().items() if k in shared})
+    assert_same_state(head, model.classifier.state_dict())  # the new head kept its values
+    with pytest.raises(IncompatibleCheckpoint, match=r"'classifier\.weight' is in the run"):
+        load_weights(_NewHead(), path)  # strict=True (the default) still refuses
+
+
+def test_strict_true_returns_nothing_left_out(tmp_path: Path) -> None:
+    source, _ = trained()
+    result = load_weights(Net(seed=7), save_model(tmp_path, source))
+    assert result == ([], [])
+
+
+def test_strict_false_still_refuses_shape_and_dtype_differences(tmp_path: Path) -> None:
+    source, _ = trained()
+    path = save_model(tmp_path, source)
+    model = _NewHead()
+    model.fc = nn.Linear(4, 6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(IncompatibleCheckpoint) as caught:
+        load_weights(model, path, strict=False)
+    text = "\n".join(caught.value.differences)
+    assert "'fc.weight' has shape [3, 4] in the checkpoint, [6, 4] in the run" in text
+    assert "is in the run but not" not in text  # only what strict=False cannot pass
+    assert_same_state(before, model.state_dict())
+
+
+def test_map_location_loads_a_meta_model_from_the_file_mapping_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, _ = trained()
+    path = save_model(tmp_path, source)
+    loaded: list[Any] = []
+    real_load = fileformat.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        tree = real_load(*args, **kwargs)
+        loaded.append(tree)
+        return tree
+
+    monkeypatch.setattr(fileformat, "load", spy)
+    with torch.device("meta"):
+        model = Net(seed=7)
+    with pytest.raises(ConfigError, match=r"meta device.*map_location"):
+        load_weights(model, path)
+    loaded.clear()
+    assert load_weights(model, path, map_location="cpu") == ([], [])
+    assert_same_state(source.state_dict(), model.state_dict())
+    # The parameters are the memory-mapped tensors themselves: no second copy on the host.
+    [mapped] = loaded
+    for name, parameter in model.named_parameters():
+        assert isinstance(parameter, nn.Parameter)
+        assert parameter.data_ptr() == mapped[name].data_ptr(), name
+        assert parameter.requires_grad
+    model.fc.weight.data.add_(1.0)  # writable, copy-on-write: the file keeps its bytes
+    fresh = Net(seed=9)
+    load_weights(fresh, path)
+    assert_same_state(source.state_dict(), fresh.state_dict())
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.out = nn.Linear(3, 5, bias=False)
+        self.out.weight = self.embed.weight
+
+
+def test_map_location_keeps_tied_parameters_tied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = _Tied()
+    path = save_model(tmp_path, source)
+    with torch.device("meta"):
+        model = _Tied()
+    load_weights(model, path, map_location=torch.device("cpu"))
+    assert model.out.weight is model.embed.weight
+    assert len(list(model.parameters())) == 1
+    assert bitwise_equal(model.embed.weight, source.embed.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_map_location_cuda_puts_the_weights_on_the_device(tmp_path: Path) -> None:
+    source, _ = trained()
+    path = save_model(tmp_path, source)
+    with torch.device("meta"):
+        model = Net(seed=7)
+    load_weights(model, path, map_location="cuda")
+    assert all(t.device.type == "cuda" for t in model.state_dict().values())
+    assert_same_state(source.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("bad", ["nowhere", 3, object()])
+def test_a_bad_map_location_is_a_config_error(tmp_path: Path, bad: Any) -> None:
+    path = save_model(tmp_path, trained()[0])
+    with pytest.raises(ConfigError, match="map_location"):
+        load_weights(Net(), path, map_location=bad)

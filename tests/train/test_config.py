@@ -9,10 +9,12 @@ import pytest
 import yaml
 from trainkit import SMOKE
 
+from pitstop.core.compat import diff_config, flatten, may_change_rule
 from pitstop.core.config import CheckpointConfig
 from pitstop.core.records import Best
 from pitstop.errors import ConfigError
 from pitstop.train.config import (
+    MAY_CHANGE,
     EmaSection,
     OptimizerSection,
     RunConfig,
@@ -128,6 +130,22 @@ def test_the_recipe_leaves_out_what_may_change_between_runs() -> None:
     assert recipe["optimizer"] == {"lr": 0.03, "weight_decay": 0.01}
     more_lr = load_config({**MINIMAL, "optimizer": {"lr": 0.2}})
     assert more_lr.recipe() != load_config(MINIMAL).recipe()
+
+
+def test_checkpoints_store_the_recipe_and_what_may_change() -> None:
+    """stored() is the recipe plus exactly the keys MAY_CHANGE names (the seeds' cumulative
+    limits, the output directory, the device and the reporting intervals)."""
+    config = load_config(SMOKE)
+    stored = flatten(config.stored())
+    rule = may_change_rule(MAY_CHANGE)
+    assert rule is not None
+    assert {k: v for k, v in stored.items() if not rule.fullmatch(k)} == flatten(config.recipe())
+    assert {k for k in stored if rule.fullmatch(k)} == set(MAY_CHANGE)
+    changed = load_config(
+        override(yaml.safe_load(SMOKE.read_text()), output_dir="elsewhere", max_steps=1000)
+    )
+    assert diff_config(config.stored(), changed.stored(), may_change=MAY_CHANGE) == []
+    assert diff_config(config.stored(), changed.stored()) != []
 
 
 def test_yaml_file_errors(tmp_path: Path) -> None:

@@ -11,10 +11,14 @@ In ``runs/demo/`` (under the current directory) it:
    installed).
 
 Exit status 0 when the weights are bitwise equal, 1 otherwise.
+
+``pitstop demo --ranks N`` (N >= 2) runs the same story with N gloo ranks, one process each,
+and a SIGTERM to one of them: see :mod:`pitstop.cli.demo_multirank`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 import shutil
@@ -29,7 +33,7 @@ from rich.console import Console
 
 from pitstop.shell.atomic import write_atomically
 
-__all__ = ["DEMO_CONFIG", "run_demo"]
+__all__ = ["DEMO_CONFIG", "add_parser", "run_demo"]
 
 TARGET = 40
 STOP_AFTER = 17  # the child is signalled once it reports this step
@@ -46,6 +50,33 @@ DEMO_CONFIG: dict[str, Any] = {
 """The demo's run configuration (``run.output_dir`` is filled in per run)."""
 
 _STEP_LINE = re.compile(r"^step (\d+)/\d+ epoch \d+ loss (\S+)")
+
+
+def _ranks(text: str) -> int:
+    try:
+        ranks = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks must be an integer, got {text!r}") from None
+    if ranks < 1:
+        raise argparse.ArgumentTypeError(f"--ranks must be >= 1, got {ranks}")
+    return ranks
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``demo`` subcommand to ``commands``."""
+    demo = commands.add_parser(
+        "demo",
+        help="show pitstop at work on the CPU",
+        description="Train the built-in task, stop it with a real SIGTERM, resume it, list its "
+        "checkpoints and compare it bit for bit with a straight run. With --ranks N: the same "
+        "with N gloo ranks (one process each) and a SIGTERM to one of them.",
+    )
+    demo.add_argument(
+        "--ranks",
+        type=_ranks,
+        default=1,
+        help="how many ranks (processes on gloo) train together; default 1",
+    )
 
 
 def _config(output_dir: Path) -> dict[str, Any]:
@@ -107,8 +138,19 @@ def _plot(
     return True
 
 
-def run_demo(console: Console) -> int:
-    """Run the demo in ``runs/demo``; return 0 when the resumed run equals the straight one."""
+def run_demo(console: Console, ranks: int = 1) -> int:
+    """Run the demo in ``runs/demo``; return 0 when the resumed run equals the straight one.
+
+    ``ranks`` > 1: the multi-rank demo in ``runs/demo-ranks`` instead.
+    """
+    if ranks > 1:
+        from pitstop.cli.demo_multirank import run_ranks_demo
+
+        return run_ranks_demo(console, ranks)
+    root = Path("runs/demo")
+    # Said before torch is imported (seconds on a cold start), so the first line comes at once.
+    console.print(f"[bold]1.[/bold] training straight through to step {TARGET} ({root}/straight)")
+
     import torch
 
     import pitstop
@@ -116,12 +158,9 @@ def run_demo(console: Console) -> int:
     from pitstop.train.report import Reporter
     from pitstop.train.run import train_from_config
 
-    root = Path("runs/demo")
     for part in ("straight", "resumed"):
         shutil.rmtree(root / part, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-
-    console.print(f"[bold]1.[/bold] training straight through to step {TARGET} ({root}/straight)")
     straight = train_from_config(_config(root / "straight"), reporter=Reporter())
 
     console.print(f"[bold]2.[/bold] training again in a child process ({root}/resumed)")

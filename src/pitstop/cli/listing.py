@@ -2,28 +2,48 @@
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pitstop.core.records import NO_CHECKPOINT, PointerName
+from pitstop.cli.common import named_target
+from pitstop.cli.progress import progress_bars
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, PointerName
 from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.formatting import format_size
 from pitstop.shell import fileformat
-from pitstop.shell.directory import choose_resume, scan
-from pitstop.shell.resolve import recorded_policy, verify
+from pitstop.shell.directory import ResumeChoice, choose_resume, scan
+from pitstop.shell.resolve import recorded_policy
 from pitstop.shell.storage import LocalStorage
 
-__all__ = ["list_directory", "verify_checkpoint"]
+__all__ = ["format_metrics", "list_directory", "verify_checkpoint"]
+
+_COLUMNS = ("step", "epoch", "samples", "tokens", "reason", "metrics", "size", "seq", "pointers")
 
 
-def list_directory(console: Console, directory: str, *, check: bool = False) -> int:
-    """Print a table of the checkpoints in ``directory``; with ``check``, verify each one.
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """``val_loss=0.48, accuracy=0.91`` (6 significant digits), or ``-`` when there are none."""
+    return ", ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items())) or "-"
 
-    Returns 0, or 1 when ``check`` finds a corrupt or unreadable checkpoint.
+
+def _json_number(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN or infinity
+
+
+def list_directory(
+    console: Console, directory: str, *, check: bool = False, as_json: bool = False
+) -> int:
+    """Print a table (or, with ``as_json``, a JSON array) of the checkpoints in ``directory``.
+
+    With ``check``, verify each one. Returns 0, or 1 when ``check`` finds a corrupt or
+    unreadable checkpoint.
     """
     path = Path(directory)
     if not path.is_dir():
@@ -33,41 +53,95 @@ def list_directory(console: Console, directory: str, *, check: bool = False) -> 
     found = scan(storage, None if policy is None else policy.best)
     retention = None if policy is None else plan_retention(found.catalog, found.pointers, policy)
 
+    failures: dict[str, str] = dict(found.unreadable)
+    checked: dict[str, str | None] = {}  # name -> None (ok) or the problem
+    if check:
+        with progress_bars(console, enabled=not as_json):
+            for entry in found.catalog:
+                try:
+                    fileformat.verify(storage.path(entry.name))
+                    checked[entry.name] = None
+                except (CheckpointCorrupt, OSError) as exc:
+                    failures[entry.name] = checked[entry.name] = str(exc)
+
+    def resume_choice() -> ResumeChoice:  # what a resume would use, from the checks just made
+        return choose_resume(
+            storage,
+            found,
+            PointerName.LAST,
+            verify=lambda p: None if p.name not in failures else (_raise(failures[p.name])),
+        )
+
+    def pointers_of(entry: CheckpointEntry) -> list[str]:
+        return [p.value for p in PointerName if found.pointers.target(p) == entry.name]
+
+    def kept(entry: CheckpointEntry) -> list[str] | None:
+        if retention is None:
+            return None
+        return sorted(r.value for r in retention.why(entry.name))
+
+    if as_json:
+        choice = resume_choice() if check else None
+        rows: list[dict[str, Any]] = []
+        for entry in found.catalog:
+            row: dict[str, Any] = {
+                "name": entry.name,
+                "path": str(storage.path(entry.name)),
+                "step": entry.step,
+                "epoch": entry.progress.epoch,
+                "batch_in_epoch": entry.progress.batch_in_epoch,
+                "samples": entry.progress.samples,
+                "tokens": entry.progress.tokens,
+                "reason": entry.reason.value,
+                "detail": entry.detail,
+                "metrics": {k: _json_number(v) for k, v in entry.metrics.items()},
+                "size": found.sizes[entry.name],
+                "seq": entry.seq,
+                "pointers": pointers_of(entry),
+                "kept_because": kept(entry),
+            }
+            if check:
+                problem = checked.get(entry.name)
+                row["check"] = "ok" if problem is None else "corrupt"
+                row["problem"] = problem
+                row["resume_from_last"] = choice is not None and choice.entry == entry
+            rows.append(row)
+        for name, why in found.unreadable.items():
+            rows.append(
+                {"name": name, "path": str(storage.path(name)), "unreadable": why}
+                | ({"check": "unreadable", "problem": why} if check else {})
+            )
+        console.file.write(json.dumps(rows, indent=2) + "\n")
+        errors = Console(stderr=True, highlight=False, soft_wrap=True)
+        for warning in found.warnings:
+            errors.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+        return 1 if check and failures else 0
+
     table = Table(title=str(path), title_justify="left")
-    for column in ("step", "epoch", "samples", "tokens", "reason", "size", "seq", "pointers"):
-        table.add_column(column, justify="right" if column != "reason" else "left")
+    for column in _COLUMNS:
+        table.add_column(column, justify="left" if column in ("reason", "metrics") else "right")
     table.add_column("kept because")
     if check:
         table.add_column("check")
-
-    failures: dict[str, str] = dict(found.unreadable)
     for entry in found.catalog:
-        pointers = [p.value for p in PointerName if found.pointers.target(p) == entry.name]
-        why = (
-            "policy unknown"
-            if retention is None
-            else ", ".join(sorted(r.value for r in retention.why(entry.name)))
-        )
+        kept_for = kept(entry)
         reason = entry.reason.value + (f" ({entry.detail})" if entry.detail else "")
-        row = [
+        row_cells = [
             str(entry.step),
             str(entry.progress.epoch),
             str(entry.progress.samples),
             str(entry.progress.tokens),
             reason,
+            format_metrics(entry.metrics),
             format_size(found.sizes[entry.name]),
             str(entry.seq),
-            ", ".join(pointers) or "-",
-            why or "-",
+            ", ".join(pointers_of(entry)) or "-",
+            "policy unknown" if kept_for is None else ", ".join(kept_for) or "-",
         ]
         if check:
-            try:
-                fileformat.verify(storage.path(entry.name))
-                row.append("[green]ok[/green]")
-            except CheckpointCorrupt as exc:
-                failures[entry.name] = str(exc)
-                row.append("[red]CORRUPT[/red]")
-        table.add_row(*row)
+            ok = checked.get(entry.name) is None
+            row_cells.append("[green]ok[/green]" if ok else "[red]CORRUPT[/red]")
+        table.add_row(*row_cells)
     for name in found.unreadable:
         table.add_row(
             "?",
@@ -75,6 +149,7 @@ def list_directory(console: Console, directory: str, *, check: bool = False) -> 
             "",
             "",
             f"[red]unreadable[/red]: {name}",
+            "",
             "",
             "",
             "",
@@ -88,25 +163,22 @@ def list_directory(console: Console, directory: str, *, check: bool = False) -> 
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     if not check:
         return 0
-
     for name, why in failures.items():
         console.print(f"[red]corrupt:[/red] {escape(why if name in why else f'{name}: {why}')}")
-    choice = choose_resume(
-        storage,
-        found,
-        PointerName.LAST,
-        verify=lambda p: None if p.name not in failures else (_raise(failures[p.name])),
-    )
+    _print_resume(console, resume_choice())
+    return 1 if failures else 0
+
+
+def _print_resume(console: Console, choice: ResumeChoice) -> None:
     if choice.entry is NO_CHECKPOINT:
         console.print("a resume would start fresh: no valid checkpoint")
-    else:
-        skipped = f", after skipping {', '.join(choice.skipped)}" if choice.skipped else ""
-        console.print(
-            f"a resume from last would use {choice.entry.name} (step {choice.entry.step}): the "
-            f"most recently published valid checkpoint (seq {choice.entry.seq}){skipped}",
-            highlight=False,
-        )
-    return 1 if failures else 0
+        return
+    skipped = f", after skipping {', '.join(choice.skipped)}" if choice.skipped else ""
+    console.print(
+        f"a resume from last would use {choice.entry.name} (step {choice.entry.step}): the "
+        f"most recently published valid checkpoint (seq {choice.entry.seq}){skipped}",
+        highlight=False,
+    )
 
 
 def _raise(message: str) -> None:
@@ -114,15 +186,36 @@ def _raise(message: str) -> None:
 
 
 def verify_checkpoint(console: Console, checkpoint: str) -> int:
-    """Verify ``checkpoint`` (file, pointer or directory); 0 when valid, 1 when corrupt."""
+    """Verify ``checkpoint`` (file, pointer or directory); 0 when valid, 1 when corrupt.
+
+    A pointer is checked at the file it names on disk, never at a fallback: a truncated
+    ``last`` is CORRUPT even when an older checkpoint is valid. The line says what was checked.
+    """
+    target = named_target(checkpoint)
+    via = f" ({target.via})" if target.via else ""
     try:
-        path = verify(checkpoint)
-    except CheckpointCorrupt as exc:
-        console.print(f"[red]CORRUPT[/red] {escape(str(exc))}", highlight=False)
+        with progress_bars(console):
+            fileformat.verify(target.path)
+        manifest = fileformat.read_manifest(target.path)
+    except FileNotFoundError:
+        console.print(
+            f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: the file does not exist",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 1
-    manifest = fileformat.read_manifest(path)
+    except CheckpointCorrupt as exc:
+        message = str(exc).removeprefix(f"{target.path}: ")
+        console.print(
+            f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: {escape(message)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 1
     console.print(
-        f"[green]OK[/green] {path}: {len(manifest.tensors)} tensors, {format_size(manifest.size)}",
+        f"[green]OK[/green] {escape(str(target.path))}{escape(via)}: {len(manifest.tensors)} "
+        f"tensors, {format_size(manifest.size)}",
         highlight=False,
+        soft_wrap=True,
     )
     return 0

@@ -2,11 +2,15 @@
 #
 # Rules: restore is all-or-nothing, so every difference is found before any tensor is touched,
 # and all of them are reported at once. Hard differences — a tensor missing, unexpected, or of
-# another shape or dtype; optimizer parameter groups of another count, size or membership; a
-# different world size — always refuse the restore. Soft differences — a component the
-# checkpoint lacks, a stored config value that changed — refuse it under strict=True and become
-# warnings under strict=False. Components the checkpoint holds but the run has not registered
-# are not differences: they wait for a deferred register().
+# another shape or dtype; optimizer parameter groups of another count, size or membership —
+# always refuse the restore. Soft differences — a component the checkpoint lacks, a stored
+# config value that changed, another world size (per-rank state then starts fresh) — refuse it
+# under strict=True and become warnings under strict=False. Components the checkpoint holds
+# but the run has not registered are not differences: they wait for a deferred register().
+# Config keys the run declares may change (config_may_change: key paths and globs) are compared
+# too, but only reported: a change under one of them is a note, never a difference. A pattern
+# covers the key path it matches and everything beneath it; `*` matches within one key, `**`
+# across keys.
 # How: the shell describes both sides as flat {key path: TensorSpec | type name} mappings and
 # parameter-name lists; these functions compare values and return Difference records.
 
@@ -16,15 +20,21 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from pitstop.core.ranks import per_rank_message
+from pitstop.errors import ConfigError
+
 __all__ = [
+    "ConfigComparison",
     "Difference",
     "Kind",
     "TensorSpec",
+    "compare_config",
     "diff_components",
     "diff_config",
     "diff_ema",
@@ -35,6 +45,8 @@ __all__ = [
     "flatten",
     "judge",
     "layout_differences",
+    "may_change_patterns",
+    "may_change_rule",
 ]
 
 
@@ -117,9 +129,13 @@ def diff_tensors(
 
 
 def diff_param_groups(
-    where: str, stored: Sequence[Sequence[str]], live: Sequence[Sequence[str]]
+    where: str, stored: Sequence[Sequence[str | int]], live: Sequence[Sequence[str]]
 ) -> list[Difference]:
-    """Compare an optimizer's parameter groups, each a list of parameter names in order."""
+    """Compare an optimizer's parameter groups, each a list of parameter names in order.
+
+    A stored group of positions (ints: an imported optimizer, whose parameter names were never
+    known) is compared by size only, as torch's own load_state_dict matches it.
+    """
     if len(stored) != len(live):
         return [
             Difference(
@@ -138,7 +154,7 @@ def diff_param_groups(
                     f"the checkpoint, {len(now)} in the run",
                 )
             )
-        elif list(was) != list(now):
+        elif list(was) != list(now) and not all(type(n) is int for n in was):
             changed = [f"{a!r} -> {b!r}" for a, b in zip(was, now, strict=True) if a != b]
             out.append(
                 Difference(
@@ -223,15 +239,16 @@ def judge(differences: Sequence[Difference], *, strict: bool) -> bool:
     return any(not d.soft for d in differences) or (strict and bool(differences))
 
 
-def diff_world_size(stored: int, live: int) -> list[Difference]:
-    """A checkpoint restores only into the world size that wrote it."""
+def diff_world_size(stored: int, live: int, per_rank: Sequence[str] = ()) -> list[Difference]:
+    """Per-rank state continues only in the world size that wrote it (soft: see strict=False).
+
+    Under ``strict=False`` the replicated state loads and the per-rank state starts fresh.
+    """
     if stored == live:
         return []
     return [
         Difference(
-            kind=Kind.WORLD_SIZE,
-            message=f"world size is {stored} in the checkpoint, {live} in the run "
-            "(per-rank RNG and data sharding would not continue exactly)",
+            kind=Kind.WORLD_SIZE, message=per_rank_message(stored, live, per_rank), soft=True
         )
     ]
 
@@ -265,33 +282,105 @@ def _same(a: object, b: object) -> bool:
     )
 
 
-def diff_config(stored: object, live: object) -> list[Difference]:
-    """Compare the stored run config with the current one, key path by key path (soft)."""
-    was, now = flatten(stored, "config"), flatten(live, "config")
+_ROOT = "config"
+
+
+def may_change_patterns(patterns: object) -> tuple[str, ...]:
+    """Check ``config_may_change``: an iterable of non-empty key paths or glob patterns.
+
+    A leading ``config.`` is dropped (patterns are relative to the config's root). Raises
+    :class:`~pitstop.errors.ConfigError` naming the bad value; a lone string is refused, as it
+    would be read as one pattern per character.
+    """
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Iterable):
+        raise ConfigError(
+            f"config_may_change must be a list of key paths or glob patterns, got {patterns!r}"
+        )
     out = []
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern.strip(". "):
+            raise ConfigError(
+                f"config_may_change entries must be key paths such as 'run.max_steps' or globs "
+                f"such as 'run.*', got {pattern!r}"
+            )
+        out.append(pattern.removeprefix(f"{_ROOT}."))
+    return tuple(out)
+
+
+def may_change_rule(patterns: Iterable[str]) -> re.Pattern[str] | None:
+    """One regular expression for ``patterns``, matched in full against relative key paths.
+
+    A pattern matches a key path and every key path beneath it (``run`` covers
+    ``run.max_steps``; ``layers[0].size`` is beneath ``layers`` and ``layers[0]``). ``*``
+    matches any run of characters within one key (never a ``.``), ``**`` any run at all, ``?``
+    one character of a key; everything else, brackets included, is literal. ``None`` when there
+    are no patterns.
+    """
+    parts = []
+    for pattern in patterns:
+        regex = ""
+        for piece in re.split(r"(\*\*|\*|\?)", pattern):
+            if piece == "**":
+                regex += ".*"
+            elif piece == "*":
+                regex += "[^.]*"
+            elif piece == "?":
+                regex += "[^.]"
+            else:
+                regex += re.escape(piece)
+        parts.append(regex)
+    if not parts:
+        return None
+    return re.compile("(?:" + "|".join(parts) + ")(?:[.\\[].*)?", re.DOTALL)
+
+
+@attrs.frozen(kw_only=True)
+class ConfigComparison:
+    """The stored config compared with the live one.
+
+    ``differences``: changed key paths no ``may_change`` pattern covers (soft: they refuse a
+    strict restore). ``noted``: changed key paths a pattern covers, one message each, to be
+    reported and never refused.
+    """
+
+    differences: tuple[Difference, ...] = ()
+    noted: tuple[str, ...] = ()
+
+
+def compare_config(
+    stored: object, live: object, *, may_change: Iterable[str] = ()
+) -> ConfigComparison:
+    """Compare the stored run config with the current one, key path by key path.
+
+    Every changed key path — a value changed, added or removed — is either a soft
+    :class:`Difference` or, when a ``may_change`` pattern covers it, a note.
+    """
+    rule = may_change_rule(may_change_patterns(may_change))
+    was, now = flatten(stored, _ROOT), flatten(live, _ROOT)
+    differences: list[Difference] = []
+    noted: list[str] = []
     for key in sorted(was.keys() | now.keys()):
         if key not in now:
-            out.append(
-                Difference(
-                    kind=Kind.CONFIG,
-                    message=f"{key}: {was[key]!r} in the checkpoint, absent now",
-                    soft=True,
-                )
-            )
+            message = f"{key}: {was[key]!r} in the checkpoint, absent now"
         elif key not in was:
-            out.append(
-                Difference(
-                    kind=Kind.CONFIG,
-                    message=f"{key}: absent in the checkpoint, {now[key]!r} now",
-                    soft=True,
-                )
-            )
+            message = f"{key}: absent in the checkpoint, {now[key]!r} now"
         elif not _same(was[key], now[key]):
-            out.append(
-                Difference(
-                    kind=Kind.CONFIG,
-                    message=f"{key}: {was[key]!r} in the checkpoint, {now[key]!r} now",
-                    soft=True,
-                )
-            )
-    return out
+            message = f"{key}: {was[key]!r} in the checkpoint, {now[key]!r} now"
+        else:
+            continue
+        relative = key[len(_ROOT) + 1 :] if key.startswith(f"{_ROOT}.") else None
+        if rule is not None and relative is not None and rule.fullmatch(relative):
+            noted.append(message)
+        else:
+            differences.append(Difference(kind=Kind.CONFIG, message=message, soft=True))
+    return ConfigComparison(differences=tuple(differences), noted=tuple(noted))
+
+
+def diff_config(
+    stored: object, live: object, *, may_change: Iterable[str] = ()
+) -> list[Difference]:
+    """Compare the stored run config with the current one, key path by key path (soft).
+
+    Changes a ``may_change`` pattern covers are left out; :func:`compare_config` has them.
+    """
+    return list(compare_config(stored, live, may_change=may_change).differences)

@@ -36,6 +36,7 @@ __all__ = [
     "HEADER_MAGIC",
     "HEADER_SIZE",
     "MANIFEST_KEYS",
+    "MANIFEST_START",
     "MAX_MANIFEST_BYTES",
     "MAX_NDIM",
     "Blob",
@@ -47,6 +48,7 @@ __all__ = [
     "check_footer",
     "check_header",
     "check_manifest_bytes",
+    "check_manifest_start",
     "check_size",
     "descriptor_table",
     "pack_footer",
@@ -64,6 +66,8 @@ MAX_MANIFEST_BYTES: Final = 1 << 30
 MAX_NDIM: Final = 64
 MANIFEST_KEYS: Final = ("format", "tree", "tensors", "blobs", "meta")
 """The manifest map's keys, in the order a writer packs them."""
+MANIFEST_START: Final = b"\x85\xa6format"
+"""The first bytes of every manifest: a msgpack map of the five keys, "format" first."""
 
 # magic, version, flags, reserved, crc32 of the 60 bytes before it
 _HEADER: Final = struct.Struct("<8sII44sI")
@@ -251,6 +255,16 @@ def check_footer(footer: bytes, *, name: str, size: int, version: int) -> Footer
         manifest_length=int(length),
         manifest_crc32=int(checksum),
     )
+
+
+def check_manifest_start(start: bytes, footer: Footer, *, name: str) -> None:
+    """Check the first bytes of the manifest ``footer`` places (a reader that must not hold a
+    large manifest before it is known to be one looks at these first)."""
+    if start != MANIFEST_START[: len(start)] or len(start) != len(MANIFEST_START):
+        raise CheckpointCorrupt(
+            f"{name}: the footer places a {footer.manifest_length}-byte manifest at byte "
+            f"{footer.manifest_offset}, but no manifest starts there"
+        )
 
 
 def check_manifest_bytes(data: bytes, footer: Footer, *, name: str) -> None:

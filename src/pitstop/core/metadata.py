@@ -2,11 +2,14 @@
 #
 # Rules: a checkpoint's manifest carries its catalog entry (progress, save sequence number,
 # reason, detail, metrics) under fixed keys; a file whose entry is missing, mistyped, or names a
-# different step than its file name is not a checkpoint of this directory. latest.json repeats
+# different step than its file name is not a checkpoint of this directory, and neither is one
+# whose recorded world size is not an int >= 1. latest.json repeats
 # the pointers (and the best value, which symlinks cannot hold) for tools and for filesystems
 # without symlinks. Both are untrusted input when read: every field is type-checked, a pointer
 # must be a checkpoint file name (no path, no "..", nothing absolute), and each problem becomes
-# a message naming the file and the key, never an exception from deep inside.
+# a message naming the file and the key, never an exception from deep inside. The best value
+# latest.json repeats is checked against what its checkpoint recorded (its manifest is
+# checksummed; latest.json is not): a value the checkpoint did not record is dropped.
 # How: plain dict building and checking; the shell does the msgpack/JSON bytes.
 
 """Checkpoint metadata and ``latest.json``: building them, and reading them back safely."""
@@ -14,8 +17,11 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from typing import Any
+
+import attrs
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_name
 from pitstop.core.records import (
@@ -34,6 +40,7 @@ from pitstop.errors import CheckpointCorrupt, ConfigError
 
 __all__ = [
     "LATEST_FORMAT",
+    "checked_best_value",
     "entry_from_meta",
     "entry_meta",
     "latest_json",
@@ -65,6 +72,9 @@ def entry_from_meta(name: str, meta: Mapping[str, Any]) -> CheckpointEntry:
     def bad(key: str, why: str) -> CheckpointCorrupt:
         return CheckpointCorrupt(f"{name}: manifest key {key!r} {why}")
 
+    world_size = meta.get("world_size", 1)
+    if type(world_size) is not int or world_size < 1:
+        raise bad("world_size", f"must be an int >= 1, got {reprlib.repr(world_size)}")
     progress_meta = meta.get("progress")
     if not isinstance(progress_meta, Mapping):
         raise bad("progress", f"must be a mapping, got {progress_meta!r}")
@@ -177,3 +187,31 @@ def pointers_from_latest_json(data: object) -> tuple[Pointers, tuple[str, ...]]:
         best_value=best_value,
     )
     return pointers, tuple(warnings)
+
+
+def checked_best_value(
+    pointers: Pointers, catalog: Catalog, best: Best | None
+) -> tuple[Pointers, tuple[str, ...]]:
+    """Drop ``latest.json``'s best value when its best checkpoint recorded another one.
+
+    The checkpoint's own metrics are checksummed; ``latest.json`` is not, so a value that is
+    not the one recorded (the ``best.metric`` one, or with no ``best`` any recorded value) is
+    corruption: it is dropped with a warning, and reconciling takes the recorded value.
+    """
+    value, target = pointers.best_value, pointers.best
+    if value is None or target is NO_CHECKPOINT:
+        return pointers, ()
+    entry = catalog.get(target)
+    if entry is NO_CHECKPOINT:
+        return pointers, ()
+    if best is not None and best.metric in entry.metrics:
+        recorded: tuple[float, ...] = (entry.metrics[best.metric],)
+    else:
+        recorded = tuple(entry.metrics.values())
+    if not recorded or value in recorded:
+        return pointers, ()
+    shown = recorded[0] if len(recorded) == 1 else list(recorded)
+    return attrs.evolve(pointers, best_value=None), (
+        f"latest.json best_value {value!r} is not what {target} recorded ({shown!r}); "
+        "ignored, the recorded value is used",
+    )

@@ -3,7 +3,8 @@
 # Rules:
 # * last is the most recently published checkpoint: highest save sequence number, never mtime.
 # * final is the newest checkpoint written at a normal end; best the checkpoint whose Best metric
-#   is best (ties: the earlier one, as a tie never improves).
+#   is best (ties: the earlier one, as a tie never improves) among those that recorded it after
+#   step 0 (a step-0 checkpoint holds no training, as the schedule's best rule says).
 # * A save moves the pointers its decision names. When a save replaces a file of the same name
 #   from an abandoned timeline, every pointer that went to the old file is recomputed over what
 #   remains before the moves apply.
@@ -53,14 +54,16 @@ def recompute_final(catalog: Catalog) -> str | NoCheckpoint:
 def recompute_best(catalog: Catalog, best: Best | None) -> tuple[str | NoCheckpoint, float | None]:
     """Return the best checkpoint by ``best``'s metric and its value.
 
-    Entries that did not record the metric, or recorded NaN, are not candidates.
+    Entries that did not record the metric, or recorded NaN, are not candidates, and neither
+    is a step-0 entry (nothing trained yet: :func:`~pitstop.core.schedule.decide_save` never
+    makes one best).
     """
     if best is None:
         return NO_CHECKPOINT, None
     winner: CheckpointEntry | None = None
     for entry in catalog.entries:  # oldest first: a tie keeps the earlier one
         value = entry.metrics.get(best.metric)
-        if value is None:
+        if value is None or entry.step == 0:
             continue
         if best.improves(value, None if winner is None else winner.metrics[best.metric]):
             winner = entry

@@ -4,7 +4,9 @@
 # * interval: the step is an exact multiple of every_steps (step 0 never is: nothing trained);
 # * time: every_seconds passed since the last write (the clock is an argument, never read here),
 #   checked by maybe_save only (a time save at the end would be a final save in disguise);
-# * best: the reported Best metric strictly improves on the best pointer's value;
+# * best: the reported Best metric strictly improves on the best pointer's value — only at a
+#   step after 0 (before any update there is nothing to compare: an evaluation before training
+#   is no candidate) and only for a call that carries the metric;
 # * stop: a stop was requested; final: the normal end of the run (finish) with save_final;
 # * manual: Checkpointer.save() always writes.
 # A step already written in this timeline is never written twice: a later reason at the same
@@ -146,7 +148,12 @@ def decide_save(
     ):
         reasons.add(SaveReason.TIME)
     best_value = pointers.best_value
-    if policy.best is not None and metrics is not None and policy.best.metric in metrics:
+    if (
+        policy.best is not None
+        and step > 0
+        and metrics is not None
+        and policy.best.metric in metrics
+    ):
         value = metrics[policy.best.metric]
         if policy.best.improves(value, best_value):
             reasons.add(SaveReason.BEST)

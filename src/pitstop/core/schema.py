@@ -6,11 +6,13 @@
 #   ema.n_averaged       an AveragedModel's update count
 #   state.<name>         each component's state_dict() (optimizer, scheduler, sampler, ...)
 #   rng.<rank>           every random number generator of each rank
+#   ranked.<rank>.<name> each per-rank component's state (a ResumableSampler's slice, ...)
 # and the manifest's meta holds, beside the catalog entry: versions, world_size, config, the
-# component names, each optimizer's parameter groups by parameter name, and `weights`: whether
-# there is an EMA, whose buffers it uses ("own", or "raw": the model's at save time) and the
-# model's buffer names. The Checkpointer, pitstop.load and the weights functions all address
-# the tree through these names; `weights_meta` checks the one part of meta they interpret.
+# component names (and which are per-rank), each optimizer's parameter groups by parameter
+# name, and `weights`: whether there is an EMA, whose buffers it uses ("own", or "raw": the
+# model's at save time) and the model's buffer names. The Checkpointer, pitstop.load and the
+# weights functions all address the tree through these names; `weights_meta` checks the one
+# part of meta they interpret.
 # How: constants, key-path helpers, and one validating reader; no I/O.
 
 """Where a checkpoint keeps the model, the EMA, each component and each rank's RNG."""
@@ -27,6 +29,7 @@ from pitstop.errors import CheckpointCorrupt
 __all__ = [
     "EMA",
     "EMA_COUNT",
+    "RANKED",
     "RAW",
     "RNG",
     "STATE",
@@ -44,6 +47,7 @@ EMA: Final = "ema"
 EMA_COUNT: Final = "ema"  # top-level: {"n_averaged": tensor}
 STATE: Final = "state"
 RNG: Final = "rng"
+RANKED: Final = "ranked"
 
 WeightKind = Literal["raw", "ema"]
 EmaBuffers = Literal["own", "raw"]

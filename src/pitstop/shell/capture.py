@@ -26,6 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 from pitstop.core.schema import (
     EMA,
     EMA_COUNT,
+    RANKED,
     RAW,
     RNG,
     STATE,
@@ -33,11 +34,22 @@ from pitstop.core.schema import (
     WeightsMeta,
     encode_weights_meta,
 )
+from pitstop.errors import CheckpointCorrupt
+from pitstop.shell.sampler import ResumableSampler
 from pitstop.shell.staging import storage_keys
 from pitstop.shell.state import capture_rng, optimizer_groups
 from pitstop.shell.weights import unwrap_model
 
-__all__ = ["LiveState", "capture", "deferrable", "world"]
+__all__ = [
+    "LiveState",
+    "capture",
+    "deferrable",
+    "rank_state",
+    "ranked_state",
+    "stored_groups",
+    "stored_world_size",
+    "world",
+]
 
 
 def world() -> tuple[int, int]:
@@ -60,24 +72,52 @@ class LiveState:
     """Stored component states not registered yet (deferred)."""
     pending_groups: dict[str, Any] = attrs.Factory(dict)
     """Their optimizers' parameter groups, by name."""
+    per_rank: set[str] = attrs.Factory(set)
+    """Components whose state differs per rank (besides every ResumableSampler)."""
+    pending_per_rank: set[str] = attrs.Factory(set)
+    """Which of the pending states are per-rank."""
+
+    def per_rank_names(self) -> set[str]:
+        """The registered components whose state is per-rank."""
+        return {
+            name
+            for name, obj in self.components.items()
+            if name in self.per_rank or isinstance(obj, ResumableSampler)
+        }
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The components that are torch optimizers."""
         return [o for o in self.components.values() if isinstance(o, torch.optim.Optimizer)]
 
 
-def capture(live: LiveState) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint tree (referencing live tensors) and manifest meta of ``live``."""
-    rank, world_size = world()
+def rank_state(live: LiveState) -> dict[str, Any]:
+    """This rank's own part of a checkpoint: its RNG streams and per-rank components."""
+    per_rank = live.per_rank_names()
+    components = {n: s for n, s in live.pending.items() if n in live.pending_per_rank}
+    components.update({n: live.components[n].state_dict() for n in sorted(per_rank)})
+    return {RNG: capture_rng(), RANKED: components}
+
+
+def capture(
+    live: LiveState, parts: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint tree (referencing live tensors) and manifest meta of ``live``.
+
+    ``parts``: every rank's :func:`rank_state`, in rank order (default: this rank's alone).
+    """
+    parts = parts if parts is not None else [rank_state(live)]
+    per_rank = live.per_rank_names()
     weights: dict[str, Any] = {RAW: live.model.state_dict()}
     tree: dict[str, Any] = {
         WEIGHTS: weights,
         STATE: {
-            **live.pending,
-            **{name: obj.state_dict() for name, obj in live.components.items()},
+            **{n: s for n, s in live.pending.items() if n not in live.pending_per_rank},
+            **{n: o.state_dict() for n, o in live.components.items() if n not in per_rank},
         },
-        RNG: {rank: capture_rng()},
+        RNG: {rank: part[RNG] for rank, part in enumerate(parts)},
     }
+    if any(part[RANKED] for part in parts):
+        tree[RANKED] = {rank: part[RANKED] for rank, part in enumerate(parts)}
     ema_buffers = "own"
     if live.ema is not None:
         weights[EMA] = unwrap_model(live.ema).state_dict()
@@ -93,9 +133,10 @@ def capture(live: LiveState) -> tuple[dict[str, Any], dict[str, Any]]:
         "pitstop": _version(),
         "torch": str(torch.__version__),
         "python": platform.python_version(),
-        "world_size": world_size,
+        "world_size": len(parts),
         "config": live.config,
         "components": sorted({*live.components, *live.pending}),
+        "per_rank": sorted(per_rank | live.pending_per_rank),
         "optimizers": {
             **{n: g for n, g in live.pending_groups.items() if n in live.pending},
             **{
@@ -129,6 +170,21 @@ def _version() -> str:
     from pitstop import __version__
 
     return __version__
+
+
+def ranked_state(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s per-rank components in a stored tree (empty when there are none)."""
+    ranked = tree.get(RANKED, {})
+    own = ranked.get(rank, {}) if isinstance(ranked, Mapping) else {}
+    return dict(own) if isinstance(own, Mapping) else {}
+
+
+def stored_world_size(meta: Mapping[str, Any]) -> int:
+    """The world size that wrote a checkpoint (1 when not recorded)."""
+    value = meta.get("world_size", 1)
+    if type(value) is not int or value < 1:
+        raise CheckpointCorrupt(f"manifest key 'world_size' must be an int >= 1, got {value!r}")
+    return value
 
 
 def stored_groups(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 # The public record of one checkpoint, and the Checkpointer's argument checks.
 #
 # Rules: a Checkpoint is a frozen record of a catalog entry — path, progress, reason, detail,
-# sequence number, metrics. One returned by a background save carries a ticket to its save
-# session, so it can say whether it is published yet and wait for it; equality ignores it.
+# sequence number, metrics; pitstop.info() also fills in what only the manifest says (the
+# config, the file's size, the tensor table), each with a default, so a record made from a
+# catalog entry alone leaves them empty. One returned by a background save carries a ticket to
+# its save session, so it can say whether it is published yet and wait for it; equality ignores
+# it.
 # Metrics are floats (numbers, 0-d tensors, NumPy scalars; never str or bool). A save's reason
 # is a SaveReason (by value) or the caller's own words, recorded as a manual save's detail.
 # How: attrs records and small functions; errors are ConfigError naming the argument.
@@ -19,9 +22,26 @@ import attrs
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
 from pitstop.errors import ConfigError
-from pitstop.shell.session import SaveTicket
+from pitstop.shell.session import RemoteTicket, SaveTicket
 
-__all__ = ["Checkpoint", "manual_reason", "metrics_of", "stop_detail"]
+__all__ = ["Checkpoint", "TensorInfo", "manual_reason", "metrics_of", "stop_detail"]
+
+Ticket = SaveTicket | RemoteTicket
+
+
+@attrs.frozen(kw_only=True)
+class TensorInfo:
+    """One stored tensor as the manifest describes it: its key path, dtype and shape.
+
+    ``name`` is the key path in the stored tree (``weights.raw.fc.weight``); ``nbytes`` the
+    bytes its elements take. A tensor stored under several names (tied weights) has a record
+    per name.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
 
 
 @attrs.frozen(kw_only=True)
@@ -39,7 +59,13 @@ class Checkpoint:
     seq: int
     metrics: Metrics = attrs.field(hash=False)
     detail: str = ""
-    ticket: SaveTicket | None = attrs.field(default=None, eq=False, hash=False, repr=False)
+    config: Mapping[str, object] | None = attrs.field(default=None, hash=False)
+    """The run's config as stored (from :func:`pitstop.info`; ``None``: none, or not read)."""
+    size_bytes: int | None = None
+    """The file's size (from :func:`pitstop.info`)."""
+    tensors: tuple[TensorInfo, ...] = attrs.field(default=(), repr=False)
+    """The tensor table, in file order (from :func:`pitstop.info`)."""
+    ticket: Ticket | None = attrs.field(default=None, eq=False, hash=False, repr=False)
 
     @property
     def step(self) -> int:
@@ -66,7 +92,10 @@ class Checkpoint:
 
     @classmethod
     def of(
-        cls, directory: Path, entry: CheckpointEntry, ticket: SaveTicket | None = None
+        cls,
+        directory: Path,
+        entry: CheckpointEntry,
+        ticket: Ticket | None = None,
     ) -> Checkpoint:
         """The public record of the catalog ``entry`` in ``directory``."""
         return cls(

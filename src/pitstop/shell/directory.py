@@ -21,13 +21,24 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 import attrs
 
-from pitstop.core.metadata import entry_from_meta, entry_meta, pointers_from_latest_json
+from pitstop.core.guard import (
+    RESERVED_NAMES,
+    carried_forward_warning,
+    foreign_save_problem,
+    reserved_entry_problem,
+)
+from pitstop.core.metadata import (
+    checked_best_value,
+    entry_from_meta,
+    entry_meta,
+    pointers_from_latest_json,
+)
 from pitstop.core.naming import LATEST_JSON, NOT_A_CHECKPOINT, EntryKind, classify, parse_name
 from pitstop.core.plan import SavePlan
 from pitstop.core.pointers import reconcile_pointers
@@ -48,11 +59,20 @@ from pitstop.shell.lock import DirectoryLock
 from pitstop.shell.publish import delete_checkpoints, publish_file, publish_pointers
 from pitstop.shell.storage import FileKind, LocalStorage, Storage
 
-__all__ = ["CheckpointDirectory", "ResumeChoice", "Scan", "choose_resume", "scan"]
+__all__ = [
+    "LATEST_JSON_LIMIT",
+    "CheckpointDirectory",
+    "ResumeChoice",
+    "Scan",
+    "choose_resume",
+    "read_latest_json",
+    "scan",
+]
 
 log = logging.getLogger("pitstop")
 
-_LATEST_JSON_LIMIT = 1 << 20
+LATEST_JSON_LIMIT = 1 << 20
+"""The largest latest.json a reader accepts (a real one is well under a kilobyte)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -100,17 +120,29 @@ def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
     )
 
 
-def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
+def read_latest_json(storage: Storage) -> tuple[object, str | None]:
+    """Decode the directory's ``latest.json``: ``(data, None)``, or ``(None, why not)``.
+
+    The one reader of ``latest.json``: a missing file is ``(None, None)``; anything but a
+    regular file, a file over :data:`LATEST_JSON_LIMIT`, bytes that are not JSON, or JSON
+    nested too deeply to decode is refused without being read whole, never raised.
+    """
     kind = storage.kind(LATEST_JSON)
     if kind is FileKind.MISSING:
-        return Pointers()
+        return None, None
     if kind is not FileKind.REGULAR:
-        warnings.append(f"{storage.path(LATEST_JSON)} is a {kind.value}; ignored")
-        return Pointers()
+        return None, f"{storage.path(LATEST_JSON)} is a {kind.value}; ignored"
     try:
-        data = json.loads(storage.read_bytes(LATEST_JSON, _LATEST_JSON_LIMIT).decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        warnings.append(f"{storage.path(LATEST_JSON)} is unreadable ({exc}); ignored")
+        return json.loads(storage.read_bytes(LATEST_JSON, LATEST_JSON_LIMIT).decode("utf-8")), None
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{storage.path(LATEST_JSON)} is unreadable ({exc}); ignored"
+
+
+def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
+    data, problem = read_latest_json(storage)
+    if problem is not None:
+        warnings.append(problem)
+    if data is None:
         return Pointers()
     pointers, problems = pointers_from_latest_json(data)
     warnings.extend(problems)
@@ -139,7 +171,10 @@ def scan(storage: Storage, best: Best | None = None) -> Scan:
         warnings.append(f"skipping {storage.path(name)}: {why}")
     catalog = Catalog(entries=entries)
     links = _read_links(storage, warnings)
-    manifest_pointers = _read_latest_json(storage, warnings)
+    manifest_pointers, problems = checked_best_value(
+        _read_latest_json(storage, warnings), catalog, best
+    )
+    warnings.extend(problems)
     pointers, problems = reconcile_pointers(
         catalog, links=links, manifest=manifest_pointers, best=best
     )
@@ -186,6 +221,21 @@ def choose_resume(
     return ResumeChoice(entry=NO_CHECKPOINT, path=None, skipped=skipped)
 
 
+def _subject(plan: SavePlan, before: Pointers) -> tuple[int | str, str]:
+    """The step and the checkpoint file name a save is about, for its messages."""
+    entry = plan.entry
+    if entry is not NO_CHECKPOINT:
+        return entry.step, entry.name
+    moved = [
+        plan.pointers.target(p) for p in PointerName if plan.pointers.target(p) != before.target(p)
+    ]
+    for target in (*moved, plan.pointers.last):
+        if target is not NO_CHECKPOINT:
+            step = parse_name(target)
+            return (step if step is not NOT_A_CHECKPOINT else "?"), target
+    return "?", "no checkpoint"
+
+
 WriteCheckpoint = Callable[[BinaryIO, CheckpointEntry, Callable[[], None]], object]
 
 
@@ -199,20 +249,32 @@ class CheckpointDirectory:
         policy: Policy | None = None,
         storage: Storage | None = None,
         run_id: str | None = None,
+        protect: bool = False,
     ) -> None:
         self.path = Path(path)
         self.storage: Storage = storage if storage is not None else LocalStorage(self.path)
         self.policy = policy if policy is not None else Policy()
         self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.protect = protect
+        """Refuse to save over the checkpoints found at open until :meth:`adopt` (a run that
+        did not resume must not replace another run's checkpoints)."""
         self._lock = DirectoryLock(self.path, self.run_id)
         self._symlinks = True
+        self._foreign: tuple[CheckpointEntry | NoCheckpoint, int] = (NO_CHECKPOINT, 0)
+        self._had_latest = True  # whether latest.json is on disk (a rollback leaves it so)
+        self._told_carried = False
         self.catalog = Catalog()
         self.pointers = Pointers()
 
     def open(self) -> Scan:
-        """Lock the directory, remove dead writers' temp files, and scan it."""
+        """Lock the directory, check it can be written, remove dead writers' temp files, scan it.
+
+        Raises :class:`~pitstop.errors.SaveError` naming the path and what to do when an entry
+        every save replaces (``last``, ``best``, ``final``, ``latest.json``) is a directory.
+        """
         self._lock.acquire()
         try:
+            self._check_reserved()
             for name in self.storage.names():
                 if classify(name) is EntryKind.TEMP:
                     log.warning("removing %s, left by a writer that died", self.storage.path(name))
@@ -225,7 +287,44 @@ class CheckpointDirectory:
         for warning in found.warnings:
             log.warning("%s", warning)
         self.catalog, self.pointers = found.catalog, found.pointers
+        self._foreign = (found.catalog.newest(), len(found.catalog))
+        self._had_latest = self.storage.kind(LATEST_JSON) is not FileKind.MISSING
         return found
+
+    def _check_reserved(self) -> None:
+        for name in sorted(RESERVED_NAMES):
+            kind = self.storage.kind(name)
+            problem = reserved_entry_problem(name, kind.value, str(self.storage.path(name)))
+            if problem is not None:
+                raise SaveError(problem)
+
+    def adopt(self) -> None:
+        """The run resumed (or asked to): the checkpoints found at open are its own to replace."""
+        self._foreign = (NO_CHECKPOINT, 0)
+
+    def check(self, plan: SavePlan) -> None:
+        """Raise :class:`~pitstop.errors.SaveError` if ``plan`` may not be carried out.
+
+        With ``protect``, a directory that held checkpoints at open refuses every save until
+        :meth:`adopt`, naming its newest step and the ways out. Nothing is written.
+        """
+        if not self.protect:
+            return
+        newest, count = self._foreign
+        problem = foreign_save_problem(newest, directory=str(self.path), count=count)
+        if problem is not None:
+            step, name = _subject(plan, self.pointers)
+            raise SaveError(f"refusing to save step {step} ({name}): {problem}")
+
+    def note_carried(self, names: Collection[str], source: object) -> None:
+        """Warn once, naming them, about components ``source`` holds that were never registered
+        (each save carries their stored state forward unchanged)."""
+        if self._told_carried:
+            return
+        message = carried_forward_warning(names, str(source))
+        if message is not None:
+            self._told_carried = True
+            log.warning("%s", message)
 
     def close(self) -> None:
         """Release the directory lock."""
@@ -245,8 +344,25 @@ class CheckpointDirectory:
         :data:`~pitstop.shell.publish.WriteFile`). On :class:`SaveError` the
         directory is as it was before the call. Returns the names retention deleted.
         """
+        step, name = _subject(plan, self.pointers)
         if not self._lock.held:
-            raise SaveError(f"{self.path} is not open for writing (call open() first)")
+            raise SaveError(
+                f"could not save step {step} ({self.storage.path(name)}): {self.path} is not "
+                "open for writing (call open() first)"
+            )
+        self.check(plan)
+        try:
+            self._publish(plan, write)
+        except SaveError as exc:  # whichever file failed, the message names the save
+            raise SaveError(
+                f"could not save step {step} ({self.storage.path(name)}): {exc}"
+            ) from exc
+        deleted = delete_checkpoints(self.storage, plan.retention.delete)
+        self.catalog = plan.catalog.without(deleted)
+        self.pointers = plan.pointers
+        return deleted
+
+    def _publish(self, plan: SavePlan, write: WriteCheckpoint) -> None:
         entry = plan.entry
         if entry is not NO_CHECKPOINT:
             publish_file(
@@ -264,10 +380,7 @@ class CheckpointDirectory:
         except BaseException:
             self._roll_back(plan)
             raise
-        deleted = delete_checkpoints(self.storage, plan.retention.delete)
-        self.catalog = plan.catalog.without(deleted)
-        self.pointers = plan.pointers
-        return deleted
+        self._had_latest = True
 
     def publish(
         self,
@@ -297,7 +410,8 @@ class CheckpointDirectory:
         self.execute(plan, lambda file, entry, sync: None)
 
     def _roll_back(self, plan: SavePlan) -> None:
-        """Undo a save whose pointers failed: old pointers back, the new file out."""
+        """Undo a save whose pointers failed: old pointers back, then the new file out (in this
+        order, so that no pointer ever names a missing file, even after a crash in between)."""
         try:
             publish_pointers(
                 self.storage,
@@ -306,6 +420,7 @@ class CheckpointDirectory:
                 token=self.run_id,
                 policy=self.policy,
                 symlinks=self._symlinks,
+                latest=self._had_latest,  # a directory that had no latest.json gets none
             )
         except PitstopError as exc:
             log.error("could not restore the pointers of %s: %s", self.path, exc)

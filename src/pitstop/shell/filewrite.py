@@ -42,6 +42,7 @@ from pitstop.core.manifest import (
     pack_header,
 )
 from pitstop.errors import SaveError
+from pitstop.shell import progress
 from pitstop.shell.checksums import Checksummer, crc32_combine, default_threads
 from pitstop.shell.treecodec import dtype_name, encode_tree
 from pitstop.shell.treewalk import storage_of
@@ -195,6 +196,19 @@ def write(
     host memory. :class:`~pitstop.errors.SaveError` for bad meta is raised before a byte is
     written; I/O errors (``sync``'s included) propagate as :class:`OSError`.
     """
+    name = getattr(file, "name", None)
+    label = f"writing {name}" if isinstance(name, str) else "writing a checkpoint"
+    with progress.task(label, prepared.data_end) as watched:
+        return _write(file, prepared, meta, sync, watched)
+
+
+def _write(
+    file: BinaryIO,
+    prepared: Prepared,
+    meta: Mapping[str, object],
+    sync: Callable[[], None] | None,
+    watched: progress.Task,
+) -> int:
     meta_bytes = _encode_meta(meta)
     tables = [_packb(descriptor_table(prepared.tensors)), _blob_table(prepared.spans, None)]
     bound = len(prepared.tree) + len(meta_bytes) + sum(map(len, tables)) + 64
@@ -203,7 +217,7 @@ def write(
             f"the manifest would take about {bound} bytes, more than the "
             f"{MAX_MANIFEST_BYTES} a reader accepts; store large values as tensors"
         )
-    sink = _Sink(file)
+    sink = _Sink(file, watched)
     sink.put(pack_header())
     crcs = [0] * len(prepared.spans)
     big = prepared.data_end >= _PARALLEL_MIN
@@ -277,10 +291,11 @@ def _blob_table(spans: Sequence[Span], crcs: Sequence[int] | None) -> bytes:
 
 
 class _Sink:
-    """Writes everything it is given to ``file``, counting bytes."""
+    """Writes everything it is given to ``file``, counting bytes (and telling ``watched``)."""
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, watched: progress.Task = progress.IDLE) -> None:
         self._file = file
+        self._watched = watched
         self.position = 0
 
     def put(self, data: bytes | memoryview) -> None:
@@ -291,6 +306,7 @@ class _Sink:
                 raise SaveError(f"the file accepted no bytes at offset {self.position}")
             view = view[written:]
             self.position += written
+            self._watched.advance(written)
 
 
 @contextlib.contextmanager

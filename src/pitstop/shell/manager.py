@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -28,9 +28,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from pitstop.core.compat import judge
+from pitstop.core.compat import Difference, judge, may_change_patterns
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.plan import SavePlan, plan_save
+from pitstop.core.ranks import CallInput, entry_from_wire, entry_to_wire, merge_inputs
 from pitstop.core.records import (
     NO_CHECKPOINT,
     CheckpointEntry,
@@ -41,15 +42,30 @@ from pitstop.core.records import (
 )
 from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
 from pitstop.core.schema import STATE
-from pitstop.core.session import Event, Request
+from pitstop.core.session import Event, Request, SaveStatus
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell import fileformat
-from pitstop.shell.capture import LiveState, capture, deferrable, stored_groups
+from pitstop.shell.capture import (
+    LiveState,
+    rank_state,
+    ranked_state,
+    stored_groups,
+    stored_world_size,
+)
 from pitstop.shell.checkpoint import Checkpoint, manual_reason, metrics_of, stop_detail
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.directory import CheckpointDirectory, scan
+from pitstop.shell.distributed import Ranks
 from pitstop.shell.resolve import find_resume
-from pitstop.shell.restore import apply, component_differences, differences, load_component
-from pitstop.shell.session import Reported, SaveSession, SaveTicket
+from pitstop.shell.restore import (
+    Restore,
+    component_differences,
+    component_undo,
+    differences,
+    load_component,
+)
+from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.saving import carry_out
+from pitstop.shell.session import RemoteTicket, Reported, SaveSession, SaveTicket
 from pitstop.shell.staging import StagingPool
 from pitstop.shell.weights import unwrap_model
 
@@ -72,7 +88,12 @@ class Checkpointer:
     ``model``: the raw ``nn.Module`` (DDP and ``torch.compile`` wrappers are unwrapped).
     ``ema``: a module of averaged weights (e.g. ``AveragedModel``). ``state``: other components
     by name (optimizer, scheduler, GradScaler, sampler, ...). ``config``: the run's
-    configuration, stored and compared on resume. The directory is locked until :meth:`close`.
+    configuration, stored and compared on resume; ``config_may_change``: key paths and glob
+    patterns (``["max_iters", "out_dir", "run.*"]``) whose changes a resume only reports, in
+    one info line, and never refuses. ``per_rank``: names of components whose
+    state differs per rank (every ``ResumableSampler`` is). ``timeout_s``: how long a rank
+    waits for the others in pitstop's collectives. The directory is locked until
+    :meth:`close`; with several ranks, every rank makes the same calls and rank 0 writes.
     """
 
     def __init__(
@@ -84,7 +105,10 @@ class Checkpointer:
         state: Mapping[str, Stateful] | None = None,
         policy: Policy | None = None,
         config: Mapping[str, Any] | None = None,
+        config_may_change: Iterable[str] = (),
         async_save: bool | Literal["overlap"] = False,
+        per_rank: Iterable[str] = (),
+        timeout_s: float = 600.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(
@@ -96,6 +120,10 @@ class Checkpointer:
             raise ConfigError(
                 f"Checkpointer async_save must be False, True or 'overlap', got {async_save!r}"
             )
+        names = [per_rank] if isinstance(per_rank, str) else list(per_rank)
+        if not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"Checkpointer per_rank must be component names, got {per_rank!r}")
+        self._config_may_change = may_change_patterns(config_may_change)
         self.async_save = async_save
         self.policy = policy if policy is not None else Policy()
         self._live = LiveState(
@@ -103,18 +131,24 @@ class Checkpointer:
             ema=ema,
             components={},
             config=copy.deepcopy(dict(config)) if config is not None else None,
+            per_rank=set(names),
         )
         for name, obj in (state or {}).items():
             self._add_component(name, obj)
         self._resumed_from: Path | None = None
+        self._ranks = Ranks.current(timeout_s)
         self._directory = CheckpointDirectory(directory, policy=self.policy)
-        self._directory.open()
+        self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
         self._schedule = ScheduleState(timer_start=time.monotonic())
         self._pointers = self._directory.pointers
         self.last_blocking_s = 0.0
         """Seconds the last save held the training loop (capture, and the copy when async)."""
-        self._session = SaveSession(self._directory.path, background=bool(async_save))
-        self._pool = StagingPool() if async_save else None
+        background = bool(async_save) and self._ranks.leader
+        self._session = SaveSession(self._directory.path, background=background)
+        self._pool = StagingPool() if background else None
+        self._remote: RemoteTicket | None = None
+        self._decided = self._schedule
+        self._planned: SavePlan | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for obj in self._live.optimizers():
             self._hook(obj)
@@ -123,6 +157,9 @@ class Checkpointer:
         self._finalizer = weakref.finalize(
             self, _shut_down, self._session, self._directory, self._hooks
         )
+
+    def _open(self) -> None:
+        self._directory.open()
 
     @property
     def model(self) -> nn.Module:
@@ -138,6 +175,16 @@ class Checkpointer:
     def config(self) -> dict[str, Any] | None:
         """The run's configuration as stored with each checkpoint."""
         return self._live.config
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 writes)."""
+        return self._ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks share this Checkpointer's calls."""
+        return self._ranks.world_size
 
     # --- lifetime -----------------------------------------------------------------------
 
@@ -155,9 +202,29 @@ class Checkpointer:
             self._schedule, self._pointers = reported.undo
             raise reported.error
 
+    def _settle(self, request: Request) -> None:
+        """Rank 0 waits for its save in flight; every rank learns how it ended."""
+        session = self._session
+
+        def settle() -> SaveStatus | None:
+            ticket = session.state.ticket
+            try:
+                self._enter(request)
+            finally:
+                status = session.status(ticket) if ticket else None
+                self._hear(status)
+            return status
+
+        self._hear(self._ranks.lead(settle))
+
+    def _hear(self, status: SaveStatus | None) -> None:
+        if self._remote is not None and status is not None and status is not SaveStatus.PENDING:
+            self._remote.settle(status)
+            self._remote = None
+
     def wait(self) -> None:
         """Wait until every save is published; raise the error of one that failed."""
-        self._enter(Request.WAIT)
+        self._settle(Request.WAIT)
 
     def close(self) -> None:
         """Publish what is in flight, release the directory lock; idempotent.
@@ -167,11 +234,20 @@ class Checkpointer:
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
+
+        def close() -> None:
+            try:
+                reported = self._session.close()
+            finally:
+                _release(self._directory, self._hooks)
+            self._raise(reported)
+
         try:
-            reported = self._session.close()
+            self._ranks.lead(close)
         finally:
-            _release(self._directory, self._hooks)
-        self._raise(reported)
+            for hook in self._hooks:  # other ranks' hooks
+                hook.remove()
+            self._hooks.clear()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -185,9 +261,16 @@ class Checkpointer:
         return self._resumed_from
 
     def checkpoints(self) -> list[Checkpoint]:
-        """The published checkpoints, oldest (lowest save sequence number) first."""
+        """The published checkpoints, oldest (lowest save sequence number) first.
+
+        Not a collective: any rank may call it alone (ranks other than 0 scan the directory).
+        """
         self._enter(Request.LIST)
-        return [Checkpoint.of(self.directory, e) for e in self._directory.catalog]
+        if self._ranks.leader:
+            catalog = self._directory.catalog
+        else:
+            catalog = scan(self._directory.storage, self.policy.best).catalog
+        return [Checkpoint.of(self.directory, e) for e in catalog]
 
     # --- components ---------------------------------------------------------------------
 
@@ -206,29 +289,47 @@ class Checkpointer:
         if self.async_save == "overlap" and isinstance(obj, torch.optim.Optimizer):
             self._hooks.append(obj.register_step_pre_hook(self._session.step_hook))
 
-    def register(self, name: str, obj: Stateful) -> None:
+    def register(self, name: str, obj: Stateful, *, per_rank: bool = False) -> None:
         """Add a component; if the resumed checkpoint holds it, restore it now (deferred).
 
         A deferred component gets the same checks as one passed to the constructor; on a
         mismatch it raises :class:`~pitstop.errors.IncompatibleCheckpoint` and is not added.
+        ``per_rank``: its state differs per rank. With several ranks, every rank registers.
         """
-        self._enter(Request.REGISTER)
+        self._settle(Request.REGISTER)
         live = self._live
-        self._add_component(name, obj)
+        try:
+            self._ranks.each(partial(self._add_component, name, obj))
+        except BaseException:
+            if live.components.get(name) is obj:  # added here, refused on another rank
+                del live.components[name]
+            raise
+        if per_rank:
+            live.per_rank.add(name)
+        undo: list[Callable[[], object]] = []
+        try:
+            self._ranks.each(partial(self._restore_deferred, name, obj, undo))
+        except BaseException:
+            for action in undo:  # loaded here, failed on another rank
+                action()
+            del live.components[name]
+            live.per_rank.discard(name)
+            raise
+        live.pending.pop(name, None)
+        live.pending_per_rank.discard(name)
+        self._hook(obj)
+
+    def _restore_deferred(self, name: str, obj: Stateful, undo: list[Callable[[], object]]) -> None:
+        live = self._live
         if name in live.pending:
             stored = live.pending[name]
             found = component_differences(live, name, obj, stored, live.pending_groups)
-            try:
-                if found:
-                    raise IncompatibleCheckpoint(str(d) for d in found)
-                load_component(name, obj, stored)
-            except IncompatibleCheckpoint:
-                del live.components[name]
-                raise
-            del live.pending[name]
+            if found:
+                raise IncompatibleCheckpoint(str(d) for d in found)
+            undo.append(component_undo(obj))
+            load_component(name, obj, stored)
         elif self._resumed_from is not None:
             log.warning("component %r is not in %s; it starts fresh", name, self._resumed_from.name)
-        self._hook(obj)
 
     # --- saving -------------------------------------------------------------------------
 
@@ -282,87 +383,99 @@ class Checkpointer:
         detail: str = "",
         manual: SaveReason = SaveReason.MANUAL,
     ) -> Checkpoint | None:
+        started = time.perf_counter()  # what the caller waits for, the previous save included
+        ranks = self._ranks
+
+        def local_input() -> CallInput:
+            if not isinstance(progress, Progress):
+                raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
+            stopped, stopped_by = stop_detail(stop)
+            return CallInput(
+                stop=stopped, reason=stopped_by, metrics=metrics_of(metrics), now=time.monotonic()
+            )
+
+        asked = merge_inputs(ranks.all_gather_each(local_input))
+        planned = ranks.lead(partial(self._plan, call, progress, asked, detail, manual))
+        if planned is None:
+            return None
+        parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
+        ticket = ranks.lead(partial(self._write, progress, parts))
+        self.last_blocking_s = time.perf_counter() - started
+        entry = entry_from_wire(planned[1])
+        if entry is NO_CHECKPOINT:
+            return None
+        handle: SaveTicket | RemoteTicket | None = None
+        if bool(self.async_save) and ranks.leader:
+            handle = SaveTicket(self._session, ticket)
+        elif self.async_save:
+            handle = self._remote = RemoteTicket()
+        return Checkpoint.of(self.directory, entry, handle)
+
+    def _plan(
+        self,
+        call: Call,
+        progress: Progress,
+        asked: CallInput,
+        detail: str,
+        manual: SaveReason,
+    ) -> tuple[Any, ...] | None:
+        """Rank 0: plan what this call does to the directory; the record it returns, as sent.
+
+        ``None``: the call does nothing. The plan itself stays on rank 0 for :meth:`_write`.
+        """
         self._enter(Request.SAVE)
-        if not isinstance(progress, Progress):
-            raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
-        values = metrics_of(metrics)
-        stopped, stopped_by = stop_detail(stop)
         decision = decide_save(
             self.policy,
             self._schedule,
             self._pointers,
             call=call,
             progress=progress,
-            now=time.monotonic(),
-            metrics=values,
-            stop=stopped,
+            now=asked.now,
+            metrics=asked.metrics,
+            stop=asked.stop,
             manual_reason=manual,
         )
         if not decision.acts:
             return None
-        started = time.perf_counter()  # what the caller waits for, the previous save included
         self._enter(Request.WRITE)  # the directory's state must include the save in flight
         directory = self._directory
-        plan = plan_save(
+        self._decided = decision.state
+        plan = self._planned = plan_save(
             directory.catalog,
             directory.pointers,
             decision,
             progress=progress,
             policy=self.policy,
-            metrics=values,
-            detail=detail or stopped_by,
+            metrics=asked.metrics,
+            detail=detail or asked.reason,
         )
-        entry: CheckpointEntry | NoCheckpoint = plan.entry
+        entry = plan.entry
+        if entry is NO_CHECKPOINT:
+            entry = plan.catalog.get(plan.pointers.last)
+        return ("write", entry_to_wire(entry))
+
+    def _write(self, progress: Progress, parts: list[dict[str, Any]] | None) -> int:
+        """Rank 0: carry the planned save out; returns the save's ticket."""
+        plan = self._planned
+        assert plan is not None
+        entry = plan.entry
         name = entry.name if entry is not NO_CHECKPOINT else checkpoint_name(progress.step)
-        undo = (self._schedule, self._pointers)
-        ticket = self._session.begin(progress.step, name, undo)
+        ticket = self._session.begin(progress.step, name, (self._schedule, self._pointers))
         try:
-            self._carry_out(plan)
+            carry_out(
+                plan,
+                live=self._live,
+                parts=parts,
+                directory=self._directory,
+                session=self._session,
+                pool=self._pool,
+                overlap=self.async_save == "overlap",
+            )
         except BaseException:
             self._session.event(Event.ABORTED)
             raise
-        self.last_blocking_s = time.perf_counter() - started
-        self._schedule, self._pointers = decision.state, plan.pointers
-        if entry is NO_CHECKPOINT:
-            entry = directory.catalog.get(plan.pointers.last)
-        if entry is NO_CHECKPOINT:
-            return None
-        background = SaveTicket(self._session, ticket) if self._pool is not None else None
-        return Checkpoint.of(self.directory, entry, background)
-
-    def _carry_out(self, plan: SavePlan) -> None:
-        """Capture now; write now (synchronous) or hand the write to the session's thread."""
-        directory, entry, session = self._directory, plan.entry, self._session
-        if entry is NO_CHECKPOINT:  # only pointers move
-            session.event(Event.CAPTURED)
-            if self._pool is None:
-                directory.repoint(plan)
-                session.event(Event.PUBLISHED)
-            else:
-                session.hand_over(partial(directory.repoint, plan), None)
-            return
-        tree, meta = capture(self._live)
-        pool = self._pool
-        if pool is None:  # synchronous: write straight from the live tensors
-            prepared = fileformat.prepare(tree)
-            session.event(Event.CAPTURED)
-            directory.publish(plan, entry, lambda: prepared, meta)
-            session.event(Event.PUBLISHED)
-            return
-        defer = deferrable(self._live) if self.async_save == "overlap" else frozenset()
-        staged, finish_copy = pool.snapshot(tree, defer=defer)
-
-        def copy(guard: bool) -> None:
-            finish_copy()
-            pool.ready()
-
-        def write() -> None:
-            try:
-                directory.publish(plan, entry, lambda: fileformat.prepare(staged), meta)
-            finally:
-                pool.release()
-
-        session.hand_over(write, copy if defer else None)
+        self._schedule, self._pointers = self._decided, plan.pointers
+        return ticket
 
     # --- restoring ----------------------------------------------------------------------
 
@@ -374,25 +487,38 @@ class Checkpointer:
         ``Progress()`` and leaves everything untouched. Raises
         :class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference — or naming
         what failed while loading — with the run exactly as before; ``strict=False`` lets
-        missing components and config differences pass with a warning (never shape or dtype
-        differences).
+        missing components, config differences and another world size pass with a warning
+        (never shape or dtype differences). With several ranks, rank 0 chooses the checkpoint
+        and every rank restores it, or none does.
         """
-        self._enter(Request.RESUME)
-        path, entry = find_resume(self._directory, source)
-        now = time.monotonic()
+        ranks = self._ranks
+        self._settle(Request.RESUME)
+        reading = ResumeRead(self._live, ranks.rank)  # checks as it reads: the disk read once
+        path, wire = ranks.lead(partial(_find_portable, self._directory, source, reading.verify))
+        entry = entry_from_wire(wire)
         if path is None:
-            self._schedule = resumed_state(self._directory.catalog, NO_CHECKPOINT, now=now)
+            ranks.lead(partial(self._resumed, NO_CHECKPOINT))
             return Progress()
-        manifest = fileformat.read_manifest(path)
-        tree: Any = fileformat.load(path, verify=False)  # verified when it was chosen
-        found, deferred = differences(self._live, tree, manifest.meta)
+        loaded = ranks.each(partial(self._load, path, reading))
+        tree, meta, found, deferred = loaded
+        found = _union(ranks.all_gather(found))
         if judge(found, strict=strict):
             raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
         for difference in found:
             log.warning("resume from %s: %s", path.name, difference)
-        apply(self._live, tree, path)
-        self._live.pending = {name: tree[STATE][name] for name in deferred}
-        self._live.pending_groups = stored_groups(manifest.meta)
+        same_world = stored_world_size(meta) == ranks.world_size
+        restore = Restore(self._live, tree, path, rank=ranks.rank, per_rank=same_world)
+        try:
+            ranks.each(restore.prepare)
+        except BaseException:
+            restore.undo()  # another rank failed: put this one back too
+            raise
+        restore.commit()
+        live = self._live
+        ranked = ranked_state(tree, ranks.rank) if same_world else {}
+        live.pending = {n: ranked[n] if n in ranked else tree[STATE][n] for n in deferred}
+        live.pending_per_rank = {n for n in deferred if n in ranked}
+        live.pending_groups = stored_groups(meta)
         if deferred:
             log.info(
                 "%s holds %s, not registered yet: register() will restore them",
@@ -400,13 +526,52 @@ class Checkpointer:
                 ", ".join(sorted(deferred)),
             )
         self._resumed_from = path
-        in_directory = (
-            entry
-            if entry is not NO_CHECKPOINT and self._directory.catalog.get(entry.name) == entry
-            else NO_CHECKPOINT
-        )
-        self._schedule = resumed_state(self._directory.catalog, in_directory, now=now)
+        ranks.lead(partial(self._resumed, entry))
         return entry.progress if entry is not NO_CHECKPOINT else Progress()
+
+    def _load(
+        self, path: Path, reading: ResumeRead
+    ) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str]]:
+        """Every rank: read ``path`` and compare it with this rank's run."""
+        manifest = fileformat.read_manifest(path)
+        tree: Any = reading.load(path)  # rank 0 verified it as it loaded it, choosing it
+        found, deferred = differences(
+            self._live,
+            tree,
+            manifest.meta,
+            rank=self._ranks.rank,
+            world_size=self._ranks.world_size,
+            may_change=self._config_may_change,
+            where=path.name,
+        )
+        return tree, manifest.meta, found, deferred
+
+    def _resumed(self, entry: CheckpointEntry | NoCheckpoint) -> None:
+        """Rank 0: the schedule after resuming from ``entry``."""
+        catalog = self._directory.catalog
+        in_directory = (
+            entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
+        )
+        self._schedule = resumed_state(catalog, in_directory or NO_CHECKPOINT, now=time.monotonic())
+
+
+def _find_portable(
+    directory: CheckpointDirectory,
+    source: str | os.PathLike[str],
+    verify: Callable[[Path], None],
+) -> tuple[Path | None, tuple[Any, ...] | None]:
+    """Rank 0's resume choice, as it travels to the other ranks."""
+    path, entry = find_resume(directory, source, verify=verify)
+    return path, entry_to_wire(entry)
+
+
+def _union(per_rank: list[list[Difference]]) -> list[Difference]:
+    """Every rank's differences, each once, in rank order."""
+    seen: dict[str, Difference] = {}
+    for found in per_rank:
+        for difference in found:
+            seen.setdefault(str(difference), difference)
+    return list(seen.values())
 
 
 def _release(

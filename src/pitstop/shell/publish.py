@@ -94,12 +94,14 @@ def publish_pointers(
     token: str,
     policy: Policy,
     symlinks: bool = True,
+    latest: bool = True,
 ) -> bool:
     """Replace the pointer symlinks and ``latest.json`` with ``pointers``.
 
     Each symlink is created under a temp name and renamed over the old one; ``latest.json``
-    is published like a checkpoint. Returns whether symlinks could be used (a filesystem
-    without them keeps only ``latest.json``).
+    is published like a checkpoint (``latest=False``: removed instead — a rollback to a
+    directory that had none). Returns whether symlinks could be used (a filesystem without
+    them keeps only ``latest.json``).
     """
     for pointer in PointerName:
         target = pointers.target(pointer)
@@ -135,6 +137,14 @@ def publish_pointers(
                 f"could not point {storage.path(pointer.value)} at {target}: {exc}"
             ) from exc
 
+    if not latest:
+        try:
+            if storage.kind(LATEST_JSON) is not FileKind.MISSING:
+                storage.remove(LATEST_JSON)
+                storage.sync_directory()
+        except OSError as exc:
+            raise SaveError(f"could not remove {storage.path(LATEST_JSON)}: {exc}") from exc
+        return symlinks
     contents = json.dumps(latest_json(catalog, pointers, policy), indent=2) + "\n"
     publish_file(storage, LATEST_JSON, token, lambda f, _: f.write(contents.encode("utf-8")))
     return symlinks

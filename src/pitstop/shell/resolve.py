@@ -12,15 +12,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from pitstop.core.metadata import entry_from_meta, policy_from_latest_json
 from pitstop.core.naming import (
-    LATEST_JSON,
     NOT_A_CHECKPOINT,
     POINTER_NAMES,
     checkpoint_name,
@@ -29,7 +28,7 @@ from pitstop.core.naming import (
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
+from pitstop.shell.directory import CheckpointDirectory, choose_resume, read_latest_json, scan
 from pitstop.shell.storage import LocalStorage
 
 __all__ = ["find_resume", "load", "recorded_policy", "resolve_checkpoint", "verify"]
@@ -37,11 +36,16 @@ __all__ = ["find_resume", "load", "recorded_policy", "resolve_checkpoint", "veri
 
 def recorded_policy(directory: Path) -> Policy | None:
     """The retention policy and Best metric a directory's ``latest.json`` records, if any."""
-    try:
-        data = json.loads((directory / LATEST_JSON).read_bytes()[: 1 << 20])
-    except (OSError, ValueError):
-        return None
+    data, _ = read_latest_json(LocalStorage(directory))  # None when missing or refused
     return policy_from_latest_json(data)
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether ``path`` itself (not a symlink's target) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = True) -> Path:
@@ -54,11 +58,9 @@ def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = T
     path = Path(checkpoint)
     if path.is_dir():
         directory, pointer = path, PointerName.LAST
-    elif (
-        path.name in POINTER_NAMES
-        and path.parent.is_dir()
-        and (path.is_symlink() or not path.exists())
-    ):
+    elif path.name in POINTER_NAMES and path.parent.is_dir() and not _is_regular(path):
+        # a symlink, a name only latest.json holds, or a FIFO or device in a pointer's place:
+        # the directory's scan says where the pointer goes
         directory, pointer = path.parent, PointerName(path.name)
     elif path.is_file():
         return path
@@ -102,13 +104,20 @@ def verify(checkpoint: str | os.PathLike[str]) -> Path:
 
 
 def find_resume(
-    directory: CheckpointDirectory, source: str | os.PathLike[str]
+    directory: CheckpointDirectory,
+    source: str | os.PathLike[str],
+    *,
+    verify: Callable[[Path], None] = fileformat.verify,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """What ``Checkpointer.resume(source)`` restores: a verified file and its entry.
 
     ``source`` is a pointer name of ``directory`` (or a path to one of its own pointers: fresh
-    when it has none), or any checkpoint argument, which must verify (no fallback).
+    when it has none), or any checkpoint argument, which must verify (no fallback). From now
+    on ``directory`` lets this run replace the checkpoints it held when it was opened.
+    ``verify(path)`` checks each candidate, raising ``CheckpointCorrupt`` (the resume path
+    passes one that loads the file in the same pass, so the file is read once).
     """
+    directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
     names = {p.value for p in PointerName}
     if not (isinstance(source, str) and source in names):
         path = Path(source)
@@ -118,12 +127,12 @@ def find_resume(
     if isinstance(source, str) and source in names:
         storage = directory.storage
         found = scan(storage, best)
-        choice = choose_resume(storage, found, PointerName(source), best)
+        choice = choose_resume(storage, found, PointerName(source), best, verify=verify)
         if choice.path is None and source != PointerName.LAST.value and found.catalog:
             raise CheckpointNotFound(f"{directory.path} has no valid {source} checkpoint")
         return choice.path, choice.entry
     path = resolve_checkpoint(source, fallback=False)
-    fileformat.verify(path)
+    verify(path)
     meta = fileformat.read_manifest(path).meta
     name = path.name if parse_name(path.name) is not NOT_A_CHECKPOINT else None
     if name is None:

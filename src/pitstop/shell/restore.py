@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,8 @@ from torch.optim.swa_utils import AveragedModel
 from pitstop.core.compat import (
     Difference,
     Kind,
+    compare_config,
     diff_components,
-    diff_config,
     diff_ema,
     diff_hyperparameters,
     diff_param_groups,
@@ -42,19 +42,40 @@ from pitstop.core.compat import (
 )
 from pitstop.core.schema import EMA, EMA_COUNT, RAW, RNG, STATE, WEIGHTS
 from pitstop.errors import IncompatibleCheckpoint
-from pitstop.shell.capture import LiveState, world
+from pitstop.shell.capture import LiveState, ranked_state, stored_world_size, world
 from pitstop.shell.state import capture_rng, describe, entry_specs, optimizer_groups, restore_rng
 from pitstop.shell.weights import unwrap_model
 
-__all__ = ["apply", "component_differences", "differences"]
+__all__ = [
+    "Restore",
+    "apply",
+    "component_differences",
+    "component_undo",
+    "differences",
+    "load_component",
+]
 
 log = logging.getLogger("pitstop")
 
 
 def differences(
-    live: LiveState, tree: Mapping[str, Any], meta: Mapping[str, Any]
+    live: LiveState,
+    tree: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    may_change: Iterable[str] = (),
+    where: str = "checkpoint",
 ) -> tuple[list[Difference], frozenset[str]]:
-    """Every difference between the stored ``tree`` and the run, and the deferred names."""
+    """Every difference between the stored ``tree`` and rank ``rank``'s run, and the deferred.
+
+    Config changes under a ``may_change`` pattern are no differences: rank 0 logs them, in one
+    info line naming ``where``.
+
+    Per-rank state is compared only when the world size is the one that wrote the checkpoint;
+    otherwise the world-size difference says what cannot continue.
+    """
     weights = tree.get(WEIGHTS, {})
     out = diff_tensors(
         "model", entry_specs(weights.get(RAW, {})), entry_specs(live.model.state_dict())
@@ -64,17 +85,32 @@ def differences(
         out += diff_tensors(
             "ema", entry_specs(weights[EMA]), entry_specs(unwrap_model(live.ema).state_dict())
         )
-    stored_state = tree.get(STATE, {})
-    missing, deferred = diff_components(stored_state, live.components)
+    stored_world = stored_world_size(meta)
+    same_world = stored_world == world_size
+    stored_state = dict(tree.get(STATE, {}))
+    per_rank = live.per_rank_names()
+    if same_world:
+        stored_state.update(ranked_state(tree, rank))
+    comparable = {n: o for n, o in live.components.items() if same_world or n not in per_rank}
+    missing, deferred = diff_components(stored_state, comparable)
     out += missing
     stored_groups = meta.get("optimizers", {})
-    for name, obj in live.components.items():
+    for name, obj in comparable.items():
         if name in stored_state:
             out += component_differences(live, name, obj, stored_state[name], stored_groups)
     if live.config is not None or meta.get("config") is not None:
-        out += diff_config(meta.get("config"), live.config)
-    out += diff_world_size(int(meta.get("world_size", 1)), world()[1])
-    return out, deferred
+        compared = compare_config(meta.get("config"), live.config, may_change=may_change)
+        out += compared.differences
+        if compared.noted and rank == 0:
+            log.info(
+                "resume from %s: config changes allowed by config_may_change: %s",
+                where,
+                "; ".join(compared.noted),
+            )
+    stored_per_rank = meta.get("per_rank", [])
+    names = {*per_rank, *(n for n in stored_per_rank if isinstance(n, str))}
+    out += diff_world_size(stored_world, world_size, sorted(names))
+    return out, deferred - (per_rank if not same_world else set())
 
 
 def component_differences(
@@ -107,7 +143,7 @@ def load_component(name: str, obj: Any, stored: Any) -> None:
     """``obj.load_state_dict(stored)``, undone if it raises; IncompatibleCheckpoint then."""
     undo: list[Callable[[], object]] = []
     try:
-        undo.append(_component_undo(obj))
+        undo.append(component_undo(obj))
         obj.load_state_dict(stored)
     except Exception as exc:
         _undo_all(undo, f"component {name!r}")
@@ -116,48 +152,98 @@ def load_component(name: str, obj: Any, stored: Any) -> None:
         ) from exc
 
 
+class Restore:
+    """One all-or-nothing restore of ``tree`` into ``live``, in two phases.
+
+    :meth:`prepare` loads everything whose loading can fail (and undoes it all if anything
+    does); :meth:`commit` then loads the plain modules, which cannot fail once checked. Between
+    the two, :meth:`undo` puts back what prepare loaded — how many ranks agree before any of
+    them commits. ``rank``: whose per-rank state to restore; ``per_rank=False`` leaves the
+    per-rank state (RNG streams, per-rank components) as it is (another world size).
+    """
+
+    def __init__(
+        self,
+        live: LiveState,
+        tree: Mapping[str, Any],
+        path: Path,
+        *,
+        rank: int = 0,
+        per_rank: bool = True,
+    ) -> None:
+        self._live, self._tree, self._path = live, tree, path
+        self._rank, self._per_rank = rank, per_rank
+        self._undo: list[Callable[[], object]] = []
+        self._rng_before: dict[str, Any] | None = None
+        weights = tree[WEIGHTS]
+        modules = [(live.model, weights[RAW], "the model")]
+        if live.ema is not None:
+            modules.insert(0, (unwrap_model(live.ema), weights[EMA], "the EMA"))
+        self._own_code = [m for m in modules if not _plain(m[0])]
+        self._plain = [m for m in modules if _plain(m[0])]
+
+    def _stored_components(self) -> dict[str, Any]:
+        stored = dict(self._tree.get(STATE, {}))
+        if self._per_rank:
+            stored.update(ranked_state(self._tree, self._rank))
+        return {
+            name: state
+            for name, state in stored.items()
+            if name in self._live.components
+            and (self._per_rank or name not in self._live.per_rank_names())
+        }
+
+    def prepare(self) -> None:
+        """Load what can fail; on failure undo it all and raise IncompatibleCheckpoint."""
+        live, tree = self._live, self._tree
+        undo = self._undo
+        self._rng_before = capture_rng()
+        what = "the model"
+        try:
+            for name, stored in self._stored_components().items():
+                obj = live.components[name]
+                what = f"component {name!r}"
+                undo.append(component_undo(obj))
+                obj.load_state_dict(stored)
+            with torch.no_grad():
+                for module, stored, label in self._own_code:
+                    what = label
+                    undo.append(_module_undo(module))
+                    module.load_state_dict(stored)
+                if isinstance(live.ema, AveragedModel) and EMA_COUNT in tree:
+                    what = "the EMA's n_averaged"
+                    before = live.ema.n_averaged.clone()
+                    undo.append(partial(live.ema.n_averaged.copy_, before))
+                    live.ema.n_averaged.copy_(tree[EMA_COUNT]["n_averaged"])
+                what = "the random number generators"
+                rng = tree.get(RNG, {}).get(self._rank) if self._per_rank else None
+                if rng is not None:
+                    restore_rng(rng)
+        except Exception as exc:
+            self.undo()
+            message = f"{self._path.name}: {what}: load_state_dict failed: {exc}"
+            raise IncompatibleCheckpoint([message]) from exc
+
+    def undo(self) -> None:
+        """Put back everything :meth:`prepare` loaded."""
+        _undo_all(self._undo, "the run")
+        self._undo.clear()
+        if self._rng_before is not None:
+            restore_rng(self._rng_before)
+
+    def commit(self) -> None:
+        """Load the plain modules: torch's checked copy into tensors of the same layout."""
+        with torch.no_grad():
+            for module, stored, _ in self._plain:
+                module.load_state_dict(stored)
+        self._undo.clear()
+
+
 def apply(live: LiveState, tree: Mapping[str, Any], path: Path) -> None:
     """Restore ``tree`` (already checked) into ``live``; on any failure put everything back."""
-    stored_state = tree.get(STATE, {})
-    weights = tree[WEIGHTS]
-    modules = [(live.model, weights[RAW], "the model")]
-    if live.ema is not None:
-        modules.insert(0, (unwrap_model(live.ema), weights[EMA], "the EMA"))
-    own_code = [m for m in modules if not _plain(m[0])]
-    plain = [m for m in modules if _plain(m[0])]
-    undo: list[Callable[[], object]] = []
-    rng_before = capture_rng()
-    what = "the model"
-    try:
-        for name, obj in live.components.items():
-            if name in stored_state:
-                what = f"component {name!r}"
-                undo.append(_component_undo(obj))
-                obj.load_state_dict(stored_state[name])
-        with torch.no_grad():
-            for module, stored, label in own_code:
-                what = label
-                undo.append(_module_undo(module))
-                module.load_state_dict(stored)
-            if isinstance(live.ema, AveragedModel) and EMA_COUNT in tree:
-                what = "the EMA's n_averaged"
-                before = live.ema.n_averaged.clone()
-                undo.append(partial(live.ema.n_averaged.copy_, before))
-                live.ema.n_averaged.copy_(tree[EMA_COUNT]["n_averaged"])
-            what = "the random number generators"
-            undo.append(lambda: restore_rng(rng_before))
-            rng = tree.get(RNG, {}).get(world()[0])
-            if rng is not None:
-                restore_rng(rng)
-            for module, stored, label in plain:
-                what = label
-                module.load_state_dict(stored)
-    except Exception as exc:
-        _undo_all(undo, what)
-        restore_rng(rng_before)
-        raise IncompatibleCheckpoint(
-            [f"{path.name}: {what}: load_state_dict failed: {exc}"]
-        ) from exc
+    restore = Restore(live, tree, path, rank=world()[0])
+    restore.prepare()
+    restore.commit()
 
 
 def _undo_all(undo: list[Callable[[], object]], what: str) -> None:
@@ -169,7 +255,7 @@ def _undo_all(undo: list[Callable[[], object]], what: str) -> None:
             log.error("could not put %s back after a failed restore: %s", what, again)
 
 
-def _component_undo(obj: Any) -> Callable[[], None]:
+def component_undo(obj: Any) -> Callable[[], None]:
     """How to put ``obj`` back as it is now."""
     if (
         isinstance(obj, torch.optim.Optimizer)

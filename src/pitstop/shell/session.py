@@ -43,7 +43,7 @@ from pitstop.core.session import (
 )
 from pitstop.errors import PitstopError, SaveError
 
-__all__ = ["Reported", "SaveSession", "SaveTicket"]
+__all__ = ["RemoteTicket", "Reported", "SaveSession", "SaveTicket"]
 
 log = logging.getLogger("pitstop")
 
@@ -238,6 +238,34 @@ class SaveTicket:
     def wait(self) -> SaveStatus:
         """Wait until the save is published or has failed."""
         return self._session.wait_for(self._number)
+
+
+class RemoteTicket:
+    """A background save's record on a rank other than 0: rank 0 writes, this rank hears.
+
+    Its status stays pending until the Checkpointer's next collective call tells how rank 0's
+    write ended; it cannot wait by itself (``ckpt.wait()``, on every rank, does).
+    """
+
+    def __init__(self) -> None:
+        self._status = SaveStatus.PENDING
+
+    def settle(self, status: SaveStatus) -> None:
+        """Record how rank 0's write ended."""
+        self._status = status
+
+    def status(self) -> SaveStatus:
+        """Pending, published or failed, as last heard from rank 0."""
+        return self._status
+
+    def wait(self) -> SaveStatus:
+        """The outcome, once heard; waiting alone would wait for a collective call."""
+        if self._status is SaveStatus.PENDING:
+            raise PitstopError(
+                "only rank 0 writes: on this rank a background save's record learns its outcome "
+                "from the Checkpointer's next call on every rank (ckpt.wait(), finish(), ...)"
+            )
+        return self._status
 
 
 def _work(session: SaveSession) -> None:

@@ -156,14 +156,16 @@ class StagingPool:
 
     def snapshot(
         self, tree: Any, *, defer: frozenset[_StorageKey] = frozenset()
-    ) -> tuple[Any, Callable[[], None]]:
+    ) -> tuple[Any, Callable[..., None]]:
         """Copy ``tree``'s tensors into staging buffers; return the tree over those copies.
 
         Containers are rebuilt with their exact types; other leaves are kept as they are.
         Raises :class:`~pitstop.errors.SaveError` naming the key path of a value a checkpoint
         cannot hold, as a synchronous save does, before any buffer is taken. Storages in
-        ``defer`` (see :func:`storage_keys`) are not copied yet: the returned function copies
-        them, and must run before the snapshot is read and before those storages change. Call
+        ``defer`` (see :func:`storage_keys`) are not copied yet: the returned function,
+        ``finish(guard=False)``, copies them, and must run before the snapshot is read and before
+        those storages change (``guard``: later work on the calling thread's CUDA streams waits
+        for the copies; call :meth:`ready` before reading them either way). Call
         :meth:`release` once the snapshot has been written.
         """
         if self._lent:
@@ -243,7 +245,11 @@ class StagingPool:
             buffer, start = staged[key]
             offset = int(tensor.storage_offset()) - start // tensor.element_size()
             copy.set_(buffer.untyped_storage(), offset, tensor.shape, tensor.stride())
-        return lambda: self._copy(copies_later, guard=False)
+
+        def finish(guard: bool = False) -> None:
+            self._copy(copies_later, guard=guard)
+
+        return finish
 
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True) -> None:
         """Copy each source into its buffer; from CUDA, non-blocking on a side stream.

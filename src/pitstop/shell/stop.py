@@ -2,31 +2,165 @@
 #
 # Rules: a signal handler only records the request (flag and reason, e.g. "SIGTERM"); saving and
 # communication happen in the training loop, never in the handler. catch_signals() handles
-# SIGINT and SIGTERM while it is active, in the main thread only (Python delivers signals
-# there), and restores the previous handlers on exit. A second SIGINT while a stop is pending
-# raises KeyboardInterrupt: the user insists. sync() makes every rank agree: True everywhere if
-# any rank asked to stop.
-# How: a plain object with a bool and a reason; sync() is an all-reduce (MAX) of one integer
-# when torch.distributed is initialized.
+# SIGINT and SIGTERM while its block runs, install() until uninstall(); both in the main thread
+# only (Python delivers signals there), and both put the previous handlers back. A previous
+# handler installed outside Python (signal.getsignal() is None: a C library's) is put back as
+# the C-level disposition it was. A catch_signals() context entered and never exited (the
+# misuse `catch_signals().__enter__()` in a flat script) warns when it is collected and keeps
+# its handlers installed, as install() would, instead of silently restoring the defaults. A
+# second SIGINT while a stop is pending raises KeyboardInterrupt: the user insists. sync()
+# makes every rank agree: True everywhere if any rank asked to stop.
+# How: a plain object with a bool and a reason; the C-level disposition is saved and restored
+# as opaque bytes through the C library's sigaction(); sync() is an all-reduce (MAX) of one
+# integer when torch.distributed is initialized.
 
 """StopRequest: pause a run cleanly on a signal, a scheduler's notice, or a request."""
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import logging
 import signal
+import sys
 import threading
-from collections.abc import Iterator
-from types import FrameType
+import warnings
+from types import FrameType, TracebackType
 from typing import Any
 
+import attrs
 import torch
 
 from pitstop.errors import PitstopError
 
-__all__ = ["StopRequest"]
+__all__ = ["SignalScope", "StopRequest"]
+
+log = logging.getLogger("pitstop")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# More than any platform's struct sigaction (152 bytes on Linux x86-64): saved and restored
+# whole, never interpreted.
+_SIGACTION_BYTES = 1024
+
+
+def _libc() -> Any:
+    if sys.platform == "win32":  # pragma: no cover - no sigaction there
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "sigaction") else None
+    except OSError:  # pragma: no cover - a platform without a C library to open
+        return None
+
+
+def _c_disposition(sig: signal.Signals) -> bytes | None:
+    """The C-level disposition of ``sig`` (struct sigaction, as opaque bytes), if readable."""
+    libc = _libc()
+    if libc is None:
+        return None
+    buffer = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    if libc.sigaction(int(sig), None, buffer) != 0:
+        return None
+    return buffer.raw
+
+
+def _set_c_disposition(sig: signal.Signals, raw: bytes) -> bool:
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.sigaction(int(sig), ctypes.create_string_buffer(raw, len(raw)), None) == 0)
+
+
+@attrs.frozen(kw_only=True)
+class _Previous:
+    """A signal's handler before pitstop's: a Python one, or (handler None) a C-level one."""
+
+    handler: Any
+    c_disposition: bytes | None = attrs.field(default=None, repr=False)
+
+
+def _check_main_thread(what: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise PitstopError(
+            f"StopRequest.{what} must run in the main thread: Python delivers signals only there"
+        )
+
+
+def _install(handler: Any, what: str) -> dict[signal.Signals, _Previous]:
+    """Install ``handler`` for SIGINT and SIGTERM; return what was there before."""
+    _check_main_thread(what)
+    saved: dict[signal.Signals, _Previous] = {}
+    try:
+        for sig in _SIGNALS:
+            # None: a handler installed outside Python, which signal.signal() cannot put back;
+            # keep its C-level disposition to restore it later.
+            raw = _c_disposition(sig) if signal.getsignal(sig) is None else None
+            previous = signal.signal(sig, handler)
+            saved[sig] = _Previous(handler=previous, c_disposition=raw)
+    except BaseException:
+        _restore(saved)
+        raise
+    return saved
+
+
+def _restore(saved: dict[signal.Signals, _Previous]) -> None:
+    """Put back the handlers ``_install`` replaced."""
+    for sig, previous in saved.items():
+        if previous.handler is not None:
+            signal.signal(sig, previous.handler)
+            continue
+        signal.signal(sig, signal.SIG_DFL)  # Python's own handler off first
+        raw = previous.c_disposition
+        if raw is None or not _set_c_disposition(sig, raw):
+            log.warning(
+                "the previous %s handler was installed outside Python and could not be put "
+                "back; %s now has the default action",
+                sig.name,
+                sig.name,
+            )
+
+
+class SignalScope:
+    """What :meth:`StopRequest.catch_signals` returns: use it as ``with stop.catch_signals():``.
+
+    Entering installs the handlers, exiting restores the previous ones. A scope entered and
+    never exited (``stop.catch_signals().__enter__()``) warns when it is collected and leaves
+    its handlers installed, as :meth:`StopRequest.install` does; :meth:`StopRequest.uninstall`
+    then restores the previous ones.
+    """
+
+    def __init__(self, stop: StopRequest) -> None:
+        self._stop = stop
+        self._saved: dict[signal.Signals, _Previous] | None = None
+
+    def __enter__(self) -> StopRequest:
+        if self._saved is not None:
+            raise PitstopError("this catch_signals() context is already active")
+        self._saved = _install(self._stop._handle, "catch_signals()")
+        return self._stop
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            _restore(saved)
+
+    def __del__(self) -> None:
+        saved, self._saved = getattr(self, "_saved", None), None
+        if saved is None:
+            return
+        self._stop._adopt(saved)
+        warnings.warn(
+            "StopRequest.catch_signals() was entered but never exited (called as "
+            "catch_signals().__enter__()?): its SIGINT/SIGTERM handlers stay installed for the "
+            "rest of the process, as with stop.install(); use `with stop.catch_signals():` "
+            "around a block, or stop.install() and stop.uninstall()",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class StopRequest:
@@ -35,6 +169,7 @@ class StopRequest:
     def __init__(self) -> None:
         self._requested = False
         self._reason: str | None = None
+        self._installed: dict[signal.Signals, _Previous] | None = None
 
     def request(self, reason: str = "requested") -> None:
         """Ask the run to stop; the first reason given is kept."""
@@ -65,25 +200,41 @@ class StopRequest:
             raise KeyboardInterrupt(f"{name} again while a stop ({self._reason}) was pending")
         self.request(name)
 
-    @contextlib.contextmanager
-    def catch_signals(self) -> Iterator[StopRequest]:
-        """Turn SIGINT and SIGTERM into stop requests while the block runs.
+    def catch_signals(self) -> SignalScope:
+        """Turn SIGINT and SIGTERM into stop requests while a ``with`` block runs.
 
-        Must be entered in the main thread; the previous handlers come back on exit.
+        ``with stop.catch_signals():`` must be entered in the main thread; the previous
+        handlers come back on exit. For a flat script with no block to wrap, use
+        :meth:`install`.
         """
-        if threading.current_thread() is not threading.main_thread():
-            raise PitstopError(
-                "StopRequest.catch_signals() must run in the main thread: Python delivers "
-                "signals only there"
-            )
-        previous: dict[signal.Signals, Any] = {}
-        try:
-            for sig in _SIGNALS:
-                previous[sig] = signal.signal(sig, self._handle)
-            yield self
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        return SignalScope(self)
+
+    def install(self) -> None:
+        """Turn SIGINT and SIGTERM into stop requests from now on, until :meth:`uninstall`.
+
+        Main thread only. Installing twice is a no-op; the handlers from before the first
+        install are the ones :meth:`uninstall` restores.
+        """
+        if self._installed is None:
+            self._installed = _install(self._handle, "install()")
+
+    def uninstall(self) -> None:
+        """Restore the handlers that :meth:`install` replaced; a no-op when not installed."""
+        if self._installed is None:
+            return
+        _check_main_thread("uninstall()")
+        saved, self._installed = self._installed, None
+        _restore(saved)
+
+    @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` (or an abandoned ``catch_signals()``) holds the handlers."""
+        return self._installed is not None
+
+    def _adopt(self, saved: dict[signal.Signals, _Previous]) -> None:
+        """Keep a collected scope's handlers installed, as if :meth:`install` had put them."""
+        if self._installed is None:
+            self._installed = saved
 
     def sync(self) -> bool:
         """Return whether any rank requested a stop (every rank gets the same answer).

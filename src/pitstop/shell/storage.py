@@ -17,6 +17,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
+from pitstop.shell.untrusted import read_untrusted
+
 __all__ = ["FileKind", "LocalStorage", "Storage"]
 
 
@@ -25,7 +27,8 @@ class FileKind(enum.Enum):
 
     REGULAR = "regular file"
     SYMLINK = "symlink"
-    OTHER = "other"  # a directory, fifo, socket, device
+    DIRECTORY = "directory"
+    OTHER = "other"  # a fifo, socket, device
     MISSING = "missing"
 
 
@@ -119,6 +122,8 @@ class LocalStorage:
             return FileKind.REGULAR
         if stat.S_ISLNK(mode):
             return FileKind.SYMLINK
+        if stat.S_ISDIR(mode):
+            return FileKind.DIRECTORY
         return FileKind.OTHER
 
     def size(self, name: str) -> int:
@@ -159,14 +164,9 @@ class LocalStorage:
         return os.readlink(self.path(name))
 
     def read_bytes(self, name: str, limit: int) -> bytes:
-        """Read at most ``limit`` bytes of the regular file ``name``; larger is an error."""
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path(name), flags)
-        with os.fdopen(fd, "rb") as file:
-            data = file.read(limit + 1)
-        if len(data) > limit:
-            raise ValueError(f"{self.path(name)} is larger than {limit} bytes")
-        return data
+        """Read the regular file ``name`` (never a symlink, FIFO or device) of at most ``limit``
+        bytes; anything else raises ``OSError`` or ``ValueError`` (larger), before it is read."""
+        return read_untrusted(self.path(name), limit, follow_symlinks=False)
 
     def remove(self, name: str) -> None:
         """Remove ``name``."""

@@ -8,7 +8,11 @@
 # its set is the EMA's parameters plus the raw model's checkpoint-time buffers. Only the bytes a
 # view needs are read, and each blob read is checked against its CRC-32 first. Loading is
 # all-or-nothing: names, shapes and dtypes are compared (pitstop.core.compat) and every
-# difference is reported before any tensor of the model is touched. Exports are plain
+# difference is reported before any tensor of the model is touched; strict=False lets missing
+# and unexpected names through and returns them (shapes and dtypes must still match). Values
+# are copied into the model's own tensors, or, with map_location, the model takes the
+# checkpoint's tensors placed on that device (one transfer from the file's memory map, no
+# second copy; a model built on the meta device loads this way). Exports are plain
 # {name: tensor} dicts, written atomically (temp file, fsync, rename, directory fsync: the one
 # helper, pitstop.shell.atomic).
 # How: fileformat.load with select= for each subtree; the core compares; torch copies.
@@ -22,23 +26,24 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel
 
-from pitstop.core.compat import diff_tensors
+from pitstop.core.compat import Kind, diff_tensors
 from pitstop.core.schema import RAW, weights_meta, weights_path
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
-from pitstop.shell import fileformat
+from pitstop.shell import fileformat, progress
 from pitstop.shell.atomic import write_atomically
 from pitstop.shell.resolve import resolve_checkpoint
 from pitstop.shell.state import tensor_specs
 from pitstop.shell.treecodec import TensorRef, subtree
 
 __all__ = [
+    "IncompatibleKeys",
     "Weights",
     "export_weights",
     "load_weights",
@@ -49,6 +54,19 @@ __all__ = [
 
 Weights = Literal["raw", "ema"]
 """Which parameter set of a checkpoint: the model's own weights or its EMA's."""
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_weights` left out, like ``nn.Module.load_state_dict``'s result.
+
+    ``missing_keys``: in the model, not in the checkpoint (they keep their values);
+    ``unexpected_keys``: in the checkpoint, not in the model (not loaded). Plain names, without
+    wrapper prefixes. Both are empty after a ``strict=True`` load.
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
 
 # Wrappers whose wrapped module is `.module`; torch.compile's OptimizedModule keeps `._orig_mod`.
 _MODULE_WRAPPERS = (DistributedDataParallel, DataParallel, AveragedModel)
@@ -256,9 +274,28 @@ def _view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
 # --- loading into a model ---------------------------------------------------------------------
 
 
+def _map_location(map_location: str | torch.device | None) -> torch.device | None:
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            return torch.device(map_location)
+        except (RuntimeError, ValueError):
+            pass
+    raise ConfigError(
+        f"map_location must be a device such as 'cpu', 'cuda' or torch.device('cuda', 0), "
+        f"got {map_location!r}"
+    )
+
+
 def load_weights(
-    model: nn.Module, checkpoint: str | os.PathLike[str], *, weights: Weights = "raw"
-) -> None:
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    weights: Weights = "raw",
+    strict: bool = True,
+    map_location: str | torch.device | None = None,
+) -> IncompatibleKeys:
     """Load the parameter set ``weights`` of ``checkpoint`` into ``model``.
 
     Pass the plain model, unwrapped and uncompiled; no optimizer or data is needed. A wrapped
@@ -270,29 +307,98 @@ def load_weights(
 
     All or nothing: names, shapes and dtypes are compared with the model's state dict first,
     and :class:`~pitstop.errors.IncompatibleCheckpoint` lists every difference (missing,
-    unexpected, shape, dtype) before any tensor of the model is touched. Values are copied into
-    the model's own tensors, so they keep the model's device.
+    unexpected, shape, dtype) before any tensor of the model is touched. ``strict=False``
+    loads what the two share and returns the names that are missing from the checkpoint or
+    unexpected in it (fine-tuning with a new head); shapes and dtypes must still match.
+
+    ``map_location=None``: values are copied into the model's own tensors, which keep their
+    identity and device. ``map_location="cuda"`` (any device): the model's parameters and
+    buffers become the checkpoint's tensors on that device, moved straight from the file's
+    memory map — no second copy on the host, and the only way to load a model built on the
+    ``meta`` device. On ``"cpu"`` they are the memory-mapped tensors themselves (copy-on-write:
+    writing to them never changes the file). Tied parameters stay tied.
+
+    Returns the missing and unexpected keys (both empty under ``strict=True``).
     """
     kind = _check_weights(weights)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"load_weights strict must be a bool, got {strict!r}")
+    device = _map_location(map_location)
     target = unwrap_model(model)
-    live = target.state_dict()
+    live = target.state_dict(keep_vars=True)
     names = _plain_names(list(live))
     path = resolve_checkpoint(checkpoint, fallback=True)
     view = _view(path, kind)
     plain_live = {names[key]: value for key, value in live.items()}
     where = f"{path} weights.{kind}"
-    differences = [
-        str(d) for d in diff_tensors(where, tensor_specs(view), tensor_specs(plain_live))
-    ]
-    differences += [
-        f"{where}: {name!r} in the model is a {type(value).__qualname__} (extra state), "
-        f"which load_weights does not load"
-        for name, value in plain_live.items()
-        if not isinstance(value, torch.Tensor)
-    ]
+    found = diff_tensors(where, tensor_specs(view), tensor_specs(plain_live))
+    extra = [name for name, value in plain_live.items() if not isinstance(value, torch.Tensor)]
+    differences = [str(d) for d in found if strict or d.kind not in _LENIENT]
+    if strict:
+        differences += [
+            f"{where}: {name!r} in the model is a {type(plain_live[name]).__qualname__} (extra "
+            f"state), which load_weights does not load"
+            for name in extra
+        ]
     if differences:
         raise IncompatibleCheckpoint(differences)
-    target.load_state_dict({key: view[names[key]] for key in live}, strict=True)
+    if device is None:
+        meta = [key for key, value in live.items() if _on_meta(value) and names[key] in view]
+        if meta:
+            raise ConfigError(
+                f"load_weights: the model's {meta[0]!r}"
+                + (f" and {len(meta) - 1} more" if len(meta) > 1 else "")
+                + " are on the meta device and cannot be copied into; pass map_location= "
+                "(e.g. 'cuda' or 'cpu') to load the checkpoint's tensors in their place"
+            )
+    keys = [key for key in live if isinstance(live[key], torch.Tensor) and names[key] in view]
+    loaded = (
+        {key: view[names[key]] for key in keys}
+        if device is None
+        else _placed(live, keys, {key: view[names[key]] for key in keys}, device)
+    )
+    target.load_state_dict(loaded, strict=False, assign=device is not None)
+    plain_keys = {names[key] for key in keys}
+    return IncompatibleKeys(
+        missing_keys=[name for name in plain_live if name not in plain_keys],
+        unexpected_keys=[name for name in view if name not in plain_live],
+    )
+
+
+# Differences strict=False lets through (and returns): names on one side only.
+_LENIENT = frozenset({Kind.MISSING, Kind.UNEXPECTED})
+
+
+def _on_meta(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def _placed(
+    live: Mapping[str, object],
+    keys: list[str],
+    stored: Mapping[str, torch.Tensor],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The stored tensors on ``device``, as the values the model takes (assign=True).
+
+    One transfer per tensor, straight from the memory map; ``.to()`` returns the mapped tensor
+    itself on the CPU. Keys that share one tensor in the live model (tied parameters) get one
+    object, a Parameter where the live one is, so they stay tied after the assignment.
+    """
+    out: dict[str, torch.Tensor] = {}
+    by_identity: dict[int, torch.Tensor] = {}
+    for key in keys:
+        now = live[key]
+        assert isinstance(now, torch.Tensor)
+        shared = by_identity.get(id(now))
+        if shared is not None:
+            out[key] = shared
+            continue
+        value = stored[key].to(device)
+        if isinstance(now, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=now.requires_grad)
+        by_identity[id(now)] = out[key] = value
+    return out
 
 
 # --- exporting --------------------------------------------------------------------------------
@@ -361,6 +467,8 @@ def export_weights(
     view = weights_view(checkpoint, kind)
     copies: dict[tuple[object, ...], torch.Tensor] = {}
     plain: dict[str, torch.Tensor] = {}
+    total = sum(t.numel() * t.element_size() for t in view.values())
+    watched = progress.task(f"exporting {target}", total)
     for name, tensor in view.items():
         to = convert if convert is not None and tensor.is_floating_point() else tensor.dtype
         # Tied tensors (one storage, same view) become one copy, which torch.save keeps tied.
@@ -377,6 +485,8 @@ def export_weights(
             copy = tensor.to(dtype=to, memory_format=torch.contiguous_format, copy=True)
             copies[identity] = copy
         plain[name] = copy
+        watched.advance(tensor.numel() * tensor.element_size())
+    watched.end()
     if suffix == ".pt":
         write_atomically(target, lambda file: torch.save(plain, file))
     else:

@@ -12,6 +12,9 @@
 # resume must match (the recipe) leaves out the cumulative limits (run.max_steps, run.epochs,
 # scheduler.max_steps: a resume may raise them), where the run lives and runs (output_dir,
 # device) and what only changes reporting or saving (eval_every, log_every, checkpoint).
+# Checkpoints store every section but `checkpoint` (stored()), and a resume is told that the
+# keys outside the recipe may change (MAY_CHANGE, the Checkpointer's config_may_change): they
+# are compared and reported, never refused.
 # How: pure Python (no torch): yaml.safe_load, the converter's structure() per section, and
 # plain dict building for the recipe.
 
@@ -41,6 +44,7 @@ from pitstop.core.validators import (
 from pitstop.errors import ConfigError
 
 __all__ = [
+    "MAY_CHANGE",
     "DataSection",
     "EmaSection",
     "ModelSection",
@@ -153,6 +157,18 @@ class EmaSection:
     decay: float = attrs.field(default=0.999, validator=_fraction)
 
 
+MAY_CHANGE: tuple[str, ...] = (
+    "run.max_steps",
+    "run.epochs",
+    "scheduler.max_steps",
+    "run.output_dir",
+    "run.device",
+    "run.eval_every",
+    "run.log_every",
+)
+"""The stored keys a resumed run may change (the Checkpointer's ``config_may_change``): the
+cumulative limits, where the run lives and runs, and how often it evaluates and logs."""
+
 # The one converter of a run file: the core's records (checkpoint, best) and these sections.
 _CONVERTER = ConfigConverter(
     (RunSection, ModelSection, DataSection, OptimizerSection, SchedulerSection, EmaSection)
@@ -189,6 +205,21 @@ class RunConfig:
         if not self.checkpoint.enabled:
             return None
         return Path(resolve_directory(self.run.output_dir, self.checkpoint.directory))
+
+    def stored(self) -> dict[str, Any]:
+        """The configuration every checkpoint stores: each section but ``checkpoint``.
+
+        Of it, the keys :data:`MAY_CHANGE` names are compared on resume but only reported;
+        the rest is the :meth:`recipe`.
+        """
+        return {
+            "run": attrs.asdict(self.run),
+            "model": attrs.asdict(self.model),
+            "data": attrs.asdict(self.data),
+            "optimizer": attrs.asdict(self.optimizer),
+            "scheduler": attrs.asdict(self.scheduler),
+            "ema": attrs.asdict(self.ema),
+        }
 
     def recipe(self) -> dict[str, Any]:
         """The part of the configuration a resumed run must match, stored in checkpoints.

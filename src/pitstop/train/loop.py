@@ -3,9 +3,11 @@
 # Rules: windows of `accumulate` micro-batches; after each update: next epoch when the epoch's
 # updates are done, report, evaluate every eval_every updates, maybe_save (with the stop
 # request, so a stop's save records its reason). A stop request is looked at between windows
-# and after each update, never inside a window. At the end: a stop saves `last` (finish with
-# the stop) and skips the final evaluation; a normal end evaluates (unless the last update just
-# did) and finishes, which saves `final`. A save is reported as published when its save
+# and after each update, never inside a window; with several ranks (a process group of more
+# than one), StopRequest.sync() after each update makes every rank stop at the same step, and
+# the loop acts on that agreed answer until the next update. At the end: a stop saves `last`
+# (finish with the stop) and skips the final evaluation; a normal end evaluates (unless the last
+# update just did) and finishes, which saves `final`. A save is reported as published when its save
 # sequence number is new.
 # How: a small class holding the call's state; the Trainer supplies micro-step, update and
 # evaluation.
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed as dist
 
 from pitstop import Checkpoint, Checkpointer, ConfigError, Progress, StopRequest
 from pitstop.core.targets import plan_run
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
     from pitstop.train.trainer import Trainer
 
 __all__ = ["TrainLoop"]
+
+
+def _many_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _batch_size_of(batch: object) -> int:
@@ -67,6 +74,7 @@ class TrainLoop:
                 f"{trainer.sampler.batches_per_epoch} an epoch has"
             )
         self.losses: list[tuple[int, float]] = []
+        self._agreed = False  # the ranks' last agreed stop answer (several ranks only)
         # The highest save sequence number seen: a higher one is a newly published file.
         self.published = 0
         if checkpointer is not None:
@@ -94,12 +102,13 @@ class TrainLoop:
         trainer.optimizer.zero_grad()
         progress = self.restored
         metrics: dict[str, float] | None = None
-        while not self.target.reached(progress) and not trainer.stop:
+        self.agree_stop()
+        while not self.target.reached(progress) and not self.stopping:
             if progress.batch_in_epoch >= self.per_epoch:
                 progress = progress.next_epoch()
                 continue
             progress, metrics = self.epoch(progress)
-        if trainer.stop:
+        if self.stopping:
             self.save("finish", progress, stop=trainer.stop)
             return self.state(progress, {})
         final = metrics if metrics is not None else trainer._evaluate()
@@ -121,13 +130,14 @@ class TrainLoop:
         samples = 0
         metrics: dict[str, float] | None = None
         for batch in trainer.loader:
-            if not window and trainer.stop:
+            if not window and self.stopping:
                 break  # stop between windows: nothing half-done to finish
             window.append(trainer._micro_step(batch, accumulate))
             samples += _batch_size_of(batch)
             if len(window) < accumulate:
                 continue  # a stop request waits for the end of the accumulation window
             trainer._update()
+            self.agree_stop()
             loss = float(torch.stack(window).sum().item())
             progress = progress.advance(samples=samples)
             window, samples = [], 0
@@ -142,9 +152,23 @@ class TrainLoop:
                 if metrics:
                     trainer.reporter.evaluated(progress, metrics)
             self.save("maybe_save", progress, metrics=metrics, stop=trainer.stop)
-            if trainer.stop or self.target.reached(progress) or progress.batch_in_epoch == 0:
+            if self.stopping or self.target.reached(progress) or progress.batch_in_epoch == 0:
                 break
         return progress, metrics
+
+    def agree_stop(self) -> None:
+        """With several ranks, agree on the stop request (a collective, once per update).
+
+        Between two of these calls every rank acts on the agreed answer, so a signal that
+        reaches one rank stops every rank at the same step.
+        """
+        if _many_ranks():
+            self._agreed = self.trainer.stop.sync()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether to stop: the agreed answer with several ranks, else the request itself."""
+        return self._agreed if _many_ranks() else bool(self.trainer.stop)
 
     def lr(self) -> float | None:
         groups = self.trainer.optimizer.param_groups

@@ -4,30 +4,28 @@
 # finished, close); the base class does nothing, so a library user gets silence by default.
 # PlainReporter prints one line per event (a progress line every log_every updates): for logs,
 # pipes and --quiet. RichReporter draws a progress bar (absolute step / target step and the
-# loss) and prints event lines above it: for a terminal. Each line a Reporter prints is flushed
-# at once, so a process reading the output sees it as it happens. close() is safe to call
-# twice and after finished().
+# loss) and prints event lines above it: for a terminal; a save (any byte task of
+# pitstop.shell.progress) that runs for more than about a second gets a bar of its own below
+# it, bytes written / total and the rate, gone when the save ends. Each line a Reporter prints
+# is flushed at once, so a process reading the output sees it as it happens. close() is safe
+# to call twice and after finished().
 # How: rich.console.Console for both; rich.progress.Progress for the bar.
 
 """Progress reporting for the reference trainer: silent, plain lines, or a rich progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress, TaskID
 
+from pitstop.bars import ByteBars, delay_s, make_progress
 from pitstop.formatting import format_size
+from pitstop.shell import progress as events
 
 if TYPE_CHECKING:
     from pitstop.core.records import Progress as RunProgress
@@ -142,6 +140,7 @@ class RichReporter(PlainReporter):
         super().__init__(console)
         self._bar: Progress | None = None
         self._task: TaskID | None = None
+        self._saves = contextlib.ExitStack()
 
     def started(
         self,
@@ -151,18 +150,14 @@ class RichReporter(PlainReporter):
         resumed_from: Path | None,
     ) -> None:
         super().started(restored=restored, target_step=target_step, resumed_from=resumed_from)
-        self._bar = Progress(
-            TextColumn("[bold]train[/bold] step"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(),
-            console=self.console,
-        )
+        self._bar = make_progress(self.console, transient=False)
         self._task = self._bar.add_task(
-            "train", total=target_step, completed=restored.step, loss="-"
+            "[bold]train[/bold] step", total=target_step, completed=restored.step, loss="-"
         )
         self._bar.start()
+        saves = ByteBars(self.console, delay_s(), shared=self._bar)
+        self._saves.callback(saves.close)
+        self._saves.enter_context(events.watching(saves))
 
     def stepped(self, progress: RunProgress, *, loss: float, lr: float | None) -> None:
         if self._bar is not None and self._task is not None:
@@ -173,6 +168,7 @@ class RichReporter(PlainReporter):
         super().finished(state)
 
     def close(self) -> None:
+        self._saves.close()
         if self._bar is not None:
             self._bar.stop()
             self._bar = None

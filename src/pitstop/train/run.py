@@ -4,9 +4,12 @@
 # seeded from it (run.seed: Python, NumPy when installed, torch — so the model's initial
 # weights; data.seed: the data and its shuffle), so two runs of one file compute the same
 # thing. Resuming (resume=True or checkpoint.resume: true) continues from the checkpoint
-# directory's `last`; with nothing there the run starts fresh. The checkpoints store the
-# recipe (RunConfig.recipe): the limits are left out, so a resume with a raised --max-steps
-# passes the compatibility check. The scheduler's shape is a plain function of the step
+# directory's `last`; with nothing there the run starts fresh (a directory that does not exist
+# at all — a typo? — says so in one warning line). The checkpoints store the whole
+# configuration but its checkpoint section (RunConfig.stored); the limits, the output directory,
+# the device and the evaluation and log intervals may change on resume (config.MAY_CHANGE, the
+# Checkpointer's config_may_change), so a resume with a raised --max-steps passes the
+# compatibility check and says what changed. The scheduler's shape is a plain function of the step
 # (a closure, which LambdaLR does not store), so a resume uses the current scheduler.max_steps.
 # How: build the task, model, AdamW, LambdaLR and AveragedModel, then Trainer.train.
 
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -27,12 +31,14 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from pitstop.errors import ConfigError
-from pitstop.train.config import RunConfig, SchedulerSection, load_config
+from pitstop.train.config import MAY_CHANGE, RunConfig, SchedulerSection, load_config
 from pitstop.train.report import Reporter
 from pitstop.train.task import make_evaluate, make_model, make_task, mse_loss
 from pitstop.train.trainer import TrainConfig, Trainer
 
 __all__ = ["TrainResult", "train_from_config", "warmup_cosine"]
+
+log = logging.getLogger("pitstop.train")
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +114,8 @@ def train_from_config(
     if resume and checkpoint_dir is None:
         raise ConfigError("checkpoint.resume: resuming needs checkpoint.enabled: true")
     device = _device(cfg.run.device)
+    if resume and checkpoint_dir is not None and not checkpoint_dir.exists():
+        log.warning("resume: %s does not exist; the run starts fresh", checkpoint_dir)
     Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
 
     _seed(cfg.run.seed)
@@ -132,7 +140,8 @@ def train_from_config(
         scheduler=scheduler,
         data_seed=cfg.data.seed,
         device=device,
-        config=cfg.recipe(),
+        config=cfg.stored(),
+        config_may_change=MAY_CHANGE,
         reporter=reporter,
     )
     state = trainer.train(

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -46,6 +46,7 @@ from pitstop import (
     ResumableSampler,
     StopRequest,
 )
+from pitstop.core.compat import may_change_patterns
 from pitstop.core.validators import is_int
 from pitstop.shell.atomic import write_atomically
 from pitstop.shell.weights import plain_state_dict
@@ -87,10 +88,11 @@ class Trainer:
     shuffled order (seeded by ``data_seed``) in batches of ``batch_size``. ``loss_fn(model,
     batch)`` returns the mean loss of a batch. ``evaluate(model)`` returns metrics such as
     ``{"val_loss": ...}``; it must draw no random numbers. ``ema``: an AveragedModel updated
-    after every optimizer step. ``config``: the run's recipe, stored in checkpoints and compared
-    on resume (leave out limits that may grow, such as max_steps). ``reporter`` hears about
-    steps, evaluations and checkpoints (silent by default). During :meth:`train`,
-    ``trainer.stop`` is the run's :class:`~pitstop.StopRequest`.
+    after every optimizer step. ``config``: the run's configuration, stored in checkpoints and
+    compared on resume; ``config_may_change``: its key paths or globs that a resume may change
+    (limits that grow, such as ``max_steps``; the output directory), only reported.
+    ``reporter`` hears about steps, evaluations and checkpoints (silent by default). During
+    :meth:`train`, ``trainer.stop`` is the run's :class:`~pitstop.StopRequest`.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Trainer:
         num_workers: int = 0,
         device: str | torch.device = "cpu",
         config: Mapping[str, Any] | None = None,
+        config_may_change: Iterable[str] = (),
         reporter: Reporter | None = None,
     ) -> None:
         if not is_int(num_workers) or num_workers < 0:
@@ -120,6 +123,7 @@ class Trainer:
         self.scheduler = scheduler
         self.device = torch.device(device)
         self.config = config
+        self.config_may_change = may_change_patterns(config_may_change)
         self.reporter = reporter if reporter is not None else Reporter()
         self.sampler = ResumableSampler(len(cast(Sized, data)), batch_size, seed=data_seed)
         self.loader: DataLoader[Any] = DataLoader(
@@ -170,6 +174,7 @@ class Trainer:
                         state=self._components(),
                         policy=policy if policy is not None else self._default_policy(),
                         config=self.config,
+                        config_may_change=self.config_may_change,
                         async_save=async_save,
                     )
                 )

@@ -1,0 +1,82 @@
+# What must stop a run, or be said to it, before it writes into a checkpoint directory.
+#
+# Rules: (1) an entry pitstop must be able to replace at every save — the pointers `last`,
+# `best`, `final` and `latest.json` — may not be a directory: a rename cannot replace one, so
+# every save would fail deep into the run; the directory is refused when it is opened, with the
+# path and what to do. (2) A run that did not resume never changes what another run published:
+# a directory that held checkpoints when it was opened refuses the first save of a run that did
+# not resume (or ask to overwrite) — before a byte is written — naming the directory, its newest
+# step and the three ways out. (3) A component the resumed checkpoint holds but the run never
+# registered is carried forward into every save unchanged; the first save says so, by name.
+# How: pure functions over names, kinds and catalog entries; the shell looks, asks and raises.
+
+"""Guards before writing: reserved names, another run's checkpoints, unregistered components."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pitstop.core.naming import LATEST_JSON, POINTER_NAMES
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
+
+__all__ = [
+    "OVERWRITE_FLAG",
+    "RESERVED_NAMES",
+    "carried_forward_warning",
+    "foreign_save_problem",
+    "reserved_entry_problem",
+]
+
+RESERVED_NAMES = frozenset({*POINTER_NAMES, LATEST_JSON})
+"""Entries every save replaces: they must be symlinks or regular files, never directories."""
+
+OVERWRITE_FLAG = "overwrite=True"
+"""How a Checkpointer is told that replacing another run's checkpoints is what is wanted."""
+
+
+def reserved_entry_problem(name: str, kind: str, path: str) -> str | None:
+    """Why the entry ``name`` (at ``path``, a ``kind`` such as ``"directory"``) stops a writer.
+
+    ``None`` when it does not: only a directory in a reserved name's place does.
+    """
+    if name not in RESERVED_NAMES or kind != "directory":
+        return None
+    what = "pointer" if name in POINTER_NAMES else "pointer file"
+    return (
+        f"{path} is a directory, but pitstop keeps its {name!r} {what} there and replaces it at "
+        f"every save, which a directory prevents; move it out of the way "
+        f"(mv {path} {path}.old) or use another checkpoint directory"
+    )
+
+
+def foreign_save_problem(
+    newest: CheckpointEntry | NoCheckpoint, *, directory: str, count: int
+) -> str | None:
+    """Why a run that did not resume may not save into ``directory`` (``None``: it may).
+
+    ``newest`` is the newest checkpoint the directory held when it was opened, ``count`` how
+    many it held.
+    """
+    if newest is NO_CHECKPOINT:
+        return None
+    return (
+        f"{directory} holds {count} checkpoint(s) of another run (the newest is step "
+        f"{newest.step}, {newest.name}), and this run did not resume: saving would replace "
+        f"what that run published. Call resume() first to continue it, use another "
+        f"checkpoint directory, or pass Checkpointer(..., {OVERWRITE_FLAG}) to replace them"
+    )
+
+
+def carried_forward_warning(names: Collection[str], source: str) -> str | None:
+    """The warning for components ``names`` held by checkpoint ``source`` and never registered.
+
+    ``None`` when there are none.
+    """
+    if not names:
+        return None
+    listed = ", ".join(repr(n) for n in sorted(names))
+    return (
+        f"{source} holds component(s) {listed}, which this run never registered: each save "
+        f"carries their stored state forward unchanged. Pass them in state= (or register() "
+        f"them) so they are restored and saved live"
+    )

@@ -1,0 +1,80 @@
+# How a resume reads its checkpoint: from disk once, every byte checked as it is read.
+#
+# Rules: rank 0 tries the core's resume order, and each candidate is checked — every byte, as
+# fileformat.verify checks it — in the same pass that loads it (load(verify="file")): a
+# corrupt newest file is found, and skipped with a warning, before anything live is touched,
+# and the file chosen is read from disk once. Where each stored tensor goes: an optimizer's
+# state is read straight onto its parameter's device (torch's own Optimizer.load_state_dict
+# keeps a tensor that is already on the parameter's device with its dtype, so it is never
+# copied again) — new private memory on the CPU, pinned bounce buffers and a side stream on
+# CUDA; everything else (the model's and the EMA's weights, other components) stays mapped:
+# the checking pass leaves it in the page cache and the restore copies it from there into the
+# live tensors at memory speed. No second copy of the state is made in anonymous memory.
+# Other ranks load the file rank 0 chose without checking it again (rank 0 did).
+# How: an object whose verify() is choose_resume's check and keeps what it loaded for load().
+
+"""The resume's read: check and load a checkpoint in one pass, each tensor where it ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pitstop.core.schema import RANKED, STATE
+from pitstop.shell.capture import LiveState
+from pitstop.shell.fileread import KeyPath, load
+
+__all__ = ["ResumeRead", "placement"]
+
+
+def placement(live: LiveState) -> dict[tuple[str, int], torch.device]:
+    """The device of parameter ``i`` of each optimizer component ``name`` that keeps the state
+    tensors it loads, by ``(name, i)``: where that optimizer's stored state is read to."""
+    devices: dict[tuple[str, int], torch.device] = {}
+    for name, obj in live.components.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        if type(obj).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+            continue  # its own load may copy: leave its state mapped
+        params = [p for group in obj.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            devices[name, index] = param.device
+    return devices
+
+
+class ResumeRead:
+    """One resume's reading: :meth:`verify` for choosing, then :meth:`load` on every rank."""
+
+    def __init__(self, live: LiveState, rank: int = 0) -> None:
+        self._devices = placement(live)
+        self._rank = rank
+        self._path: Path | None = None
+        self._tree: Any = None
+
+    def place(self, path: KeyPath) -> torch.device | None:
+        """Where the stored tensor at key path ``path`` is read: ``None`` keeps it mapped."""
+        if len(path) >= 5 and path[0] == STATE:
+            name, rest = path[1], path[2:]
+        elif len(path) >= 6 and path[0] == RANKED and path[1] == self._rank:
+            name, rest = path[2], path[3:]
+        else:
+            return None
+        if rest[0] != "state" or rest[2] == "step" or not isinstance(name, str):
+            return None  # param groups; a step count stays where torch's load leaves it
+        index = rest[1]
+        return self._devices.get((name, index)) if isinstance(index, int) else None
+
+    def verify(self, path: Path) -> None:
+        """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt."""
+        self._path = self._tree = None
+        self._tree = load(path, verify="file", place=self.place)
+        self._path = path
+
+    def load(self, path: Path) -> Any:
+        """The tree of ``path``: as :meth:`verify` loaded it, or (on another rank) unchecked."""
+        if self._path == path:
+            tree, self._path, self._tree = self._tree, None, None
+            return tree
+        return load(path, verify=False, place=self.place)  # rank 0 checked it when choosing it

@@ -1,0 +1,118 @@
+# Opening the files of a checkpoint directory, every one of which is untrusted input.
+#
+# Rules: every reader of a file pitstop did not just write itself — a checkpoint, latest.json,
+# the lock holder's record, a file a pointer names — opens it here, and only here. What is
+# opened must be a regular file: a FIFO would block the open or the read forever, a device
+# (/dev/zero, /dev/urandom) never ends, a directory is no file; each is refused before it is
+# read, with an error naming the path and what it is. Where a caller gives a size limit, a
+# larger file is refused from its size alone, before one byte is read, so a 2 GiB sparse
+# latest.json costs nothing; and a file that grows while it is read is cut at limit + 1 bytes,
+# which is refused too.
+# How: stat first (lstat when symlinks are not followed), so a device is never even opened;
+# then open with O_NONBLOCK (an open of a FIFO swapped in since the stat returns at once) and
+# O_NOFOLLOW where asked, and fstat the descriptor, the only check that cannot race.
+
+"""open_untrusted and read_untrusted: the one way pitstop opens a file it reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["FileTooLarge", "NotRegularFile", "describe_mode", "open_untrusted", "read_untrusted"]
+
+_CHUNK = 1 << 20
+
+
+class NotRegularFile(OSError):
+    """A path that must name a regular file names a FIFO, a device, a directory, a socket or
+    a symlink (where symlinks are not followed)."""
+
+
+class FileTooLarge(ValueError):
+    """A file is larger than its reader accepts."""
+
+
+def describe_mode(mode: int) -> str:
+    """Say what kind of file ``mode`` (an ``st_mode``) is: ``"a FIFO"``, ``"a directory"``..."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def _check(path: Path, st: os.stat_result, limit: int | None) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(
+            errno.EINVAL,
+            f"{path} is {describe_mode(st.st_mode)}, not a regular file; it is not read",
+        )
+    if limit is not None and st.st_size > limit:
+        raise FileTooLarge(
+            f"{path} is {st.st_size} bytes, larger than the {limit} bytes it may hold; "
+            "it is not read"
+        )
+
+
+def open_untrusted(
+    path: str | os.PathLike[str], *, limit: int | None = None, follow_symlinks: bool = True
+) -> BinaryIO:
+    """Open ``path`` for reading (buffered), if it is a regular file of at most ``limit`` bytes.
+
+    ``follow_symlinks=False``: a symlink is refused rather than followed. Raises
+    :class:`NotRegularFile` (an ``OSError``) for anything but a regular file,
+    :class:`FileTooLarge` (a ``ValueError``) for a file over ``limit``, and ``OSError`` for
+    what the open itself reports; never blocks.
+    """
+    target = Path(path)
+    _check(target, os.stat(target) if follow_symlinks else os.lstat(target), limit)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise NotRegularFile(
+                errno.ELOOP, f"{target} is a symlink, not a regular file; it is not followed"
+            ) from None
+        raise
+    try:
+        _check(target, os.fstat(fd), limit)  # what was opened, whatever the path names now
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_untrusted(
+    path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = False
+) -> bytes:
+    """Return the contents of the regular file ``path``, at most ``limit`` bytes of them.
+
+    Refused as :func:`open_untrusted` refuses; a file that grows past ``limit`` while it is
+    read raises :class:`FileTooLarge` after reading ``limit + 1`` bytes at most. Symlinks are
+    not followed unless asked.
+    """
+    with open_untrusted(path, limit=limit, follow_symlinks=follow_symlinks) as file:
+        parts: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            part = file.read(min(left, _CHUNK))
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+    data = b"".join(parts)
+    if len(data) > limit:
+        raise FileTooLarge(f"{path} grew past the {limit} bytes it may hold while it was read")
+    return data
