@@ -437,6 +437,8 @@ class Checkpointer:
         )
         if not decision.acts:
             return None
+        if self._live.pending and self._resumed_from is not None:
+            self._directory.note_carried(self._live.pending, self._resumed_from.name)
         self._enter(Request.WRITE)  # the directory's state must include the save in flight
         directory = self._directory
         self._decided = decision.state
