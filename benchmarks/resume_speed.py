@@ -35,9 +35,16 @@ Each figure is the median of ``--repeats`` runs after ``--warmups`` (1) runs of 
 candidates taking turns (in a rotated order each round) so that the disk's and the machine's
 noise hit all of them alike; ratios are to the floor and to ``torch.load`` of the same round.
 
+Each row also gives the process's CPU seconds (all its threads) over the same span: on a
+shared machine a candidate that needs more CPU loses more to the other tenants.
+
 ``--phases`` also runs pitstop's resume with a clock around each of its phases (open and
-lock, choose and verify, load and checks, components and RNG, the copy into the model, the
-touch) and prints where the time goes.
+lock, choose and verify — the checking read pass —, load and checks, components and RNG, the
+copy into the model, the touch) and prints where the time goes. ``--read-strategies`` also
+times the checking read pass alone four ways (pread with the CRC on the pool, pread with the
+CRC inline, two threads each reading and checksumming, and a memory map checksummed on the
+pool). ``--baseline-src DIR`` adds a second pitstop row resumed with the package under
+``DIR`` (another checkout's ``src/``), taking turns with this one: before and after, in one run.
 
     .venv/bin/python benchmarks/resume_speed.py --sizes-mib 256,1024 --repeats 5 --phases
 """

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -55,11 +57,19 @@ class ForkServer:
         event: dict[str, Any] = json.loads(line)
         return event
 
-    def expect(self, name: str, timeout: float = 120.0) -> dict[str, Any]:
-        """Read events until one named ``name``; fail on a worker's error exit on the way."""
+    def expect(self, name: str, timeout: float = 120.0, pid: int = 0) -> dict[str, Any]:
+        """Read events until one named ``name``; fail on a worker's error exit on the way.
+
+        ``pid``: the worker expected to send it; if it stays silent, its stack is dumped (the
+        workers register faulthandler on SIGUSR1) into the failure message.
+        """
         while True:
             event = self.event(timeout)
             if event is None:
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+                    self.event(5)  # give it a moment to write its stack (an event may come)
                 raise AssertionError(f"no {name!r} event within {timeout} s:\n{self.stderr()}")
             if event["event"] == name:
                 return event

@@ -2,8 +2,9 @@
 worker is a fork of this process, so a kill -9 sweep can afford hundreds of real processes.
 
 Protocol: one JSON object per line. On stdin, a command ``{"do": <worker>, ...}``; on stdout,
-events, each ``{"event": ..., "pid": ...}``: ``pid`` when a worker is forked, what the worker
-reports while it runs, and ``exit`` (with the raw wait ``status``) once it has been reaped.
+events, each ``{"event": ..., "pid": ...}``: ``pid`` when a worker is forked (always before
+anything the worker reports: it waits for it), what the worker reports while it runs, and
+``exit`` (with the raw wait ``status``) once it has been reaped.
 Workers write their events straight to stdout (one ``os.write`` each, atomic on a pipe), so
 every event a worker sent comes before its ``exit``. The server ends when stdin closes.
 
@@ -21,6 +22,7 @@ Workers:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -141,6 +143,7 @@ WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {"train": train, "hold": 
 
 
 def _child(work: Callable[[dict[str, Any]], None], command: dict[str, Any]) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck worker shows its stack
     code = 0
     try:
         work(command)
@@ -172,10 +175,17 @@ def main() -> None:
         if command["do"] == "race":
             pids = race(command)
         else:
+            go_r, go_w = os.pipe()
             pid = os.fork()
             if pid == 0:
+                os.close(go_w)
+                os.read(go_r, 1)  # the "pid" event comes first: wait until it is sent
+                os.close(go_r)
                 _child(WORKERS[command["do"]], command)
+            os.close(go_r)
             emit("pid", child=pid)
+            os.write(go_w, b"x")
+            os.close(go_w)
             pids = [pid]
         for pid in pids:
             _, status = os.waitpid(pid, 0)

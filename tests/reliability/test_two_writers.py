@@ -127,7 +127,7 @@ def test_a_dead_holders_lock_is_taken_over(
     forkserver.send(do="hold", dir=str(path), run_id="doomed")
     pid = forkserver.expect("pid")["child"]
     try:
-        forkserver.expect("held")
+        forkserver.expect("held", pid=pid)
         with pytest.raises(DirectoryLocked, match=rf"locked by run doomed \(pid {pid}"):
             CheckpointDirectory(path).open()
     finally:

@@ -48,11 +48,17 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
-def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = True) -> Path:
+def resolve_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    *,
+    fallback: bool = True,
+    verify: Callable[[Path], None] = fileformat.verify,
+) -> Path:
     """Return the checkpoint file that ``checkpoint`` names.
 
     ``fallback``: when the pointer's target does not verify, use the next candidate of the
-    resume order (with a warning) instead of returning the corrupt file.
+    resume order (with a warning) instead of returning the corrupt file; ``verify(path)``
+    is the check (a caller may pass one that also loads, reading the file once).
     Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches.
     """
     path = Path(checkpoint)
@@ -72,7 +78,7 @@ def resolve_checkpoint(checkpoint: str | os.PathLike[str], *, fallback: bool = T
     best = None if policy is None else policy.best
     found = scan(storage, best)
     if fallback:
-        choice = choose_resume(storage, found, pointer, best)
+        choice = choose_resume(storage, found, pointer, best, verify=verify)
         if choice.path is not None:
             return choice.path
         detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
@@ -87,9 +93,17 @@ def load(checkpoint: str | os.PathLike[str]) -> Any:
     """Return the whole stored tree of ``checkpoint`` with CPU tensors; never unpickles.
 
     ``checkpoint`` is a file, a pointer (``run/checkpoints/best``) or a directory (its
-    ``last``); a corrupt pointer target falls back to the previous valid checkpoint.
+    ``last``); a corrupt pointer target falls back to the previous valid checkpoint. Each
+    file is read once: a pointer's candidates are checked whole as they are loaded.
     """
-    return fileformat.load(resolve_checkpoint(checkpoint, fallback=True))
+    loaded: dict[Path, Any] = {}
+
+    def check_and_load(path: Path) -> None:
+        loaded.clear()
+        loaded[path] = fileformat.load(path, verify="file")
+
+    path = resolve_checkpoint(checkpoint, fallback=True, verify=check_and_load)
+    return loaded[path] if path in loaded else fileformat.load(path)
 
 
 def verify(checkpoint: str | os.PathLike[str]) -> Path:
