@@ -225,6 +225,7 @@ class PitstopCandidate:
             policy=pitstop.Policy(keep_last=None, save_final=False),
             async_save=async_save,
             timeout_s=120,
+            overwrite=True,  # a scratch directory, reopened between rounds
         )
         self.step = 0
 

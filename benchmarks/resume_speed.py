@@ -398,7 +398,7 @@ class Phases:
         self._undo: list[Callable[[], None]] = []
 
     def wrap(self, owner: Any, attribute: str, label: str) -> None:
-        original = getattr(owner, attribute, None)
+        original = getattr(owner, attribute, None) if owner is not None else None
         if original is None:
             return
         seconds = self.seconds
@@ -423,16 +423,30 @@ class Phases:
 
 def install_phases() -> Phases:
     """Clock pitstop's resume phases (whichever of these names the code has)."""
-    from pitstop.shell import fileread, manager, resolve, restore
+    import importlib
 
+    def module(name: str) -> Any:  # None where this checkout has no such module
+        try:
+            return importlib.import_module(f"pitstop.shell.{name}")
+        except ImportError:
+            return None
+
+    directory, fileformat, fileread, resolve, restore, resuming = map(
+        module, ("directory", "fileformat", "fileread", "resolve", "restore", "resuming")
+    )
+    if resuming is None:  # an older checkout: the resume lived in the manager
+        resuming = module("manager")
     phases = Phases()
-    phases.wrap(manager.CheckpointDirectory, "open", "open: lock + scan the directory")
-    phases.wrap(manager, "find_resume", "choose: scan + verify the newest checkpoint")
+    phases.wrap(directory.CheckpointDirectory, "open", "open: lock + scan the directory")
+    phases.wrap(resuming, "find_resume", "choose: scan + verify the newest checkpoint")
     phases.wrap(resolve, "choose_resume", "  of which choose_resume (the checking read pass)")
     phases.wrap(fileread, "read_blobs", "    of which read_blobs (read + CRC, every blob)")
-    phases.wrap(manager.Checkpointer, "_load", "load: manifest + tensors + checks")
-    phases.wrap(manager.fileformat, "load", "  of which fileformat.load")
-    phases.wrap(manager, "differences", "  of which the checks (differences)")
+    phases.wrap(resuming, "_load", "load: manifest + tensors + checks")
+    phases.wrap(
+        getattr(resuming, "Checkpointer", None), "_load", "load: manifest + tensors + checks"
+    )
+    phases.wrap(fileformat, "load", "  of which fileformat.load")
+    phases.wrap(resuming, "differences", "  of which the checks (differences)")
     phases.wrap(restore.Restore, "prepare", "prepare: components + RNG")
     phases.wrap(restore.Restore, "commit", "commit: copy into the model")
     return phases

@@ -458,6 +458,7 @@ class PitstopSave(Candidate):
             state={"optimizer": self.optimizer},
             policy=pitstop.Policy(keep_last=None, save_final=False),
             async_save=async_save,  # type: ignore[arg-type]
+            overwrite=True,  # a scratch directory, reopened between rounds
         )
         self.step = 0
 

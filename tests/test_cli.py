@@ -525,6 +525,23 @@ def test_resume_on_a_read_only_checkpoint_directory(
     assert "Traceback" not in out + err
 
 
+def test_train_without_resume_over_another_run_is_one_error_line_and_overwrite_replaces(
+    tmp_path: Path,
+) -> None:
+    args = ("train", "--config", str(SMOKE), "--output-dir", str(tmp_path), "--quiet")
+    assert pitstop(*args, "--max-steps", "2").returncode == 0
+    refused = pitstop(*args, "--max-steps", "1")
+    assert refused.returncode == 2
+    [line] = _error_lines(refused.stdout + refused.stderr)
+    assert str(tmp_path / "checkpoints") in line
+    assert "step_000000000002.pitstop" in line
+    assert "--overwrite" in line
+    replaced = pitstop(*args, "--max-steps", "1", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "starting fresh at step 0" in replaced.stdout
+    assert os.readlink(tmp_path / "checkpoints" / "last") == "step_000000000001.pitstop"
+
+
 def test_resume_from_a_missing_directory_starts_fresh_with_one_warning(
     tmp_path: Path,
 ) -> None:

@@ -63,11 +63,6 @@ def test_a_checkpoint_directory_that_is_a_file_is_a_pitstop_error(tmp_path: Path
         pitstop.Checkpointer(path, model=torch.nn.Linear(3, 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11, open: CheckpointDirectory(protect=True) and Checkpointer(overwrite=) "
-    "are built but not yet switched on in the Checkpointer",
-)
 def test_a_fresh_run_never_replaces_another_runs_checkpoints(tmp_path: Path) -> None:
     _run(tmp_path, steps=(1, 2, 3))
     before = snapshot(tmp_path)
@@ -92,15 +87,10 @@ def test_resuming_lets_the_run_continue_and_replace_its_own_steps(tmp_path: Path
     assert scan(LocalStorage(tmp_path)).pointers.last == "step_000000000004.pitstop"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11, open: CheckpointDirectory(protect=True) and Checkpointer(overwrite=) "
-    "are built but not yet switched on in the Checkpointer",
-)
 def test_overwrite_true_replaces_another_runs_checkpoints(tmp_path: Path) -> None:
     _run(tmp_path, steps=(1, 2))
     model = torch.nn.Linear(3, 2)
-    with pitstop.Checkpointer(tmp_path, model=model, overwrite=True) as ckpt:  # type: ignore[call-arg]
+    with pitstop.Checkpointer(tmp_path, model=model, overwrite=True) as ckpt:
         ckpt.save(pitstop.Progress(step=1))
     assert scan(LocalStorage(tmp_path)).pointers.last == "step_000000000001.pitstop"
 

@@ -9,8 +9,9 @@ After every step, resume must return exactly the present, uncorrupted checkpoint
 highest sequence number — with its own contents — and never one older than the newest save
 that returned (unless that one was corrupted since, or a crash came before it returned).
 
-The Checkpointer takes no Storage (a ``storage=`` parameter is proposed); this machine drives
-``CheckpointDirectory`` and the file format directly — the same calls the Checkpointer makes.
+It drives the real ``Checkpointer`` (``storage=`` the crash-logging, fault-injecting storage):
+each save is ``Checkpointer.save``, each check is ``Checkpointer.resume()`` into a live model
+whose weights hold the step they were saved at.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,16 +29,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from dirtools import snapshot, state_at
-from pitstop.core.metadata import entry_meta
-from pitstop.core.naming import NOT_A_CHECKPOINT, EntryKind, classify, parse_name
-from pitstop.core.plan import plan_save
-from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Pointers, Policy, Progress
+import pitstop
+from dirtools import snapshot
+from pitstop.core.naming import NOT_A_CHECKPOINT, EntryKind, checkpoint_name, classify, parse_name
+from pitstop.core.records import Best, PointerName, Pointers, Policy, Progress
 from pitstop.core.retention import plan_retention
-from pitstop.core.schedule import Call, ScheduleState, decide_save
 from pitstop.errors import SaveError
 from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
+from pitstop.shell.directory import choose_resume, scan
 from pitstop.shell.publish import delete_checkpoints
 from pitstop.shell.storage import LocalStorage
 from reliability.crashsim import CrashStorage, crash_state, materialize
@@ -70,7 +68,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="pitstop-machine-"))
         self.lives = 0
         self.step = 0
-        self.written: dict[tuple[str, int], int] = {}  # (name, seq) -> step it holds
+        self.written: dict[str, int] = {}  # checkpoint name -> step its save wrote (unique)
         self.corrupted: set[str] = set()
         self.floor: tuple[int, str] | None = None  # (seq, name) of the newest save that returned
         self.rng = random.Random(0)
@@ -81,20 +79,22 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.path = path
         self.faults = Faults()
         self.storage = CrashStorage(path, fail=self.faults)
-        self.directory = CheckpointDirectory(path, policy=POLICY, storage=self.storage)
-        self.directory.open()
+        self.model = torch.nn.Linear(3, 2, bias=False)
+        self.ckpt = pitstop.Checkpointer(
+            path, model=self.model, policy=POLICY, storage=self.storage, overwrite=True
+        )
         self.span = (0, 0)
         self.floor_before = self.floor
 
     def _reopen(self, path: Path) -> None:
-        self.directory.close()
+        self.ckpt.close()
         self._open(path)
 
     def _seq(self, name: str) -> int:
         return fileformat.read_manifest(self.path / name).meta["seq"]  # type: ignore[return-value]
 
     def teardown(self) -> None:
-        self.directory.close()
+        self.ckpt.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
     @initialize()
@@ -110,51 +110,31 @@ class DirectoryMachine(RuleBasedStateMachine):
     )
     def save(self, advance: int, loss: float, fault: tuple[int, int] | None) -> None:
         step = self.step + advance
-        directory = self.directory
-        progress = Progress(step=step)
-        decision = decide_save(
-            POLICY,
-            ScheduleState(timer_start=0.0),
-            directory.pointers,
-            call=Call.MANUAL,
-            progress=progress,
-            now=0.0,
-            metrics={"loss": loss},
-        )
-        plan = plan_save(
-            directory.catalog,
-            directory.pointers,
-            decision,
-            progress=progress,
-            policy=POLICY,
-            metrics={"loss": loss},
-        )
-        assert plan.entry is not NO_CHECKPOINT
-        entry = plan.entry
-        prepared = fileformat.prepare({**state_at(step), "seq": entry.seq})
+        name = checkpoint_name(step)
+        with torch.no_grad():
+            self.model.weight.fill_(float(step))  # the state says which save wrote it
         if fault is not None:
             self.faults.arm(*fault)
         start = len(self.storage.events)
         self.floor_before = self.floor
         before = self._published()
         try:
-            directory.execute(
-                plan,
-                lambda file, e, sync: fileformat.write(file, prepared, entry_meta(e), sync=sync),
-            )
+            saved = self.ckpt.save(Progress(step=step), metrics={"loss": loss})
         except SaveError as error:
             message = str(error)
             assert fault is not None, f"a save failed with no fault: {message}"
             assert f"step {step}" in message
-            assert entry.name in message
+            assert name in message
             assert self._published() == before, "a failed save changed what was published"
         else:
-            self.floor = (entry.seq, entry.name)
+            assert saved is not None
+            assert saved.path.name == name
+            self.floor = (saved.seq, name)
         finally:
             self.faults.at = None
             self.span = (start, len(self.storage.events))
-        self.written[(entry.name, entry.seq)] = step
-        self.corrupted.discard(entry.name)  # a file of that name was (or was not) replaced
+        self.written[name] = step
+        self.corrupted.discard(name)  # a file of that name was (or was not) replaced
         self.step = step
 
     @rule(data=st.data())
@@ -228,27 +208,28 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @invariant()
     def resume_returns_the_newest_uncorrupted_checkpoint(self) -> None:
-        storage = LocalStorage(self.path)
-        found = scan(storage, POLICY.best)
         valid = {}
         for name in self._present() - self.corrupted:
             fileformat.verify(self.path / name)  # nothing half-written under a final name
             valid[name] = self._seq(name)
-        choice = choose_resume(storage, found, PointerName.LAST, POLICY.best)
+        with torch.no_grad():
+            self.model.weight.fill_(-1.0)
+        progress = self.ckpt.resume()
         if not valid:
-            assert choice.entry is NO_CHECKPOINT, f"resumed {choice.entry} from corrupt files"
+            assert self.ckpt.resumed_from is None, f"resumed {self.ckpt.resumed_from}"
+            assert progress == Progress()
             assert self.floor is None, f"the save of {self.floor} returned, then was lost"
             return
         newest = max(valid, key=lambda n: (valid[n], n))
-        assert choice.entry is not NO_CHECKPOINT
-        assert choice.entry.name == newest, f"resume chose {choice.entry.name}, not {newest}"
+        assert self.ckpt.resumed_from is not None
+        chose = self.ckpt.resumed_from.name
+        assert chose == newest, f"resume chose {chose}, not {newest}"
         if self.floor is not None:
             assert valid[newest] >= self.floor[0], f"{self.floor} returned, resume gives {newest}"
-        tree: Any = fileformat.load(self.path / newest)
-        step = self.written.get((newest, tree["seq"]))
+        step = self.written.get(newest)
         assert step is not None
-        assert tree["step"] == step
-        assert torch.equal(tree["weights"]["raw"]["w"], state_at(step)["weights"]["raw"]["w"])
+        assert progress.step == step
+        assert torch.equal(self.model.weight, torch.full((2, 3), float(step)))
 
 
 TestDirectoryMachine = DirectoryMachine.TestCase

@@ -325,7 +325,7 @@ def test_the_safetensors_reader_matches_the_real_one_when_installed(tmp_path: Pa
     safetensors = pytest.importorskip("safetensors.torch")
     tensors = {"a": torch.randn(3, 2), "b": torch.arange(5), "c": torch.randn(4).bfloat16()}
     safetensors.save_file(tensors, tmp_path / "model.safetensors")
-    from pitstop.shell.importer import _read_safetensors
+    from pitstop.shell.foreignread import read_safetensors as _read_safetensors
 
     assert _same(tensors, _read_safetensors(tmp_path / "model.safetensors"))
 

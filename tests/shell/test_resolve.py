@@ -63,6 +63,21 @@ def test_load_falls_back_past_a_corrupt_target_but_verify_does_not(run: Path) ->
     assert pitstop.verify(run / _name(2)) == run / _name(2)
 
 
+@pytest.mark.parametrize("symlinks", [True, False])
+def test_verify_of_a_truncated_last_checks_that_file_and_never_an_older_one(
+    run: Path, symlinks: bool
+) -> None:
+    """A truncated newest file leaves the directory's scan; the pointer still names it."""
+    with open(run / _name(3), "r+b") as f:
+        f.truncate(1000)
+    if not symlinks:
+        os.unlink(run / "last")  # latest.json still names it
+    for argument in (run, run / "last"):
+        with pytest.raises(CheckpointCorrupt, match=_name(3)):
+            pitstop.verify(argument)
+    assert pitstop.load(run)["step"] == 2  # loading falls back, as it must
+
+
 @pytest.mark.parametrize("where", ["missing-dir/last", "nope.pitstop"])
 def test_nothing_there_is_a_clear_error(tmp_path: Path, where: str) -> None:
     with pytest.raises(CheckpointNotFound, match="no checkpoint at"):

@@ -40,10 +40,33 @@ def test_result_steps_are_absolute(tmp_path: Path) -> None:
     assert (third.steps, third.new_updates) == (5, 0)
 
 
-def test_without_resume_a_run_starts_fresh(tmp_path: Path) -> None:
+def test_without_resume_a_run_refuses_another_runs_checkpoints_before_its_first_step(
+    tmp_path: Path,
+) -> None:
     train_from_config(smoke(tmp_path, run={"max_steps": 2}))
-    result = train_from_config(smoke(tmp_path, run={"max_steps": 2}))
-    assert (result.start_step, result.steps) == (0, 2)
+    checkpoints = tmp_path / "checkpoints"
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in checkpoints.iterdir())
+    with pytest.raises(ConfigError) as info:
+        train_from_config(smoke(tmp_path, run={"max_steps": 1}))
+    message = str(info.value)
+    for part in (
+        str(checkpoints),
+        "step 2",
+        "step_000000000002.pitstop",
+        "--resume",
+        "--overwrite",
+    ):
+        assert part in message
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in checkpoints.iterdir()) == before
+
+
+def test_overwrite_starts_fresh_over_another_runs_checkpoints(tmp_path: Path) -> None:
+    train_from_config(smoke(tmp_path, run={"max_steps": 2}))
+    result = train_from_config(
+        smoke(tmp_path, run={"max_steps": 1}, checkpoint={"overwrite": True})
+    )
+    assert (result.start_step, result.steps) == (0, 1)
+    assert (tmp_path / "checkpoints" / "last").readlink().name == "step_000000000001.pitstop"
 
 
 def test_the_schedule_follows_the_current_max_steps(tmp_path: Path) -> None:

@@ -10,29 +10,21 @@ never a temp file.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import attrs
 
-from pitstop.core.metadata import pointers_from_latest_json
 from pitstop.core.naming import (
-    LATEST_JSON,
-    NOT_A_CHECKPOINT,
-    POINTER_NAMES,
     TEMP_PREFIX,
-    parse_name,
 )
 from pitstop.core.records import NO_CHECKPOINT, PointerName
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell.directory import Scan, choose_resume, scan
-from pitstop.shell.resolve import recorded_policy
+from pitstop.shell.resolve import pointer_on_disk, recorded_policy, split_argument
 from pitstop.shell.storage import FileKind, LocalStorage
 
 __all__ = ["Target", "loading_target", "named_target", "os_error_message", "split_argument"]
-
-_LATEST_JSON_LIMIT = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -47,43 +39,6 @@ class Target:
     via: str = ""
     pointer: PointerName | None = None
     note: str = ""
-
-
-def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerName | None]:
-    """``(directory, pointer)`` for a pointer or directory argument, ``(file, None)`` for a file.
-
-    The same reading as :func:`pitstop.shell.resolve.resolve_checkpoint`. Raises
-    :class:`~pitstop.errors.CheckpointNotFound` when the argument names nothing.
-    """
-    path = Path(checkpoint)
-    if path.is_dir():
-        return path, PointerName.LAST
-    if (
-        path.name in POINTER_NAMES
-        and path.parent.is_dir()
-        and (path.is_symlink() or not path.exists())
-    ):
-        return path.parent, PointerName(path.name)
-    if path.is_file():
-        return path, None
-    raise CheckpointNotFound(f"no checkpoint at {path}: not a file, pointer or directory")
-
-
-def _on_disk(storage: LocalStorage, pointer: PointerName) -> tuple[str | None, str]:
-    """The checkpoint name ``pointer`` holds on disk, and where it was read; ``None``: nowhere."""
-    if storage.kind(pointer.value) is FileKind.SYMLINK:
-        target = storage.read_link(pointer.value)
-        if parse_name(target) is not NOT_A_CHECKPOINT:
-            return target, "symlink"
-    if storage.kind(LATEST_JSON) is FileKind.REGULAR:
-        try:
-            data = json.loads(storage.read_bytes(LATEST_JSON, _LATEST_JSON_LIMIT).decode("utf-8"))
-        except (OSError, ValueError):
-            return None, ""
-        named = pointers_from_latest_json(data)[0].target(pointer)
-        if named is not NO_CHECKPOINT:
-            return named, "latest.json"
-    return None, ""
 
 
 def _scan(directory: Path) -> tuple[LocalStorage, Scan]:
@@ -104,7 +59,7 @@ def named_target(checkpoint: str | os.PathLike[str]) -> Target:
     if pointer is None:
         return Target(path=path)
     storage = LocalStorage(path)
-    named, source = _on_disk(storage, pointer)
+    named, source = pointer_on_disk(storage, pointer)
     if named is not None:
         who = pointer.value if source == "symlink" else f"latest.json's {pointer.value}"
         return Target(path=storage.path(named), via=f"{who} points to it", pointer=pointer)
@@ -139,7 +94,7 @@ def loading_target(checkpoint: str | os.PathLike[str]) -> Target:
     if choice.path is None:
         detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
         raise CheckpointNotFound(f"{path} has no valid {pointer.value} checkpoint{detail}")
-    named, _ = _on_disk(storage, pointer)
+    named, _ = pointer_on_disk(storage, pointer)
     chosen = choice.path.name
     note = ""
     if named is not None and named != chosen:

@@ -35,6 +35,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="continue from the checkpoint directory's last (sets checkpoint.resume: true)",
     )
     train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="without --resume, replace the checkpoints the directory already holds "
+        "(sets checkpoint.overwrite: true; by default the run refuses to start)",
+    )
+    train.add_argument(
         "--quiet", action="store_true", help="plain log lines instead of a progress bar"
     )
 
@@ -57,6 +63,7 @@ def run_train(console: Console, args: argparse.Namespace) -> int:
                 max_steps=args.max_steps,
                 device=args.device,
                 resume=True if args.resume else None,
+                overwrite=True if args.overwrite else None,
             )
         )
     except ConfigError as exc:

@@ -83,6 +83,7 @@ class CheckpointConfig:
     best: Best | None = None
     save_final: bool = attrs.field(default=True, validator=is_bool)
     resume: bool = attrs.field(default=False, validator=is_bool)
+    overwrite: bool = attrs.field(default=False, validator=is_bool)
     async_: AsyncMode = attrs.field(default=False, validator=_async_mode)
 
     def policy(self) -> Policy:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from pitstop.core.naming import LATEST_JSON, POINTER_NAMES
-from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
 
 __all__ = [
     "OVERWRITE_FLAG",
@@ -50,20 +49,28 @@ def reserved_entry_problem(name: str, kind: str, path: str) -> str | None:
 
 
 def foreign_save_problem(
-    newest: CheckpointEntry | NoCheckpoint, *, directory: str, count: int
+    newest: tuple[int, str] | None,
+    *,
+    directory: str,
+    count: int,
+    resume: str = "call resume() first",
+    overwrite: str = f"pass Checkpointer(..., {OVERWRITE_FLAG})",
 ) -> str | None:
     """Why a run that did not resume may not save into ``directory`` (``None``: it may).
 
-    ``newest`` is the newest checkpoint the directory held when it was opened, ``count`` how
-    many it held.
+    ``newest`` is the step and file name of the newest checkpoint the directory held when it
+    was opened (``None``: it held none), ``count`` how many it held; ``resume`` and
+    ``overwrite`` say how the caller's user resumes or asks to replace them (a library call
+    by default; the trainer names its flags).
     """
-    if newest is NO_CHECKPOINT:
+    if newest is None:
         return None
+    step, name = newest
     return (
         f"{directory} holds {count} checkpoint(s) of another run (the newest is step "
-        f"{newest.step}, {newest.name}), and this run did not resume: saving would replace "
-        f"what that run published. Call resume() first to continue it, use another "
-        f"checkpoint directory, or pass Checkpointer(..., {OVERWRITE_FLAG}) to replace them"
+        f"{step}, {name}), and this run did not resume: saving would replace "
+        f"what that run published. To continue it, {resume}; otherwise use another "
+        f"checkpoint directory, or {overwrite} to replace them"
     )
 
 

@@ -1,23 +1,24 @@
-# What a checkpoint file says about itself: its header, its footer and its manifest's tables.
+# What a checkpoint file says about itself: its manifest, the manifest's tables, and their checks.
 #
 # Rules: a file is [64-byte header][data: blobs, each ALIGNMENT-aligned][msgpack manifest]
 # [40-byte footer], all little-endian (docs/file-format.md has every byte). The header and the
-# footer carry their own CRC-32, the footer the manifest's. A version-1 reader accepts only
-# what a version-1 writer produces: no flags, no reserved bytes, a manifest that ends where the
-# footer starts, blobs that follow each other in order without overlap or unaccounted bytes,
-# descriptors whose every element lies inside their blob, dtypes from the reader's allow-list.
-# Every failure is a CheckpointCorrupt naming the file and the offending field.
-# How: struct packing and checking of header and footer; the manifest is decoded by the shell
-# (its tree holds torch values) and handed here as a plain document, whose tables are checked
-# field by field and become records. The value tree is checked by the function the shell
-# passes in, which also reports the key paths that use each tensor, for messages.
+# footer are pitstop.core.framing's (packed and checked there; their names are re-exported here,
+# so this module stays the one place for a file's structure); the footer carries the manifest's
+# CRC-32. A version-1 reader accepts only what a version-1 writer produces: a manifest that
+# starts with the map it must be and ends where the footer starts, blobs that follow each
+# other in order without overlap or unaccounted bytes, descriptors whose every element lies
+# inside their blob, dtypes from the reader's allow-list. Every failure is a CheckpointCorrupt
+# naming the file and the offending field.
+# How: the manifest is decoded by the shell (its tree holds torch values) and handed here as a
+# plain document, whose tables are checked field by field and become records. The value tree
+# is checked by the function the shell passes in, which also reports the key paths that use
+# each tensor, for messages.
 
-"""The checkpoint file's header, footer and manifest tables: packing, checking, records."""
+"""The checkpoint file's manifest tables: packing, checking, records (and the framing's names)."""
 
 from __future__ import annotations
 
 import reprlib
-import struct
 import zlib
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -25,6 +26,20 @@ from typing import Final, Protocol
 
 import attrs
 
+from pitstop.core.framing import (
+    FOOTER_MAGIC,
+    FOOTER_SIZE,
+    FORMAT_VERSION,
+    HEADER_MAGIC,
+    HEADER_SIZE,
+    MAX_MANIFEST_BYTES,
+    Footer,
+    check_footer,
+    check_header,
+    check_size,
+    pack_footer,
+    pack_header,
+)
 from pitstop.core.layout import align
 from pitstop.errors import CheckpointCorrupt
 
@@ -56,25 +71,12 @@ __all__ = [
     "parse_manifest",
 ]
 
-FORMAT_VERSION: Final = 1
-HEADER_MAGIC: Final = b"PITSTOP\0"
-FOOTER_MAGIC: Final = b"\0POTSTIP"
-HEADER_SIZE: Final = 64
-FOOTER_SIZE: Final = 40
 ALIGNMENT: Final = 64
-MAX_MANIFEST_BYTES: Final = 1 << 30
 MAX_NDIM: Final = 64
 MANIFEST_KEYS: Final = ("format", "tree", "tensors", "blobs", "meta")
 """The manifest map's keys, in the order a writer packs them."""
 MANIFEST_START: Final = b"\x85\xa6format"
 """The first bytes of every manifest: a msgpack map of the five keys, "format" first."""
-
-# magic, version, flags, reserved, crc32 of the 60 bytes before it
-_HEADER: Final = struct.Struct("<8sII44sI")
-# magic, version, flags, manifest offset, manifest length, manifest crc32, crc32 of the 36 before
-_FOOTER: Final = struct.Struct("<8sIIQQII")
-assert _HEADER.size == HEADER_SIZE
-assert _FOOTER.size == FOOTER_SIZE
 
 _BLOB_KEYS: Final = ("offset", "length", "crc32")
 _TENSOR_KEYS: Final = ("blob", "offset", "dtype", "shape", "stride", "storage_offset")
@@ -124,16 +126,6 @@ class TensorDescriptor:
         return count
 
 
-@attrs.frozen(kw_only=True)
-class Footer:
-    """What a footer says: the format version and where the manifest is, with its CRC-32."""
-
-    version: int
-    manifest_offset: int
-    manifest_length: int
-    manifest_crc32: int
-
-
 @attrs.frozen(kw_only=True, eq=False)
 class Manifest:
     """What a checkpoint file says about itself, checked; no tensor bytes were read.
@@ -177,84 +169,7 @@ class TreeCheck(Protocol):
     ) -> tuple[tuple[str, ...], ...]: ...
 
 
-# --- header and footer ------------------------------------------------------------------------
-
-
-def pack_header() -> bytes:
-    """The 64-byte header of a file this pitstop writes."""
-    body = _HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, 0, bytes(44), 0)[:-4]
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
-def pack_footer(manifest_offset: int, manifest_length: int, manifest_crc32: int) -> bytes:
-    """The 40-byte footer placing a manifest of ``manifest_length`` bytes at ``manifest_offset``."""
-    body = _FOOTER.pack(
-        FOOTER_MAGIC, FORMAT_VERSION, 0, manifest_offset, manifest_length, manifest_crc32, 0
-    )[:-4]
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
-def check_size(size: int, *, name: str) -> None:
-    """Refuse a file of ``size`` bytes that cannot hold a header, a manifest and a footer."""
-    if size < HEADER_SIZE + FOOTER_SIZE + 1:
-        raise CheckpointCorrupt(
-            f"{name}: {size} bytes is too small for a checkpoint; the file is incomplete"
-        )
-
-
-def check_header(header: bytes, *, name: str) -> int:
-    """Check the 64 header bytes of file ``name``; return its format version."""
-    if len(header) != HEADER_SIZE:
-        raise CheckpointCorrupt(
-            f"{name}: header is {len(header)} bytes, not {HEADER_SIZE}; the file is incomplete"
-        )
-    magic, version, flags, reserved, checksum = _HEADER.unpack(header)
-    if magic != HEADER_MAGIC:
-        raise CheckpointCorrupt(f"{name}: not a pitstop checkpoint (header magic {magic!r})")
-    if zlib.crc32(header[:-4]) != checksum:
-        raise CheckpointCorrupt(f"{name}: header fails its checksum")
-    if not 1 <= version <= FORMAT_VERSION:
-        raise CheckpointCorrupt(
-            f"{name}: format version {version} is not one this pitstop reads "
-            f"(1..{FORMAT_VERSION}); a newer pitstop may read it"
-        )
-    if flags or any(reserved):
-        raise CheckpointCorrupt(f"{name}: header has unknown flags or reserved bytes set")
-    return int(version)
-
-
-def check_footer(footer: bytes, *, name: str, size: int, version: int) -> Footer:
-    """Check the last 40 bytes of file ``name`` (``size`` bytes, header ``version``)."""
-    if len(footer) != FOOTER_SIZE:
-        raise CheckpointCorrupt(
-            f"{name}: footer is {len(footer)} bytes, not {FOOTER_SIZE}; the file is incomplete"
-        )
-    magic, footer_version, flags, offset, length, checksum, own = _FOOTER.unpack(footer)
-    if magic != FOOTER_MAGIC:
-        raise CheckpointCorrupt(f"{name}: no footer at the end of the file; the file is incomplete")
-    if zlib.crc32(footer[:-4]) != own:
-        raise CheckpointCorrupt(f"{name}: footer fails its checksum")
-    if footer_version != version or flags:
-        raise CheckpointCorrupt(
-            f"{name}: footer says format {footer_version} (flags {flags:#x}), header says {version}"
-        )
-    if length > MAX_MANIFEST_BYTES:
-        raise CheckpointCorrupt(
-            f"{name}: footer claims a {length}-byte manifest; "
-            f"at most {MAX_MANIFEST_BYTES} is allowed"
-        )
-    footer_start = size - FOOTER_SIZE
-    if length < 1 or offset < HEADER_SIZE or offset + length != footer_start:
-        raise CheckpointCorrupt(
-            f"{name}: footer places the manifest at bytes {offset}..{offset + length}, but it must "
-            f"end where the footer starts ({footer_start}) and begin after the header"
-        )
-    return Footer(
-        version=int(footer_version),
-        manifest_offset=int(offset),
-        manifest_length=int(length),
-        manifest_crc32=int(checksum),
-    )
+# --- the manifest's bytes, where the footer places them ---------------------------------------
 
 
 def check_manifest_start(start: bytes, footer: Footer, *, name: str) -> None:

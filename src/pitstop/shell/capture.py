@@ -38,7 +38,7 @@ from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.sampler import ResumableSampler
 from pitstop.shell.staging import storage_keys
 from pitstop.shell.state import capture_rng, optimizer_groups
-from pitstop.shell.weights import unwrap_model
+from pitstop.shell.unwrap import unwrap_model
 
 __all__ = [
     "LiveState",

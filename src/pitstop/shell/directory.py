@@ -311,7 +311,8 @@ class CheckpointDirectory:
         if not self.protect:
             return
         newest, count = self._foreign
-        problem = foreign_save_problem(newest, directory=str(self.path), count=count)
+        found = None if newest is NO_CHECKPOINT else (newest.step, newest.name)
+        problem = foreign_save_problem(found, directory=str(self.path), count=count)
         if problem is not None:
             step, name = _subject(plan, self.pointers)
             raise SaveError(f"refusing to save step {step} ({name}): {problem}")

@@ -3,7 +3,8 @@
 # Rules: [64-byte header][data: each storage span once, 64-byte aligned, zero padding between]
 # [msgpack manifest][40-byte footer], all little-endian; docs/file-format.md has every byte.
 # A file without a valid footer is incomplete. The pieces, each with one reason to change:
-#   pitstop.core.manifest    header/footer structs and the manifest's tables: pure checks
+#   pitstop.core.framing     header/footer structs: pure packing and checks
+#   pitstop.core.manifest    the manifest's tables: pure checks
 #   pitstop.core.layout      where tensor bytes go
 #   pitstop.shell.treewalk   what a tree may hold (every path that saves one walks with it)
 #   pitstop.shell.treecodec  the tree <-> msgpack

@@ -1,7 +1,8 @@
 # Reading one checkpoint file, without ever running code.
 #
-# Rules: what a valid file is, pitstop.core.manifest decides (header, footer, the manifest's
-# tables); this module reads the bytes it needs and builds tensors. The manifest is msgpack
+# Rules: what a valid file is, the core decides (pitstop.core.framing the header and footer,
+# pitstop.core.manifest the manifest's tables); this module reads the bytes it needs and
+# builds tensors. The manifest is msgpack
 # with allow-listed ext codes and dtype names, never pickle; every descriptor is checked
 # against the file before a tensor is built over it. verify() accounts for every byte of the
 # file, so any single changed byte is detected; load() checks the CRC-32 of exactly the blobs

@@ -1,12 +1,13 @@
 # Writing one checkpoint file: the tree checked and laid out, then streamed to an open file.
 #
-# Rules: the bytes are those pitstop.core.manifest and docs/file-format.md describe; where
-# tensor bytes go is decided by pitstop.core.layout, and this module only carries the layout
-# out. Nothing is written until the whole tree has been checked (pitstop.shell.treewalk decides
-# what it may hold; SaveError names the key path) and the manifest is known to fit a reader's
-# limit. CRC-32 checksums are computed from the tensors' memory, never by reading the file
-# back: for CPU tensors on several threads once the data is written, while the file's fsync
-# runs (pitstop.shell.checksums); for tensors off the CPU beside each host copy.
+# Rules: the bytes are those pitstop.core.framing, pitstop.core.manifest and docs/file-format.md
+# describe; where tensor bytes go is decided by pitstop.core.layout, and this module only
+# carries the layout out. Nothing is written until the whole tree has been checked
+# (pitstop.shell.treewalk decides what it may hold; SaveError names the key path) and the
+# manifest is known to fit a reader's limit. CRC-32 checksums are computed from the tensors'
+# memory, never by reading the file back: for CPU tensors on several threads once the data is
+# written, while the file's fsync runs (pitstop.shell.checksums); for tensors off the CPU
+# beside each host copy.
 # How: prepare() walks the tree (encoding it) and plans the layout; write() streams header,
 # spans, manifest and footer to an open file. Temp names, the final fsync and the rename are
 # the caller's (pitstop.shell.publish).

@@ -18,7 +18,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.metadata import entry_from_meta, policy_from_latest_json
+from pitstop.core.metadata import (
+    entry_from_meta,
+    pointers_from_latest_json,
+    policy_from_latest_json,
+)
 from pitstop.core.naming import (
     NOT_A_CHECKPOINT,
     POINTER_NAMES,
@@ -29,9 +33,17 @@ from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, P
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, choose_resume, read_latest_json, scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.storage import FileKind, LocalStorage, Storage
 
-__all__ = ["find_resume", "load", "recorded_policy", "resolve_checkpoint", "verify"]
+__all__ = [
+    "find_resume",
+    "load",
+    "pointer_on_disk",
+    "recorded_policy",
+    "resolve_checkpoint",
+    "split_argument",
+    "verify",
+]
 
 
 def recorded_policy(directory: Path) -> Policy | None:
@@ -48,6 +60,42 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
+def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerName | None]:
+    """``(directory, pointer)`` for a pointer or directory argument, ``(file, None)`` for a file.
+
+    Raises :class:`~pitstop.errors.CheckpointNotFound` when the argument names nothing.
+    """
+    path = Path(checkpoint)
+    if path.is_dir():
+        return path, PointerName.LAST
+    if path.name in POINTER_NAMES and path.parent.is_dir() and not _is_regular(path):
+        # a symlink, a name only latest.json holds, or a FIFO or device in a pointer's place:
+        # the directory says where the pointer goes
+        return path.parent, PointerName(path.name)
+    if path.is_file():
+        return path, None
+    raise CheckpointNotFound(f"no checkpoint at {path}: not a file, pointer or directory")
+
+
+def pointer_on_disk(storage: Storage, pointer: PointerName) -> tuple[str | None, str]:
+    """The checkpoint name ``pointer`` holds on disk — its symlink, else its entry in
+    ``latest.json`` — and which of the two it was read from; ``(None, "")``: neither names one.
+
+    This is what the pointer says even when that file is truncated or gone: what verifying the
+    pointer must check, never falling back past it.
+    """
+    if storage.kind(pointer.value) is FileKind.SYMLINK:
+        target = storage.read_link(pointer.value)
+        if parse_name(target) is not NOT_A_CHECKPOINT:
+            return target, "symlink"
+    data, _ = read_latest_json(storage)
+    if data is not None:
+        named = pointers_from_latest_json(data)[0].target(pointer)
+        if named is not NO_CHECKPOINT:
+            return named, "latest.json"
+    return None, ""
+
+
 def resolve_checkpoint(
     checkpoint: str | os.PathLike[str],
     *,
@@ -58,22 +106,19 @@ def resolve_checkpoint(
 
     ``fallback``: when the pointer's target does not verify, use the next candidate of the
     resume order (with a warning) instead of returning the corrupt file; ``verify(path)``
-    is the check (a caller may pass one that also loads, reading the file once).
+    is the check (a caller may pass one that also loads, reading the file once). Without
+    it, the file the pointer names on disk (:func:`pointer_on_disk`), even a damaged one;
+    with no pointer on disk, the directory's reconciled one.
     Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches.
     """
-    path = Path(checkpoint)
-    if path.is_dir():
-        directory, pointer = path, PointerName.LAST
-    elif path.name in POINTER_NAMES and path.parent.is_dir() and not _is_regular(path):
-        # a symlink, a name only latest.json holds, or a FIFO or device in a pointer's place:
-        # the directory's scan says where the pointer goes
-        directory, pointer = path.parent, PointerName(path.name)
-    elif path.is_file():
-        return path
-    else:
-        raise CheckpointNotFound(f"no checkpoint at {path}: not a file, pointer or directory")
-
+    directory, pointer = split_argument(checkpoint)
+    if pointer is None:
+        return directory
     storage = LocalStorage(directory)
+    if not fallback:
+        named, _ = pointer_on_disk(storage, pointer)
+        if named is not None:
+            return storage.path(named)
     policy = recorded_policy(directory)
     best = None if policy is None else policy.best
     found = scan(storage, best)

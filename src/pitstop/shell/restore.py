@@ -44,7 +44,7 @@ from pitstop.core.schema import EMA, EMA_COUNT, RAW, RNG, STATE, WEIGHTS
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.capture import LiveState, ranked_state, stored_world_size, world
 from pitstop.shell.state import capture_rng, describe, entry_specs, optimizer_groups, restore_rng
-from pitstop.shell.weights import unwrap_model
+from pitstop.shell.unwrap import unwrap_model
 
 __all__ = [
     "Restore",

@@ -1,30 +1,163 @@
-# Carrying out one planned save: capture the state, then write it now or hand it over.
+# Rank 0's saves: planning each one with the core, carrying it out, keeping the outcome.
 #
-# Rules: a synchronous save writes straight from the live tensors before its call returns. A
-# background save copies them into staging buffers first (in overlap mode, the storages only
-# optimizer.step() changes are copied later, by whichever thread needs them first) and hands
-# the write to the session's writer thread. Every step is reported to the session as the
-# core's event. Nothing here refers to the Checkpointer, so the job a writer thread holds
-# keeps no Checkpointer alive.
-# How: a function over the live state, the directory, the session and the staging pool.
+# Rules: what a call does is the core's — whether it saves (decide_save) and what the save does
+# to the directory (plan_save). The schedule and the pointers move only once the save has been
+# carried out (or, in the background, handed over); a background save that fails later puts
+# them back as they were before it (the undo its session ticket holds), raised by the next
+# call that waits. A synchronous save writes straight from the live tensors before its call
+# returns. A background save copies them into staging buffers first (in overlap mode, the
+# storages only optimizer.step() changes are copied later, by whichever thread needs them
+# first) and hands the write to the session's writer thread. Every step is reported to the
+# session as the core's event. Nothing here refers to the Checkpointer, so the job a writer
+# thread holds keeps no Checkpointer alive.
+# How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
+# carry_out() is a function over the live state, the directory, the session and the pool.
 
-"""Saving: capture, then publish (synchronously) or hand over (in the background)."""
+"""Saving: plan with the core, capture, then publish (synchronously) or hand over."""
 
 from __future__ import annotations
 
+import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
-from pitstop.core.plan import SavePlan
-from pitstop.core.records import NO_CHECKPOINT
-from pitstop.core.session import Event
+from pitstop.core.naming import checkpoint_name
+from pitstop.core.plan import SavePlan, plan_save
+from pitstop.core.ranks import CallInput, entry_to_wire
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    CheckpointEntry,
+    NoCheckpoint,
+    Policy,
+    Progress,
+    SaveReason,
+)
+from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
+from pitstop.core.session import Event, Request
 from pitstop.shell import fileformat
 from pitstop.shell.capture import LiveState, capture, deferrable
 from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.session import SaveSession
+from pitstop.shell.session import Reported, SaveSession
 from pitstop.shell.staging import StagingPool
 
-__all__ = ["carry_out"]
+__all__ = ["Saver", "carry_out"]
+
+
+class Saver:
+    """One Checkpointer's saves: the schedule and pointers so far, and the save being planned.
+
+    Every rank holds one (each waits on its own session); only rank 0 plans and writes.
+    """
+
+    def __init__(
+        self,
+        *,
+        schedule: ScheduleState,
+        live: LiveState,
+        directory: CheckpointDirectory,
+        session: SaveSession,
+        pool: StagingPool | None,
+    ) -> None:
+        self.schedule = schedule
+        self.pointers = directory.pointers
+        self._decided = schedule
+        self._planned: SavePlan | None = None
+        self._live = live
+        self._directory = directory
+        self._session = session
+        self._pool = pool
+
+    def enter(self, request: Request) -> None:
+        """Wait as the session says; raise a failed background save's error, undoing it."""
+        self.raise_failed(self._session.enter(request))
+
+    def raise_failed(self, reported: Reported | None) -> None:
+        """Raise the error of a failed background save, after putting its undo back."""
+        if reported is not None:
+            self.schedule, self.pointers = reported.undo
+            raise reported.error
+
+    def plan(
+        self,
+        policy: Policy,
+        call: Call,
+        progress: Progress,
+        asked: CallInput,
+        detail: str,
+        manual: SaveReason,
+        resumed_from: Path | None,
+    ) -> tuple[Any, ...] | None:
+        """Rank 0: plan what this call does to the directory; the record it returns, as sent.
+
+        ``None``: the call does nothing. The plan itself stays on rank 0 for :meth:`write`.
+        """
+        self.enter(Request.SAVE)
+        decision = decide_save(
+            policy,
+            self.schedule,
+            self.pointers,
+            call=call,
+            progress=progress,
+            now=asked.now,
+            metrics=asked.metrics,
+            stop=asked.stop,
+            manual_reason=manual,
+        )
+        if not decision.acts:
+            return None
+        if self._live.pending and resumed_from is not None:
+            self._directory.note_carried(self._live.pending, resumed_from.name)
+        self.enter(Request.WRITE)  # the directory's state must include the save in flight
+        directory = self._directory
+        self._decided = decision.state
+        plan = self._planned = plan_save(
+            directory.catalog,
+            directory.pointers,
+            decision,
+            progress=progress,
+            policy=policy,
+            metrics=asked.metrics,
+            detail=detail or asked.reason,
+        )
+        entry = plan.entry
+        if entry is NO_CHECKPOINT:
+            entry = plan.catalog.get(plan.pointers.last)
+        return ("write", entry_to_wire(entry))
+
+    def write(
+        self, progress: Progress, parts: list[dict[str, Any]] | None, *, overlap: bool
+    ) -> int:
+        """Rank 0: carry the planned save out; returns the save's ticket."""
+        plan = self._planned
+        assert plan is not None
+        self._directory.check(plan)  # another run's checkpoints: refused before writing
+        entry = plan.entry
+        name = entry.name if entry is not NO_CHECKPOINT else checkpoint_name(progress.step)
+        ticket = self._session.begin(progress.step, name, (self.schedule, self.pointers))
+        try:
+            carry_out(
+                plan,
+                live=self._live,
+                parts=parts,
+                directory=self._directory,
+                session=self._session,
+                pool=self._pool,
+                overlap=overlap,
+            )
+        except BaseException:
+            self._session.event(Event.ABORTED)
+            raise
+        self.schedule, self.pointers = self._decided, plan.pointers
+        return ticket
+
+    def resumed(self, entry: CheckpointEntry | NoCheckpoint) -> None:
+        """Rank 0: the schedule after resuming from ``entry``."""
+        catalog = self._directory.catalog
+        in_directory = (
+            entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
+        )
+        self.schedule = resumed_state(catalog, in_directory or NO_CHECKPOINT, now=time.monotonic())
 
 
 def carry_out(

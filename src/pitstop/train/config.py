@@ -265,6 +265,7 @@ def override(
     max_steps: int | None = None,
     device: str | None = None,
     resume: bool | None = None,
+    overwrite: bool | None = None,
 ) -> dict[str, Any]:
     """Return ``data`` with command-line values applied (``None``: leave as is).
 
@@ -288,6 +289,8 @@ def override(
         set_key("run", "device", device)
     if resume is not None:
         set_key("checkpoint", "resume", resume)
+    if overwrite is not None:
+        set_key("checkpoint", "overwrite", overwrite)
     return out
 
 

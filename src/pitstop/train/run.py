@@ -155,6 +155,7 @@ def train_from_config(
         resume_from="last" if resume else None,
         policy=cfg.checkpoint.policy(),
         async_save=cfg.checkpoint.async_,
+        overwrite=cfg.checkpoint.overwrite,
     )
     return TrainResult(
         steps=state.step,

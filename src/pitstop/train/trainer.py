@@ -47,6 +47,7 @@ from pitstop import (
     StopRequest,
 )
 from pitstop.core.compat import may_change_patterns
+from pitstop.core.guard import foreign_save_problem
 from pitstop.core.validators import is_int
 from pitstop.shell.atomic import write_atomically
 from pitstop.shell.weights import plain_state_dict
@@ -146,6 +147,7 @@ class Trainer:
         resume_from: str | os.PathLike[str] | None = None,
         policy: Policy | None = None,
         async_save: bool | Literal["overlap"] = False,
+        overwrite: bool = False,
     ) -> TrainState:
         """Train until ``config``'s limits or a stop request; return where the run ended.
 
@@ -153,6 +155,9 @@ class Trainer:
         ``val_loss`` when there is an evaluation, ``final`` at a normal end). ``resume_from``:
         ``"last"``, ``"best"``, ``"final"``, a pointer such as ``checkpoint_dir / "last"``
         (nothing there yet: start fresh) or a checkpoint file; it needs ``checkpoint_dir``.
+        Without ``resume_from``, a ``checkpoint_dir`` that already holds checkpoints raises
+        :class:`~pitstop.errors.ConfigError` before the first step, naming it and its newest
+        step, unless ``overwrite`` lets this run replace them.
         """
         if not isinstance(config, TrainConfig):
             raise ConfigError(f"Trainer.train config must be a TrainConfig, got {config!r}")
@@ -176,19 +181,13 @@ class Trainer:
                         config=self.config,
                         config_may_change=self.config_may_change,
                         async_save=async_save,
+                        overwrite=overwrite,
                     )
                 )
             stack.enter_context(_signals(self.stop))
             restored, resumed_from = Progress(), None
-            if checkpointer is not None and resume_from is None:
-                existing = checkpointer.checkpoints()
-                if existing:
-                    log.warning(
-                        "%s already holds checkpoints up to step %d; this run starts fresh "
-                        "(resume to continue from them)",
-                        checkpointer.directory,
-                        max(c.step for c in existing),
-                    )
+            if checkpointer is not None and resume_from is None and not overwrite:
+                _refuse_another_run(checkpointer)  # before the first step, not at the first save
             if checkpointer is not None and resume_from is not None:
                 restored = checkpointer.resume(resume_from)
                 resumed_from = checkpointer.resumed_from
@@ -255,3 +254,18 @@ class Trainer:
             for name, tensor in plain_state_dict(module).items()
         }
         return write_atomically(target, lambda file: torch.save(plain, file))
+
+
+def _refuse_another_run(checkpointer: Checkpointer) -> None:
+    """Raise ConfigError when a run that does not resume would replace another's checkpoints."""
+    existing = checkpointer.checkpoints()
+    newest = max(existing, key=lambda c: (c.step, c.seq), default=None)
+    problem = foreign_save_problem(
+        None if newest is None else (newest.step, newest.path.name),
+        directory=str(checkpointer.directory),
+        count=len(existing),
+        resume="resume it (pitstop train --resume, checkpoint.resume: true)",
+        overwrite="let this run replace them (--overwrite, checkpoint.overwrite: true)",
+    )
+    if problem is not None:
+        raise ConfigError(problem)

@@ -1,0 +1,371 @@
+# Sharded checkpoints: what a checkpoint directory written through torch.distributed.checkpoint
+# (DCP) holds, as pitstop records it in the directory's manifest.
+#
+# Rules: a sharded checkpoint is a directory `step_<12 digits>/` holding DCP's files (each
+# rank's `__<rank>_<n>.distcp`, rank 0's `.metadata`) and pitstop's `manifest.pitstop`, which
+# is written last. The manifest's layout names every DCP file with its size, CRC-32 and writing
+# rank, and repeats DCP's metadata — each stored value's key, key path, dtype, global shape and
+# where each of its chunks lies (file, start, length) — so a reader never unpickles DCP's
+# `.metadata`: it is checksummed like the rest, never read. A layout read back is untrusted:
+# every field is type-checked and cross-checked (chunks inside their value and inside a listed
+# file, file names plain and unique), each problem a CheckpointCorrupt naming the key path.
+# Which files a rank must verify are the files its chunks lie in; what is live is compared with
+# what is stored before any tensor is touched, every difference listed.
+# How: frozen records and pure functions; the shell turns DCP's objects into these and back.
+
+"""Sharded (DCP) checkpoint directories: their names, layout records and pure checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from pitstop.core.naming import (
+    NOT_A_CHECKPOINT,
+    SUFFIX,
+    NotACheckpoint,
+    checkpoint_name,
+    parse_name,
+)
+from pitstop.errors import CheckpointCorrupt
+
+__all__ = [
+    "LAYOUT_FORMAT",
+    "MANIFEST_NAME",
+    "LiveValue",
+    "ShardFile",
+    "ShardedLayout",
+    "StoredChunk",
+    "StoredValue",
+    "file_problem",
+    "files_for",
+    "layout_differences",
+    "layout_from_wire",
+    "layout_to_wire",
+    "parse_sharded_name",
+    "sharded_name",
+]
+
+MANIFEST_NAME: Final = "manifest.pitstop"
+"""pitstop's manifest inside a sharded checkpoint directory (a pitstop file; written last)."""
+LAYOUT_FORMAT: Final = 1
+"""The version of the layout's wire form (the manifest's ``sharded`` key)."""
+
+
+def sharded_name(step: int) -> str:
+    """The directory name of the sharded checkpoint at ``step``: ``step_000000000100``."""
+    return checkpoint_name(step).removesuffix(SUFFIX)
+
+
+def parse_sharded_name(name: str) -> int | NotACheckpoint:
+    """The step a sharded checkpoint directory name encodes, or ``NOT_A_CHECKPOINT``."""
+    if name.endswith(SUFFIX):
+        return NOT_A_CHECKPOINT
+    return parse_name(name + SUFFIX)
+
+
+def _plain(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in {"", ".", ".."}
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+def _ints(value: object, *, minimum: int = 0) -> bool:
+    return isinstance(value, tuple) and all(type(v) is int and v >= minimum for v in value)
+
+
+def _check(ok: bool, where: str, what: str, value: object) -> None:
+    if not ok:
+        raise CheckpointCorrupt(f"{where} must be {what}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ShardFile:
+    """One file of the directory: its name, size in bytes, CRC-32, and the rank that wrote it."""
+
+    name: str
+    size: int
+    crc32: int
+    rank: int
+
+    def __attrs_post_init__(self) -> None:
+        _check(_plain(self.name), "ShardFile.name", "a plain file name", self.name)
+        _check(_ints((self.size, self.rank)), f"{self.name}: size and rank", "ints >= 0", self)
+        _check(
+            _ints((self.crc32,)) and self.crc32 <= 0xFFFFFFFF,
+            "ShardFile.crc32",
+            "a CRC-32",
+            self.crc32,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class StoredChunk:
+    """Where one chunk of a stored value lies: its offsets and sizes in the value, and the
+    ``length`` bytes at ``start`` of ``file`` (a non-tensor value: one chunk, ``()`` and ``()``)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    length: int
+
+
+@attrs.frozen(kw_only=True)
+class StoredValue:
+    """One value DCP stored, under its flattened key ``fqn`` (``model.0.weight``).
+
+    ``path``: its key path in the saved tree (``("model", "0.weight")``); ``dtype``: the tensor
+    dtype's name, ``None`` for a non-tensor value (stored as bytes); ``shape``: the global shape.
+    """
+
+    fqn: str
+    path: tuple[str | int, ...]
+    dtype: str | None
+    shape: tuple[int, ...]
+    chunks: tuple[StoredChunk, ...]
+
+
+@attrs.frozen(kw_only=True)
+class LiveValue:
+    """What a live value the load would fill is: dtype name (``None``: not a tensor) and shape."""
+
+    dtype: str | None
+    shape: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ShardedLayout:
+    """Everything pitstop records about a sharded checkpoint's DCP files."""
+
+    world_size: int
+    dcp_version: str
+    files: tuple[ShardFile, ...]
+    values: tuple[StoredValue, ...]
+
+    def __attrs_post_init__(self) -> None:
+        _check(
+            type(self.world_size) is int and self.world_size >= 1,
+            "sharded.world_size",
+            "an int >= 1",
+            self.world_size,
+        )
+        sizes = {f.name: f.size for f in self.files}
+        _check(len(sizes) == len(self.files), "sharded.files", "unique names", self.files)
+        fqns = {v.fqn for v in self.values}
+        _check(len(fqns) == len(self.values), "sharded.values", "unique keys", sorted(fqns))
+        for value in self.values:
+            _check_value(value, sizes)
+
+    def file(self, name: str) -> ShardFile:
+        """The listed file ``name``; ``KeyError`` if the layout lists none."""
+        for file in self.files:
+            if file.name == name:
+                return file
+        raise KeyError(name)
+
+    @property
+    def fqns(self) -> frozenset[str]:
+        """The flattened keys of every stored value."""
+        return frozenset(v.fqn for v in self.values)
+
+
+def _check_value(value: StoredValue, sizes: Mapping[str, int]) -> None:
+    """A stored value's chunks lie inside it and inside a listed file."""
+    where = f"sharded.values[{value.fqn!r}]"
+    if value.dtype is None:
+        _check(value.shape == () and len(value.chunks) == 1, where, "one chunk", value.chunks)
+    else:
+        _check(bool(value.chunks), where, "a tensor with chunks", value.chunks)
+    for chunk in value.chunks:
+        dims = len(value.shape)
+        _check(len(chunk.offsets) == len(chunk.sizes) == dims, where, f"{dims}-d chunks", chunk)
+        inside = all(
+            o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, value.shape, strict=True)
+        )
+        _check(inside, where, f"chunks inside its shape {value.shape}", chunk)
+        end = sizes.get(chunk.file, -1)
+        _check(chunk.start + chunk.length <= end, where, "chunks inside a listed file", chunk)
+
+
+def files_for(
+    layout: ShardedLayout, reads: Iterable[tuple[str, tuple[int, ...] | None]]
+) -> tuple[str, ...]:
+    """The files holding the chunks ``reads`` names, as ``(fqn, offsets)`` (``None``: a
+    non-tensor value), sorted: what a rank that reads them must verify first."""
+    where = {
+        (v.fqn, c.offsets if v.dtype is not None else None): c.file
+        for v in layout.values
+        for c in v.chunks
+    }
+    names = set()
+    for fqn, offsets in reads:
+        key = (fqn, tuple(offsets) if offsets is not None else None)
+        if key not in where:
+            raise CheckpointCorrupt(f"sharded layout has no chunk {fqn} at {offsets}")
+        names.add(where[key])
+    return tuple(sorted(names))
+
+
+def file_problem(expected: ShardFile, size: int | None, crc32: int | None) -> str | None:
+    """What is wrong with a file found with ``size`` and ``crc32`` (``None``: missing)."""
+    if size is None:
+        return f"{expected.name} (written by rank {expected.rank}) is missing"
+    if size != expected.size:
+        return f"{expected.name} is {size} bytes, the manifest says {expected.size}"
+    if crc32 != expected.crc32:
+        return (
+            f"{expected.name} fails its checksum: CRC-32 {crc32:#010x}, the manifest says "
+            f"{expected.crc32:#010x}"
+        )
+    return None
+
+
+def layout_differences(layout: ShardedLayout, live: Mapping[str, LiveValue]) -> list[str]:
+    """Every difference between the values a load would fill (by flattened key) and what
+    ``layout`` stores, among the top-level components ``live`` covers (a model-only load
+    ignores a stored optimizer). Empty when the load fits."""
+    stored = {v.fqn: v for v in layout.values}
+    components = {_head(fqn) for fqn in live}
+    problems = []
+    for fqn, value in sorted(live.items()):
+        have = stored.get(fqn)
+        if have is None:
+            problems.append(f"{fqn}: not in the checkpoint")
+        elif (have.dtype is None) != (value.dtype is None):
+            kind = "a tensor" if have.dtype is not None else "not a tensor"
+            problems.append(f"{fqn}: the checkpoint holds {kind} here")
+        elif value.dtype is not None and (have.dtype, have.shape) != (value.dtype, value.shape):
+            problems.append(
+                f"{fqn}: the checkpoint holds {have.dtype}{list(have.shape)}, the live value is "
+                f"{value.dtype}{list(value.shape)}"
+            )
+    unexpected = sorted(f for f in stored if _head(f) in components and f not in live)
+    problems += [f"{fqn}: in the checkpoint, not in the live state" for fqn in unexpected]
+    return problems
+
+
+def _head(fqn: str) -> str:
+    return fqn.split(".", 1)[0]
+
+
+# --- the wire form (msgpack-able lists in the manifest's meta) ---------------------------------
+
+
+def layout_to_wire(layout: ShardedLayout) -> dict[str, Any]:
+    """The layout as plain lists and dicts, for the manifest's ``sharded`` key."""
+    return {
+        "format": LAYOUT_FORMAT,
+        "world_size": layout.world_size,
+        "dcp_version": layout.dcp_version,
+        "files": [[f.name, f.size, f.crc32, f.rank] for f in layout.files],
+        "values": [
+            [
+                v.fqn,
+                list(v.path),
+                v.dtype,
+                list(v.shape),
+                [[list(c.offsets), list(c.sizes), c.file, c.start, c.length] for c in v.chunks],
+            ]
+            for v in layout.values
+        ],
+    }
+
+
+def _row(value: object, length: int, where: str) -> Sequence[Any]:
+    _check(
+        isinstance(value, (list, tuple)) and len(value) == length,
+        where,
+        f"a list of {length}",
+        value,
+    )
+    assert isinstance(value, (list, tuple))
+    return value
+
+
+def _int_tuple(value: object, where: str) -> tuple[int, ...]:
+    _check(isinstance(value, (list, tuple)), where, "a list of ints >= 0", value)
+    assert isinstance(value, (list, tuple))
+    result = tuple(value)
+    _check(_ints(result), where, "a list of ints >= 0", value)
+    return result
+
+
+def _str(value: object, where: str) -> str:
+    _check(isinstance(value, str), where, "a str", value)
+    assert isinstance(value, str)
+    return value
+
+
+def layout_from_wire(data: object, where: str = "sharded") -> ShardedLayout:
+    """Rebuild a layout from its wire form, checking every field (the manifest is untrusted).
+
+    Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the key path of the first problem.
+    """
+    _check(isinstance(data, Mapping), where, "a mapping", type(data).__name__)
+    assert isinstance(data, Mapping)
+    _check(
+        data.get("format") == LAYOUT_FORMAT,
+        f"{where}.format",
+        str(LAYOUT_FORMAT),
+        data.get("format"),
+    )
+    for key in ("files", "values"):
+        _check(isinstance(data.get(key), (list, tuple)), f"{where}.{key}", "a list", data.get(key))
+    files = []
+    for i, raw in enumerate(data["files"]):
+        name, size, crc, rank = _row(raw, 4, f"{where}.files[{i}]")
+        numbers = _int_tuple((size, crc, rank), f"{where}.files[{i}]")
+        files.append(
+            ShardFile(
+                name=_str(name, f"{where}.files[{i}][0]"),
+                size=numbers[0],
+                crc32=numbers[1],
+                rank=numbers[2],
+            )
+        )
+    values = []
+    for i, raw in enumerate(data["values"]):
+        at = f"{where}.values[{i}]"
+        fqn, path, dtype, shape, chunks = _row(raw, 5, at)
+        _check(
+            isinstance(path, (list, tuple)) and all(type(p) in (str, int) for p in path),
+            f"{at}.path",
+            "a list of keys",
+            path,
+        )
+        _check(dtype is None or isinstance(dtype, str), f"{at}.dtype", "a str or None", dtype)
+        _check(isinstance(chunks, (list, tuple)), f"{at}.chunks", "a list", chunks)
+        stored = []
+        for j, chunk in enumerate(chunks):
+            offsets, sizes, file, start, length = _row(chunk, 5, f"{at}.chunks[{j}]")
+            span = _int_tuple((start, length), f"{at}.chunks[{j}]")
+            stored.append(
+                StoredChunk(
+                    offsets=_int_tuple(offsets, f"{at}.chunks[{j}].offsets"),
+                    sizes=_int_tuple(sizes, f"{at}.chunks[{j}].sizes"),
+                    file=_str(file, f"{at}.chunks[{j}].file"),
+                    start=span[0],
+                    length=span[1],
+                )
+            )
+        values.append(
+            StoredValue(
+                fqn=_str(fqn, f"{at}.fqn"),
+                path=tuple(path),
+                dtype=dtype,
+                shape=_int_tuple(shape, f"{at}.shape"),
+                chunks=tuple(stored),
+            )
+        )
+    (world,) = _int_tuple((data.get("world_size"),), f"{where}.world_size")
+    return ShardedLayout(
+        world_size=world,
+        dcp_version=_str(data.get("dcp_version"), f"{where}.dcp_version"),
+        files=tuple(files),
+        values=tuple(values),
+    )

@@ -1,0 +1,179 @@
+# The bridge between pitstop's sharded layout and torch.distributed.checkpoint (DCP).
+#
+# Rules: DCP reads nothing pitstop has not checked and unpickles nothing. Its `.metadata` is a
+# pickle (FileSystemReader.read_metadata runs pickle.load; torch's weights-only unpickler reads
+# only protocol 2 and DCP writes protocol 4), so the reader is handed DCP's metadata rebuilt
+# from the layout in pitstop's manifest instead. Tensors DCP reads with torch.load(weights_only
+# =True) already; its planner reads non-tensor values with weights_only=False, so the planner
+# here reads them with weights_only=True. The writer notes the files its rank wrote from DCP's
+# own write results. A layout is built only from untransformed files (no DCP extensions).
+# How: small subclasses of DCP's FileSystemWriter, FileSystemReader and DefaultLoadPlanner.
+
+"""DCP adapters: layout <-> DCP metadata, a writer that notes its files, a safe reader."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
+from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
+
+__all__ = [
+    "DCP_METADATA",
+    "NO_DIST_WARNING",
+    "SafePlanner",
+    "Writer",
+    "layout_of",
+    "load_checked",
+    "metadata_of",
+]
+
+DCP_METADATA = ".metadata"
+"""DCP's own (pickled) metadata file: rank 0 writes it; pitstop checksums it, never reads it."""
+NO_DIST_WARNING = "torch.distributed is disabled"
+"""The start of DCP's warning for a save or load in one process (silenced: that is meant)."""
+
+
+def layout_of(metadata: Metadata, files: Sequence[ShardFile], world_size: int) -> ShardedLayout:
+    """The layout of a DCP save: its metadata, joined with the ranks' file tables."""
+    storage: Mapping[MetadataIndex, _StorageInfo] = metadata.storage_data
+    paths: Mapping[str, Sequence[str | int]] = metadata.planner_data or {}
+
+    def chunk(index: MetadataIndex, offsets: Sequence[int], sizes: Sequence[int]) -> StoredChunk:
+        info = storage[index]
+        if info.transform_descriptors:
+            raise SaveError(f"DCP transformed {index.fqn}; pitstop stores untransformed files")
+        return StoredChunk(
+            offsets=tuple(offsets),
+            sizes=tuple(sizes),
+            file=info.relative_path,
+            start=info.offset,
+            length=info.length,
+        )
+
+    values = []
+    for fqn, stored in metadata.state_dict_metadata.items():
+        path = tuple(paths.get(fqn, (fqn,)))
+        if isinstance(stored, TensorStorageMetadata):
+            name = dtype_name(stored.properties.dtype)
+            if name not in TENSOR_DTYPES:
+                raise SaveError(f"{fqn}: tensors of dtype {name} are not supported")
+            chunks = tuple(
+                chunk(MetadataIndex(fqn, c.offsets), c.offsets, c.sizes) for c in stored.chunks
+            )
+            shape = tuple(stored.size)
+            values.append(StoredValue(fqn=fqn, path=path, dtype=name, shape=shape, chunks=chunks))
+        else:
+            only = (chunk(MetadataIndex(fqn), (), ()),)
+            values.append(StoredValue(fqn=fqn, path=path, dtype=None, shape=(), chunks=only))
+    return ShardedLayout(
+        world_size=world_size,
+        dcp_version=str(metadata.version),
+        files=tuple(files),
+        values=tuple(values),
+    )
+
+
+def metadata_of(layout: ShardedLayout) -> Metadata:
+    """DCP's metadata rebuilt from a (checked) layout."""
+    described: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for value in layout.values:
+        if value.dtype is None:
+            described[value.fqn] = BytesStorageMetadata()
+            only = value.chunks[0]
+            storage[MetadataIndex(value.fqn)] = _StorageInfo(only.file, only.start, only.length)
+            continue
+        dtype = TENSOR_DTYPES.get(value.dtype)
+        if dtype is None:
+            raise CheckpointCorrupt(f"{value.fqn}: unknown dtype {value.dtype!r}")
+        chunks = []
+        for c in value.chunks:
+            offsets = torch.Size(c.offsets)
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(c.sizes)))
+            storage[MetadataIndex(value.fqn, offsets)] = _StorageInfo(c.file, c.start, c.length)
+        described[value.fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype), size=torch.Size(value.shape), chunks=chunks
+        )
+    return Metadata(
+        state_dict_metadata=described,
+        planner_data={v.fqn: v.path for v in layout.values},
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version=layout.dcp_version,
+    )
+
+
+class Writer(FileSystemWriter):
+    """DCP's file writer; :attr:`written` names the files this rank wrote (DCP's results)."""
+
+    written: tuple[str, ...] = ()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """DCP's ``write_data`` (it returns a completed future), noting the files written."""
+        future = super().write_data(plan, planner)
+        self.written = tuple(sorted({r.storage_data.relative_path for r in future.value()}))
+        return future
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, handed the metadata from pitstop's manifest (``.metadata`` unread)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, but non-tensor values are loaded with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Put the non-tensor value ``value`` holds where ``read_item`` says."""
+        loaded = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def load_checked(
+    directory: Path, state: dict[str, Any], layout: ShardedLayout, **kwargs: Any
+) -> None:
+    """``dcp.load`` into ``state`` from ``directory``, with metadata from ``layout`` and the
+    safe planner (``kwargs``: ``process_group`` or ``no_dist``). DCP's errors, raised on every
+    rank, become :class:`~pitstop.errors.CheckpointCorrupt`."""
+    reader = _Reader(directory, metadata_of(layout))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
+            load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
+    except CheckpointException as exc:  # a BaseException, raised on every rank
+        raise CheckpointCorrupt(f"{directory}: DCP could not read it: {exc}") from exc

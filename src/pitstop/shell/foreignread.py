@@ -1,0 +1,104 @@
+# Reading files other programs wrote, without ever unpickling: torch.load(weights_only=True) and
+# a reader of the .safetensors format.
+#
+# Rules: a torch.save file is read with torch.load(weights_only=True, map_location="cpu") and
+# nothing else; a file that needs more (a pickled Python object) is an ImportRefused that says
+# what torch met (without torch's advice to load it unsafely), never unpickled. A .safetensors
+# file is read by its own layout — an 8-byte length, a JSON header (at most 100 MiB, and no
+# longer than the file), raw little-endian bytes — and every header entry is checked (dtype,
+# shape, data offsets inside the body and of the size the shape needs) before a tensor is built.
+# How: torch.load; for .safetensors, json and torch.frombuffer over one copy of the body.
+
+"""Reading foreign checkpoint files: torch.load(weights_only=True) and .safetensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from pitstop.errors import ImportRefused
+
+__all__ = ["read_safetensors", "torch_load"]
+
+_SAFETENSORS_DTYPES: Final = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_SAFETENSORS_HEADER_LIMIT = 100 << 20
+
+
+def torch_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; refused with torch's reason."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        if type(exc).__name__ == "UnpicklingError":
+            raise ImportRefused(
+                f"{path} needs more than torch.load(weights_only=True) to read — it holds Python "
+                f"objects that only unpickling could rebuild, and pitstop never unpickles "
+                f"(torch: {_unpickler_reason(exc)}). Re-save it with plain tensors, numbers, "
+                f"strings, lists and dicts, or convert it in a trusted environment"
+            ) from None
+        raise ImportRefused(f"{path} is not a file torch.save wrote ({exc})") from None
+
+
+def _unpickler_reason(error: BaseException) -> str:
+    """The part of torch's weights_only refusal that says what it met (``Unsupported global:
+    GLOBAL argparse.Namespace``), without its advice to load the file unsafely."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. |\n|$)", text)
+    if found:
+        return found.group(1).strip()
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Read a .safetensors file: an 8-byte length, a JSON header, raw little-endian bytes."""
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ImportRefused(f"{path} is too short to be a .safetensors file")
+    length = int.from_bytes(data[:8], "little")
+    if length > min(len(data) - 8, _SAFETENSORS_HEADER_LIMIT):
+        raise ImportRefused(f"{path}: its .safetensors header length {length} is impossible")
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except ValueError as exc:
+        raise ImportRefused(f"{path}: its .safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ImportRefused(f"{path}: its .safetensors header is not a JSON object")
+    body = bytearray(data[8 + length :])
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[spec["dtype"]]
+            shape = [int(d) for d in spec["shape"]]
+            begin, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ImportRefused(
+                f"{path}: tensor {name!r} has a header entry pitstop cannot read: {spec!r}"
+            ) from None
+        numel = math.prod(shape)
+        if not (0 <= begin <= end <= len(body)) or end - begin != numel * dtype.itemsize:
+            raise ImportRefused(f"{path}: tensor {name!r} has bad data offsets {[begin, end]}")
+        raw = (
+            torch.frombuffer(body, dtype=torch.uint8, count=end - begin, offset=begin)
+            if end > begin
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        out[name] = raw.view(dtype).reshape(shape)
+    return out

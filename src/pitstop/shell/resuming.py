@@ -1,0 +1,127 @@
+# The resume path: choose a checkpoint, read it, check it against the run, restore it.
+#
+# Rules: rank 0 chooses (the core's resume order through pitstop.shell.resolve, each candidate
+# checked as it is read: a corrupt newest file is skipped with a warning) and its choice travels
+# to the other ranks; nothing to resume leaves everything untouched. Every rank then reads the
+# chosen file and compares it with its own run; the differences of all ranks, each once, decide
+# (pitstop.core.compat's judge: hard ones always refuse, soft ones only under strict=True, and
+# pass with a warning otherwise). The restore is all-or-nothing on every rank: prepared
+# everywhere, committed only when every rank prepared, undone where it was prepared when any
+# rank failed. Components the checkpoint holds but the run has not registered are kept in the
+# live state (deferred) for register() to apply; per-rank state is handed back only when the
+# world size is the one that saved it.
+# How: functions over the live state, the ranks and the directory; the Checkpointer calls
+# resume_from() and keeps what it returns (the path restored and its entry).
+
+"""Resuming: choose, read, check and restore a checkpoint, on every rank or none."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pitstop.core.compat import Difference, judge
+from pitstop.core.ranks import entry_from_wire, entry_to_wire
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
+from pitstop.core.schema import STATE
+from pitstop.errors import IncompatibleCheckpoint
+from pitstop.shell import fileformat
+from pitstop.shell.capture import LiveState, ranked_state, stored_groups, stored_world_size
+from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.distributed import Ranks
+from pitstop.shell.resolve import find_resume
+from pitstop.shell.restore import Restore, differences
+from pitstop.shell.resumeread import ResumeRead
+
+__all__ = ["resume_from"]
+
+log = logging.getLogger("pitstop")
+
+
+def resume_from(
+    source: str | os.PathLike[str],
+    *,
+    strict: bool,
+    live: LiveState,
+    ranks: Ranks,
+    directory: CheckpointDirectory,
+    may_change: tuple[str, ...],
+) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
+    """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
+
+    ``(None, NO_CHECKPOINT)``: nothing to resume, nothing touched. Raises
+    :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
+    with the run exactly as before. ``may_change``: the config patterns a resume only reports.
+    """
+    reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
+    path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
+    entry = entry_from_wire(wire)
+    if path is None:
+        return None, NO_CHECKPOINT
+    loaded = ranks.each(partial(_load, path, reading, live, ranks, may_change))
+    tree, meta, found, deferred = loaded
+    found = _union(ranks.all_gather(found))
+    if judge(found, strict=strict):
+        raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
+    for difference in found:
+        log.warning("resume from %s: %s", path.name, difference)
+    same_world = stored_world_size(meta) == ranks.world_size
+    restore = Restore(live, tree, path, rank=ranks.rank, per_rank=same_world)
+    try:
+        ranks.each(restore.prepare)
+    except BaseException:
+        restore.undo()  # another rank failed: put this one back too
+        raise
+    restore.commit()
+    ranked = ranked_state(tree, ranks.rank) if same_world else {}
+    live.pending = {n: ranked[n] if n in ranked else tree[STATE][n] for n in deferred}
+    live.pending_per_rank = {n for n in deferred if n in ranked}
+    live.pending_groups = stored_groups(meta)
+    if deferred:
+        log.info(
+            "%s holds %s, not registered yet: register() will restore them",
+            path.name,
+            ", ".join(sorted(deferred)),
+        )
+    return path, entry
+
+
+def _load(
+    path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks, may_change: tuple[str, ...]
+) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str]]:
+    """Every rank: read ``path`` and compare it with this rank's run."""
+    manifest = fileformat.read_manifest(path)
+    tree: Any = reading.load(path)  # rank 0 verified it as it loaded it, choosing it
+    found, deferred = differences(
+        live,
+        tree,
+        manifest.meta,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        may_change=may_change,
+        where=path.name,
+    )
+    return tree, manifest.meta, found, deferred
+
+
+def _find_portable(
+    directory: CheckpointDirectory,
+    source: str | os.PathLike[str],
+    verify: Callable[[Path], None],
+) -> tuple[Path | None, tuple[Any, ...] | None]:
+    """Rank 0's resume choice, as it travels to the other ranks."""
+    path, entry = find_resume(directory, source, verify=verify)
+    return path, entry_to_wire(entry)
+
+
+def _union(per_rank: list[list[Difference]]) -> list[Difference]:
+    """Every rank's differences, each once, in rank order."""
+    seen: dict[str, Difference] = {}
+    for found in per_rank:
+        for difference in found:
+            seen.setdefault(str(difference), difference)
+    return list(seen.values())

@@ -1,0 +1,176 @@
+"""FSDP2 on gloo, saved and loaded through pitstop's sharded engine; run as real processes.
+
+One process per rank (tests/multirank.py sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The
+model is a small MLP, each Linear and the root sharded with ``fully_shard``; the optimizer
+is AdamW. Two commands:
+
+    python sharded_loop.py save --dir D --out OUT [--steps 3]
+        trains --steps updates, then saves the same state twice: with write_sharded into
+        D/step_<steps> and with async_write_sharded (a stager, a DCP group of its own) into
+        D/async/step_<steps>; each published as pitstop publishes it (manifest last, rename).
+    python sharded_loop.py load --ckpt C --out OUT
+        builds the model with another seed and the optimizer with another learning rate (so a
+        load that did nothing shows) and restores C.
+
+Each rank writes ``<OUT>.rank<R>.pitstop`` (a pitstop file: reading it never unpickles): its
+local shards (``local``), the full tensors (``full``, gathered with full_tensor()), and for
+``load`` whether its state was left as initialised when the load failed (``untouched``). A
+PitstopError prints ``error <Type> <message as JSON>`` and exits 3. Every collective has a
+timeout (the process groups' ``--pg-timeout``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import pitstop
+from pitstop.core.naming import temp_name
+from pitstop.core.sharded import sharded_name
+from pitstop.shell import fileformat
+from pitstop.shell.distributed import Ranks
+from pitstop.shell.sharded import (
+    async_write_sharded,
+    is_sharded,
+    make_stager,
+    publish_sharded,
+    read_sharded,
+    write_manifest,
+    write_sharded,
+)
+from pitstop.shell.storage import LocalStorage
+
+EXIT_PITSTOP_ERROR = 3
+TOKEN = "test"
+
+
+def build(seed: int, lr: float = 1e-2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (the same on every rank, as fully_shard needs) and its optimizer."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Local shards and full tensors of the model and the optimizer (a collective)."""
+    optim = get_optimizer_state_dict(model, optimizer)
+    flat = {
+        f"state.{key}.{name}": value
+        for key, state in sorted(optim["state"].items())
+        for name, value in sorted(state.items())
+    }
+    local: dict[str, Any] = {"model": {}, "optimizer": {}}
+    full: dict[str, Any] = {"model": {}, "optimizer": {}}
+    for part, values in (("model", model.state_dict()), ("optimizer", flat)):
+        for key, value in sorted(values.items()):
+            is_d = isinstance(value, DTensor)
+            local[part][key] = (value.to_local() if is_d else value).detach().clone()
+            full[part][key] = (value.full_tensor() if is_d else value).detach().clone()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
+    return {"local": local, "full": full, "param_groups": groups}
+
+
+def publish(ranks: Ranks, parent: Path, name: str, layout: Any, steps: int) -> None:
+    """Rank 0 writes the manifest into the temp directory and renames it into place."""
+
+    def finish() -> None:
+        temp = temp_name(name, TOKEN)
+        write_manifest(parent / temp, layout, {"step": steps})
+        publish_sharded(LocalStorage(parent), temp, name)
+
+    ranks.lead(finish)
+
+
+def save(args: argparse.Namespace, ranks: Ranks, timeout: datetime.timedelta) -> dict[str, Any]:
+    model, optimizer = build(seed=0)
+    for step in range(args.steps):
+        torch.manual_seed(1000 + step * ranks.world_size + ranks.rank)  # each rank its own data
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    parent, name = Path(args.dir), sharded_name(args.steps)
+    temp = temp_name(name, TOKEN)
+    layout = write_sharded(parent / temp, model, {"optimizer": optimizer}, ranks=ranks)
+    publish(ranks, parent, name, layout, args.steps)
+
+    later = parent / "async"
+    ranks.lead(later.mkdir)
+    dcp_group = dist.new_group(backend="gloo", timeout=timeout)  # DCP's, used on its thread
+    stager = make_stager()
+    try:
+        pending = async_write_sharded(
+            later / temp,
+            model,
+            {"optimizer": optimizer},
+            ranks=ranks,
+            group=dcp_group,
+            stager=stager,
+        )
+        pending.staged(timeout.total_seconds())
+        layout = pending.result(timeout.total_seconds())
+    finally:
+        stager.close()
+    publish(ranks, later, name, layout, args.steps)
+    print(f"saved {name}", flush=True)
+    return snapshot(model, optimizer)
+
+
+def load(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
+    model, optimizer = build(seed=1234, lr=5e-3)  # the restore brings lr back to 1e-2
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    by_optimizer = is_sharded(nn.Linear(1, 1), {"optimizer": optimizer})
+    print(f"is_sharded {is_sharded(model)} {by_optimizer}", flush=True)
+    try:
+        read_sharded(args.ckpt, model, {"optimizer": optimizer}, ranks=ranks)
+    except pitstop.PitstopError as exc:
+        now = {k: v.to_local() for k, v in model.state_dict().items()}
+        untouched = all(torch.equal(before[k], now[k]) for k in before)
+        print(f"untouched {untouched}", flush=True)
+        print(f"error {type(exc).__name__} {json.dumps(str(exc))}", flush=True)
+        raise SystemExit(EXIT_PITSTOP_ERROR) from None
+    print("loaded", flush=True)
+    return snapshot(model, optimizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["save", "load"])
+    parser.add_argument("--dir", help="save: the checkpoint directory")
+    parser.add_argument("--ckpt", help="load: the sharded checkpoint to restore")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=args.pg_timeout)
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout
+    )
+    try:
+        ranks = Ranks(rank, world, dist.new_group(backend="gloo", timeout=timeout))
+        result = save(args, ranks, timeout) if args.command == "save" else load(args, ranks)
+        with open(f"{args.out}.rank{rank}.pitstop", "wb") as f:
+            fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
