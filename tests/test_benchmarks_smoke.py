@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    # benchmarks/ is not a package: load the script by its path.
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchkit import load_benchmark
 
 
 def test_plan_scale_prints_a_row_per_plan_and_size(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    plan_scale = _load("plan_scale")
+    plan_scale = load_benchmark("plan_scale")
     out_json = tmp_path / "plan_scale.json"
 
     status = plan_scale.main(["--sizes", "10,100", "--repeats", "1", "--json", str(out_json)])
@@ -51,7 +39,7 @@ def test_plan_scale_prints_a_row_per_plan_and_size(
 
 
 def test_plan_scale_rejects_sizes_below_two(capsys: pytest.CaptureFixture[str]) -> None:
-    plan_scale = _load("plan_scale")
+    plan_scale = load_benchmark("plan_scale")
     with pytest.raises(SystemExit):
         plan_scale.main(["--sizes", "1"])
     assert "--sizes" in capsys.readouterr().err
@@ -60,7 +48,7 @@ def test_plan_scale_rejects_sizes_below_two(capsys: pytest.CaptureFixture[str]) 
 def test_save_load_prints_every_operation(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    save_load = _load("save_load")
+    save_load = load_benchmark("save_load")
     args = ["--size-mib", "1", "--tensors", "4", "--repeats", "1", "--dir", str(tmp_path)]
     assert save_load.main([*args, "--json", str(tmp_path / "rows.json")]) == 0
     out = capsys.readouterr().out
@@ -72,7 +60,7 @@ def test_save_load_prints_every_operation(
 def test_checksum_speed_prints_every_candidate(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    checksum_speed = _load("checksum_speed")
+    checksum_speed = load_benchmark("checksum_speed")
     out_json = tmp_path / "rates.json"
     assert checksum_speed.main(["--mib", "1", "--repeats", "1", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
@@ -84,7 +72,7 @@ def test_checksum_speed_prints_every_candidate(
 def test_write_strategies_prints_every_strategy(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    write_strategies = _load("write_strategies")
+    write_strategies = load_benchmark("write_strategies")
     args = ["--mib", "20", "--repeats", "1", "--threads", "1,2", "--dir", str(tmp_path)]
     assert write_strategies.main(args) == 0
     out = capsys.readouterr().out
@@ -103,14 +91,14 @@ def test_write_strategies_prints_every_strategy(
 
 def test_write_strategies_rejects_zero_threads(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        _load("write_strategies").main(["--threads", "0"])
+        load_benchmark("write_strategies").main(["--threads", "0"])
     assert "--threads" in capsys.readouterr().err
 
 
 def test_multirank_save_prints_every_candidate_and_ends_its_workers(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    multirank_save = _load("multirank_save")
+    multirank_save = load_benchmark("multirank_save")
     out_json = tmp_path / "rows.json"
     args = ["--size-mib", "1", "--tensors", "4", "--repeats", "1", "--timeout", "120"]
     assert multirank_save.main([*args, "--dir", str(tmp_path / "w"), "--json", str(out_json)]) == 0
@@ -132,7 +120,7 @@ def test_multirank_save_prints_every_candidate_and_ends_its_workers(
 def test_resume_speed_prints_every_candidate_and_phase(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    resume_speed = _load("resume_speed")
+    resume_speed = load_benchmark("resume_speed")
     out_json = tmp_path / "rows.json"
     args = ["--sizes-mib", "1", "--tensors", "2", "--repeats", "1", "--warmups", "0"]
     args += ["--phases", "--dir", str(tmp_path), "--json", str(out_json)]

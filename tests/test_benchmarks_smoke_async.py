@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchkit import load_benchmark
 
 EVERYWHERE = [
     ("floor", "copy_ (preallocated)"),
@@ -32,19 +29,6 @@ DCP = [
 ]
 
 
-def _load(name: str) -> ModuleType:
-    # benchmarks/ is not a package: load the script by its path. Registered in sys.modules
-    # while it runs, because its dataclasses look their module up there.
-    module_name = f"benchmarks_{name}"
-    spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _row(system: str, mode: str) -> re.Pattern[str]:
     return re.compile(rf"^\| {re.escape(system)} \| {re.escape(mode)} \|", re.MULTILINE)
 
@@ -52,7 +36,7 @@ def _row(system: str, mode: str) -> re.Pattern[str]:
 @pytest.fixture(scope="module")
 def save_latency(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, object]]]:
     """One tiny run of save_latency.py: its output and its JSON rows."""
-    module = _load("save_latency")
+    module = load_benchmark("save_latency")
     tmp = tmp_path_factory.mktemp("save_latency")
     out_json = tmp / "rows.json"
     out = io.StringIO()
@@ -122,7 +106,7 @@ def test_save_latency_replays_its_json_rows(
     out, rows = save_latency
     saved = tmp_path / "rows.json"
     saved.write_text(json.dumps(rows))
-    assert _load("save_latency").main(["--from-json", str(saved)]) == 0
+    assert load_benchmark("save_latency").main(["--from-json", str(saved)]) == 0
     replayed = capsys.readouterr().out
     table = re.compile(r"^\| pitstop \| async \|.*$", re.MULTILINE)
     first, again = table.search(out), table.search(replayed)
@@ -132,7 +116,7 @@ def test_save_latency_replays_its_json_rows(
 
 
 def test_save_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    module = _load("save_latency")
+    module = load_benchmark("save_latency")
     with pytest.raises(SystemExit):
         module.main(["--sizes-mib", "0"])
     assert "--sizes-mib" in capsys.readouterr().err
@@ -141,7 +125,7 @@ def test_save_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> N
 def test_train_overhead_has_a_row_per_mode(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    module = _load("train_overhead")
+    module = load_benchmark("train_overhead")
     out_json = tmp_path / "rows.json"
     status = module.main(
         [

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchkit import load_benchmark
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_sharded_save_prints_a_row_per_candidate_and_cleans_up(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    sharded_save = _load("sharded_save")
+    sharded_save = load_benchmark("sharded_save")
     out_json = tmp_path / "rows.json"
     args = ["--mib", "1", "--repeats", "1", "--timeout", "120", "--json", str(out_json)]
     assert sharded_save.main([*args, "--dir", str(tmp_path / "w")]) == 0
