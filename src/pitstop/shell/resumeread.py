@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pitstop.core.schema import RANKED, STATE
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.shell.capture import LiveState
 from pitstop.shell.fileread import KeyPath, load
 
@@ -67,9 +68,19 @@ class ResumeRead:
         return self._devices.get((name, index)) if isinstance(index, int) else None
 
     def verify(self, path: Path) -> None:
-        """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt."""
+        """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt.
+
+        A sharded checkpoint directory: every file its manifest lists is checked (on this
+        rank, as its choice is made here), and the manifest's replicated tree is loaded.
+        """
         self._path = self._tree = None
-        self._tree = load(path, verify="file", place=self.place)
+        if path.is_dir():
+            from pitstop.shell.sharddir import read_layout, verify_sharded
+
+            self._tree = load(path / MANIFEST_NAME, verify="file")
+            verify_sharded(path, read_layout(path)[0])
+        else:
+            self._tree = load(path, verify="file", place=self.place)
         self._path = path
 
     def load(self, path: Path) -> Any:
@@ -77,4 +88,6 @@ class ResumeRead:
         if self._path == path:
             tree, self._path, self._tree = self._tree, None, None
             return tree
+        if path.is_dir():
+            return load(path / MANIFEST_NAME, verify=False)
         return load(path, verify=False, place=self.place)  # rank 0 checked it when choosing it

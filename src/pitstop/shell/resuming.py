@@ -24,13 +24,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.compat import Difference, judge
+import attrs
+from torch import nn
+
+from pitstop.core.compat import Difference, Kind, judge
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
 from pitstop.core.schema import STATE
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell import fileformat
-from pitstop.shell.capture import LiveState, ranked_state, stored_groups, stored_world_size
+from pitstop.shell.capture import (
+    LiveState,
+    ranked_state,
+    sharded_components,
+    stored_groups,
+    stored_world_size,
+)
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.resolve import find_resume
@@ -50,6 +60,7 @@ def resume_from(
     ranks: Ranks,
     directory: CheckpointDirectory,
     may_change: tuple[str, ...],
+    sharded: bool = False,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
 
@@ -62,17 +73,29 @@ def resume_from(
     entry = entry_from_wire(wire)
     if path is None:
         return None, NO_CHECKPOINT
-    loaded = ranks.each(partial(_load, path, reading, live, ranks, may_change))
+    is_directory = ranks.each(path.is_dir)
+    if is_directory != sharded:
+        held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
+        run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
+        raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
+    target = _replicated(live) if sharded else live
+    loaded = ranks.each(partial(_load, path, reading, target, ranks, may_change))
     tree, meta, found, deferred = loaded
+    if sharded:
+        found = found + ranks.each(partial(_layout_differences, path, live, ranks.rank))
     found = _union(ranks.all_gather(found))
     if judge(found, strict=strict):
         raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
     for difference in found:
         log.warning("resume from %s: %s", path.name, difference)
     same_world = stored_world_size(meta) == ranks.world_size
-    restore = Restore(live, tree, path, rank=ranks.rank, per_rank=same_world)
+    restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
     try:
         ranks.each(restore.prepare)
+        if sharded:  # checked and verified on every rank before DCP touches a tensor
+            from pitstop.shell.sharded import read_sharded
+
+            read_sharded(path, live.model, sharded_components(live), ranks=ranks)
     except BaseException:
         restore.undo()  # another rank failed: put this one back too
         raise
@@ -94,7 +117,7 @@ def _load(
     path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks, may_change: tuple[str, ...]
 ) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str]]:
     """Every rank: read ``path`` and compare it with this rank's run."""
-    manifest = fileformat.read_manifest(path)
+    manifest = fileformat.read_manifest(path / MANIFEST_NAME if path.is_dir() else path)
     tree: Any = reading.load(path)  # rank 0 verified it as it loaded it, choosing it
     found, deferred = differences(
         live,
@@ -106,6 +129,22 @@ def _load(
         where=path.name,
     )
     return tree, manifest.meta, found, deferred
+
+
+def _replicated(live: LiveState) -> LiveState:
+    """What a sharded checkpoint's manifest holds of ``live``: every component but the model
+    and the optimizers DCP saves (an empty module stands in for the model)."""
+    through_dcp = sharded_components(live)
+    components = {n: o for n, o in live.components.items() if n not in through_dcp}
+    return attrs.evolve(live, model=nn.Module(), components=components)
+
+
+def _layout_differences(path: Path, live: LiveState, rank: int) -> list[Difference]:
+    """This rank's differences between its sharded state and the directory's layout."""
+    from pitstop.shell.sharded import sharded_differences
+
+    problems = sharded_differences(path, live.model, sharded_components(live), rank)
+    return [Difference(kind=Kind.SHAPE, message=p) for p in problems]
 
 
 def _find_portable(

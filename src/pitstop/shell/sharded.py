@@ -78,6 +78,7 @@ __all__ = [
     "publish_sharded",
     "read_layout",
     "read_sharded",
+    "sharded_differences",
     "verify_sharded",
     "write_manifest",
     "write_sharded",
@@ -294,6 +295,20 @@ def _planned_files(
     return files_for(
         layout, [(i.fqn, None if i.offset is None else tuple(i.offset)) for i in reads]
     )
+
+
+def sharded_differences(
+    directory: str | os.PathLike[str], model: nn.Module, optimizers: Optimizers, rank: int
+) -> list[str]:
+    """Every difference between this rank's live sharded state and the directory's layout
+    (empty when it fits); reads the manifest only."""
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    try:
+        _planned_files(root, layout, _state(model, optimizers), rank)
+    except IncompatibleCheckpoint as exc:
+        return list(exc.differences)
+    return []
 
 
 def read_sharded(
