@@ -220,3 +220,25 @@ def test_verify_info_load_and_the_cli_read_a_checkpoint_directory(
     with pytest.raises(pitstop.CheckpointCorrupt, match=r"__0_0\.distcp fails its checksum"):
         pitstop.verify(newest)
     assert cli(["verify", str(newest)]) != 0
+
+
+def test_prune_deletes_old_directories_and_keeps_the_resume_point(
+    straight: Run, tmp_path: Path
+) -> None:
+    directory = copy_run(straight, tmp_path)
+    assert cli(["prune", str(directory), "--keep-last", "1"]) == 0
+    assert names(directory) == [sharded_name(6)]
+    assert not (directory / sharded_name(4)).exists()
+    assert (directory / "last" / MANIFEST_NAME).is_file()
+
+
+def test_a_sharded_model_refuses_async_save_and_an_ema_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pitstop.shell import sharded
+
+    monkeypatch.setattr(sharded, "is_sharded", lambda model, components: True)
+    for options in ({"async_save": True}, {"async_save": "overlap"}, {"ema": plain_model()}):
+        with pytest.raises(pitstop.ConfigError, match="sharded model"):
+            pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), **options)
+    assert not (tmp_path / "checkpoints").exists()
