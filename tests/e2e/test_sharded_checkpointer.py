@@ -145,8 +145,10 @@ def test_a_flipped_byte_in_a_shard_falls_back_on_every_rank(straight: Run, tmp_p
     flip_byte(directory / sharded_name(6) / "__1_0.distcp")
     again = train(directory, tmp_path / "again")
     warned = [line for line in again.finished.lines(0) if "does not verify" in line]
-    assert len(warned) == 1, again.finished.describe()
+    assert len(warned) == 1, again.finished.describe()  # rank 0 warns, once per problem
     assert f"{sharded_name(6)}: __1_0.distcp fails its checksum" in warned[0]
+    assert "(rank 0, 1)" in warned[0]  # each rank checked the files it reads: both read it
+    assert not [line for line in again.finished.lines(1) if "does not verify" in line]
     for rank in range(2):
         assert again.ranks[rank]["resumed"] == 4  # on every rank
         assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
@@ -242,3 +244,14 @@ def test_a_sharded_model_refuses_async_save_and_an_ema_before_anything_runs(
         with pytest.raises(pitstop.ConfigError, match="sharded model"):
             pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), **options)
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_four_ranks_reshard_to_two_with_the_full_tensors(tmp_path: Path) -> None:
+    four = train(tmp_path / "checkpoints", tmp_path / "four", ranks=4)
+    two = train(four.directory, tmp_path / "two", "--strict-first", ranks=2)
+    for rank in range(2):
+        assert any(line.startswith("strict error") for line in two.finished.lines(rank))
+        assert two.ranks[rank]["resumed"] == TARGET
+        assert_same(two.ranks[rank]["full"], four.ranks[0]["full"], f"rank {rank}")
+        assert_same(two.ranks[rank]["schedule"], four.ranks[0]["schedule"])

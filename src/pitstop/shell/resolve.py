@@ -48,6 +48,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "load",
     "manifest_path",
+    "own_pointer",
     "pointer_on_disk",
     "recorded_policy",
     "resolve_checkpoint",
@@ -211,6 +212,20 @@ def verify(checkpoint: str | os.PathLike[str]) -> Path:
     return path
 
 
+def own_pointer(
+    directory: CheckpointDirectory, source: str | os.PathLike[str]
+) -> PointerName | None:
+    """The pointer of ``directory`` that ``source`` names — a pointer name, or a path to one
+    of the directory's own pointers (resumed from it, fresh if it has none) — else ``None``."""
+    names = {p.value for p in PointerName}
+    if isinstance(source, str) and source in names:
+        return PointerName(source)
+    path = Path(source)
+    if path.name in names and path.parent.resolve() == directory.path.resolve():
+        return PointerName(path.name)
+    return None
+
+
 def find_resume(
     directory: CheckpointDirectory,
     source: str | os.PathLike[str],
@@ -226,13 +241,10 @@ def find_resume(
     passes one that loads the file in the same pass, so the file is read once).
     """
     directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
-    names = {p.value for p in PointerName}
-    if not (isinstance(source, str) and source in names):
-        path = Path(source)
-        if path.name in names and path.parent.resolve() == directory.path.resolve():
-            source = path.name  # this directory's own pointer: resume from it, fresh if none
+    pointer = own_pointer(directory, source)
     best = directory.policy.best
-    if isinstance(source, str) and source in names:
+    if pointer is not None:
+        source = pointer.value
         storage = directory.storage
         found = scan(storage, best)
         choice = choose_resume(storage, found, PointerName(source), best, verify=verify)

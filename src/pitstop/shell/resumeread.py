@@ -67,18 +67,20 @@ class ResumeRead:
         index = rest[1]
         return self._devices.get((name, index)) if isinstance(index, int) else None
 
-    def verify(self, path: Path) -> None:
+    def verify(self, path: Path, *, shards: bool = True) -> None:
         """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt.
 
-        A sharded checkpoint directory: every file its manifest lists is checked (on this
-        rank, as its choice is made here), and the manifest's replicated tree is loaded.
+        A sharded checkpoint directory: its manifest is checked whole and its replicated
+        tree loaded, and with ``shards`` every DCP file it lists is checked too (a resume's
+        collective choice has each rank check the files it reads instead).
         """
         self._path = self._tree = None
         if path.is_dir():
             from pitstop.shell.sharddir import read_layout, verify_sharded
 
             self._tree = load(path / MANIFEST_NAME, verify="file")
-            verify_sharded(path, read_layout(path)[0])
+            if shards:
+                verify_sharded(path, read_layout(path)[0])
         else:
             self._tree = load(path, verify="file", place=self.place)
         self._path = path

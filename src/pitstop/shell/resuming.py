@@ -29,10 +29,11 @@ from torch import nn
 
 from pitstop.core.compat import Difference, Kind, judge
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
-from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
+from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
 from pitstop.core.sharded import MANIFEST_NAME
-from pitstop.errors import IncompatibleCheckpoint
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, IncompatibleCheckpoint
 from pitstop.shell import fileformat
 from pitstop.shell.capture import (
     LiveState,
@@ -41,11 +42,12 @@ from pitstop.shell.capture import (
     stored_groups,
     stored_world_size,
 )
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import Ranks
-from pitstop.shell.resolve import find_resume
+from pitstop.shell.resolve import find_resume, own_pointer
 from pitstop.shell.restore import Restore, differences
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.sharddir import verify_sharded
 
 __all__ = ["resume_from"]
 
@@ -69,7 +71,11 @@ def resume_from(
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
     """
     reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
-    path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
+    pointer = own_pointer(directory, source)
+    if sharded and pointer is not None:
+        path, wire = _choose_sharded(directory, pointer, reading, live, ranks)
+    else:
+        path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
     entry = entry_from_wire(wire)
     if path is None:
         return None, NO_CHECKPOINT
@@ -95,7 +101,8 @@ def resume_from(
         if sharded:  # checked and verified on every rank before DCP touches a tensor
             from pitstop.shell.sharded import read_sharded
 
-            read_sharded(path, live.model, sharded_components(live), ranks=ranks)
+            # every file was verified when the checkpoint was chosen
+            read_sharded(path, live.model, sharded_components(live), ranks=ranks, verify=False)
     except BaseException:
         restore.undo()  # another rank failed: put this one back too
         raise
@@ -145,6 +152,77 @@ def _layout_differences(path: Path, live: LiveState, rank: int) -> list[Differen
 
     problems = sharded_differences(path, live.model, sharded_components(live), rank)
     return [Difference(kind=Kind.SHAPE, message=p) for p in problems]
+
+
+def _candidates(
+    directory: CheckpointDirectory, pointer: PointerName
+) -> tuple[list[tuple[Path, tuple[Any, ...] | None]], bool]:
+    """Rank 0: the resume order for ``pointer``, each with its entry as it travels, and
+    whether the directory holds any checkpoint at all."""
+    directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
+    best = directory.policy.best
+    found = scan(directory.storage, best)
+    order = resume_order(found.catalog, found.pointers, pointer, best)
+    wires = [(directory.storage.path(n), entry_to_wire(found.catalog.get(n))) for n in order]
+    return wires, bool(found.catalog)
+
+
+def _problem(path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks) -> str | None:
+    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
+
+    Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
+    rank checks the DCP files it will read, in parallel with the others."""
+    try:
+        if ranks.leader:
+            reading.verify(path, shards=False)
+        if path.is_dir():
+            from pitstop.shell.dcpio import DCP_METADATA
+            from pitstop.shell.sharded import files_to_verify
+
+            layout, names = files_to_verify(
+                path,
+                live.model,
+                sharded_components(live),
+                rank=ranks.rank,
+                world_size=ranks.world_size,
+            )
+            if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
+                names += tuple(f.name for f in layout.files if f.name == DCP_METADATA)
+            verify_sharded(path, layout, names)
+    except (CheckpointCorrupt, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def _choose_sharded(
+    directory: CheckpointDirectory,
+    pointer: PointerName,
+    reading: ResumeRead,
+    live: LiveState,
+    ranks: Ranks,
+) -> tuple[Path | None, tuple[Any, ...] | None]:
+    """Every rank: try rank 0's resume order until a candidate verifies on every rank; all
+    ranks move on together, rank 0 warning about each one skipped and why (and where)."""
+    candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
+    for path, wire in candidates:
+        problems = ranks.all_gather(_problem(path, reading, live, ranks))
+        found: dict[str, list[int]] = {}
+        for rank, problem in enumerate(problems):
+            if problem is not None:
+                found.setdefault(problem, []).append(rank)
+        if not found:
+            return path, wire
+        if ranks.leader:  # one line per problem, with the ranks that found it
+            for problem, where in found.items():
+                ranks_found = ", ".join(map(str, where))
+                log.warning(
+                    "resume skips a checkpoint that does not verify (rank %s): %s",
+                    ranks_found,
+                    problem,
+                )
+    if pointer is not PointerName.LAST and any_found:
+        raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+    return None, None
 
 
 def _find_portable(

@@ -72,6 +72,7 @@ __all__ = [
     "PendingShardedWrite",
     "async_write_sharded",
     "delete_sharded",
+    "files_to_verify",
     "full_state_dict",
     "is_sharded",
     "make_stager",
@@ -311,6 +312,26 @@ def sharded_differences(
     return []
 
 
+def files_to_verify(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    rank: int,
+    world_size: int,
+) -> tuple[ShardedLayout, tuple[str, ...]]:
+    """The layout, and the files this rank checks when a resume considers ``directory``:
+    those DCP's read plan names for it — or, when its state does not fit the layout (the
+    comparison reports that later), an equal share of every file the layout lists."""
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    try:
+        return layout, _planned_files(root, layout, _state(model, optimizers), rank)
+    except IncompatibleCheckpoint:
+        names = [f.name for f in layout.files]
+        return layout, tuple(names[rank::world_size])
+
+
 def read_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -318,6 +339,7 @@ def read_sharded(
     *,
     ranks: Ranks,
     group: Any = None,
+    verify: bool = True,
 ) -> ShardedLayout:
     """Every rank: restore the model and ``optimizers`` from a sharded checkpoint directory.
 
@@ -326,12 +348,14 @@ def read_sharded(
     verifies the files DCP will read for it (:class:`~pitstop.errors.CheckpointCorrupt`
     naming the file); every rank raises the same error. Then DCP reads, resharding to this
     world size, and ``set_*_state_dict`` applies the state. Returns the layout.
+    ``verify=False``: the files were verified already (a resume's choice checks them).
     """
     root = Path(directory)
     layout = ranks.each(lambda: read_layout(root)[0])
     state = _state(model, optimizers)
     names = ranks.each(lambda: _planned_files(root, layout, state, ranks.rank))
-    ranks.each(lambda: verify_sharded(root, layout, names))
+    if verify:
+        ranks.each(lambda: verify_sharded(root, layout, names))
     load_checked(root, state, layout, process_group=group)
     set_model_state_dict(model, state[MODEL])
     for name, optimizer in optimizers.items():
