@@ -8,7 +8,9 @@
 # a save is carried out exactly as the core planned it — checkpoint, then pointers, then
 # retention's deletions — and a failure in the pointer phase rolls the directory back to how it
 # was. Choosing a resume point tries the core's resume order until a file verifies, warning
-# about each one skipped.
+# about each one skipped. A sharded checkpoint is a directory (pitstop.shell.sharddir): listed
+# once its manifest reads back, published by writing the manifest last and renaming the temp
+# directory, deleted manifest first; a dead writer's temp directory is removed on opening.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""

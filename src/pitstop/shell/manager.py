@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -55,6 +56,16 @@ from pitstop.shell.unwrap import unwrap_model
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
 
 
+def _holds_sharded(live: LiveState) -> bool:
+    """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
+    save is a checkpoint directory written through DCP."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists, nor FSDP2 module
+        return False
+    from pitstop.shell.sharded import is_sharded  # imports DCP: only where it can be needed
+
+    return is_sharded(live.model, live.components)
+
+
 class Stateful(Protocol):
     """Anything with ``state_dict()`` and ``load_state_dict()``: optimizers, schedulers, ..."""
 
@@ -81,6 +92,10 @@ class Checkpointer:
     faults, as pitstop's reliability suites do — checkpoints are read back from
     ``directory`` itself, so it must keep them there. The directory is locked until
     :meth:`close`; with several ranks, every rank makes the same calls and rank 0 writes.
+    A sharded model (FSDP2, DTensor parameters, an optimizer over DTensors) saves each
+    checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
+    its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
+    run's world size (see docs/distributed.md); ``async_save`` and ``ema`` are refused then.
     """
 
     def __init__(
@@ -125,9 +140,7 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
-        from pitstop.shell.sharded import is_sharded  # DCP is imported only when used
-
-        self._sharded = is_sharded(self._live.model, self._live.components)
+        self._sharded = _holds_sharded(self._live)
         if self._sharded and async_save:
             raise ConfigError(
                 f"Checkpointer async_save={async_save!r}: a sharded model (FSDP2, DTensor) saves "

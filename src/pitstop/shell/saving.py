@@ -9,7 +9,9 @@
 # storages only optimizer.step() changes are copied later, by whichever thread needs them
 # first) and hands the write to the session's writer thread. Every step is reported to the
 # session as the core's event. Nothing here refers to the Checkpointer, so the job a writer
-# thread holds keeps no Checkpointer alive.
+# thread holds keeps no Checkpointer alive. A sharded save (begin_sharded, publish_sharded):
+# rank 0 names the temp directory, every rank writes its shards into it (the Checkpointer
+# drives that collective), then rank 0 captures the replicated state and publishes.
 # How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
 # carry_out() is a function over the live state, the directory, the session and the pool.
 
