@@ -222,7 +222,8 @@ def _scan_sharded(
     try:
         layout, meta = read_layout(storage.path(name))
         entries.append(entry_from_meta(name, meta))
-        sizes[name] = sum(f.size for f in layout.files)
+        manifest = os.stat(storage.path(name) / MANIFEST_NAME).st_size
+        sizes[name] = manifest + sum(f.size for f in layout.files)
     except (CheckpointCorrupt, OSError) as exc:
         unreadable[name] = str(exc)
 
