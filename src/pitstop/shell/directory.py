@@ -48,6 +48,7 @@ from pitstop.core.naming import (
     EntryKind,
     classify,
     parse_checkpoint,
+    parse_name,
     parse_sharded_name,
     temp_name,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "ResumeChoice",
     "Scan",
     "choose_resume",
+    "is_sharded_path",
     "read_latest_json",
     "scan",
 ]
@@ -228,10 +230,16 @@ def _scan_sharded(
         unreadable[name] = str(exc)
 
 
+def is_sharded_path(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is a sharded directory: a directory, and not named
+    like a checkpoint file (``step_….pitstop`` is read as a file, whatever is there)."""
+    return parse_name(path.name) is NOT_A_CHECKPOINT and path.is_dir()
+
+
 def verify_any(path: Path) -> None:
     """Check every byte of the checkpoint at ``path``: a file, or a sharded directory (every
     file its manifest lists, and the manifest itself)."""
-    if parse_sharded_name(path.name) is not NOT_A_CHECKPOINT or path.is_dir():
+    if is_sharded_path(path):
         from pitstop.shell.sharddir import read_layout, verify_sharded
 
         fileformat.verify(path / MANIFEST_NAME)

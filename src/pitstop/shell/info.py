@@ -21,6 +21,7 @@ from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpo
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell import fileformat
 from pitstop.shell.checkpoint import Checkpoint, TensorInfo
+from pitstop.shell.directory import is_sharded_path
 from pitstop.shell.resolve import manifest_path, resolve_checkpoint
 from pitstop.shell.treecodec import TENSOR_DTYPES
 
@@ -53,7 +54,7 @@ def info(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     back and :class:`~pitstop.errors.CheckpointNotFound` when ``checkpoint`` names nothing.
     """
     path = resolve_checkpoint(checkpoint, fallback=False)
-    sharded = path.is_dir()
+    sharded = is_sharded_path(path)
     manifest = fileformat.read_manifest(manifest_path(path))
     meta = manifest.meta
     name = path.name

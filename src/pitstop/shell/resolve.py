@@ -37,6 +37,7 @@ from pitstop.shell import fileformat
 from pitstop.shell.directory import (
     CheckpointDirectory,
     choose_resume,
+    is_sharded_path,
     read_latest_json,
     scan,
     verify_any,
@@ -83,7 +84,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 def manifest_path(path: Path) -> Path:
     """The file holding ``path``'s manifest: itself, or a sharded directory's manifest."""
-    return path / MANIFEST_NAME if path.is_dir() else path
+    return path / MANIFEST_NAME if is_sharded_path(path) else path
 
 
 def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerName | None]:
@@ -175,7 +176,7 @@ def load(checkpoint: str | os.PathLike[str]) -> Any:
 
     def check_and_load(path: Path) -> None:
         loaded.clear()
-        if path.is_dir():
+        if is_sharded_path(path):
             verify_any(path)
             loaded[path] = _load_sharded(path)
         else:
@@ -184,7 +185,7 @@ def load(checkpoint: str | os.PathLike[str]) -> Any:
     path = resolve_checkpoint(checkpoint, fallback=True, verify=check_and_load)
     if path in loaded:
         return loaded[path]
-    return _load_sharded(path) if path.is_dir() else fileformat.load(path)
+    return _load_sharded(path) if is_sharded_path(path) else fileformat.load(path)
 
 
 def _load_sharded(path: Path) -> Any:

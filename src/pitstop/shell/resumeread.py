@@ -25,6 +25,7 @@ import torch
 from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.shell.capture import LiveState
+from pitstop.shell.directory import is_sharded_path
 from pitstop.shell.fileread import KeyPath, load
 
 __all__ = ["ResumeRead", "placement"]
@@ -75,7 +76,7 @@ class ResumeRead:
         collective choice has each rank check the files it reads instead).
         """
         self._path = self._tree = None
-        if path.is_dir():
+        if is_sharded_path(path):
             from pitstop.shell.sharddir import read_layout, verify_sharded
 
             self._tree = load(path / MANIFEST_NAME, verify="file")
@@ -90,6 +91,6 @@ class ResumeRead:
         if self._path == path:
             tree, self._path, self._tree = self._tree, None, None
             return tree
-        if path.is_dir():
+        if is_sharded_path(path):
             return load(path / MANIFEST_NAME, verify=False)
         return load(path, verify=False, place=self.place)  # rank 0 checked it when choosing it

@@ -46,7 +46,7 @@ from pitstop.shell.capture import (
     stored_groups,
     stored_world_size,
 )
-from pitstop.shell.directory import CheckpointDirectory, scan
+from pitstop.shell.directory import CheckpointDirectory, is_sharded_path, scan
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.resolve import find_resume, own_pointer
 from pitstop.shell.restore import Restore, differences
@@ -83,7 +83,7 @@ def resume_from(
     entry = entry_from_wire(wire)
     if path is None:
         return None, NO_CHECKPOINT
-    is_directory = ranks.each(path.is_dir)
+    is_directory = ranks.each(partial(is_sharded_path, path))
     if is_directory != sharded:
         held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
         run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
@@ -128,7 +128,7 @@ def _load(
     path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks, may_change: tuple[str, ...]
 ) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str]]:
     """Every rank: read ``path`` and compare it with this rank's run."""
-    manifest = fileformat.read_manifest(path / MANIFEST_NAME if path.is_dir() else path)
+    manifest = fileformat.read_manifest(path / MANIFEST_NAME if is_sharded_path(path) else path)
     tree: Any = reading.load(path)  # rank 0 verified it as it loaded it, choosing it
     found, deferred = differences(
         live,
@@ -179,7 +179,7 @@ def _problem(path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks) -> 
     try:
         if ranks.leader:
             reading.verify(path, shards=False)
-        if path.is_dir():
+        if is_sharded_path(path):
             from pitstop.shell.dcpio import DCP_METADATA
             from pitstop.shell.sharded import files_to_verify
 

@@ -26,6 +26,7 @@ import torch
 from pitstop.core.schema import RAW, weights_meta, weights_path
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
 from pitstop.shell import fileformat
+from pitstop.shell.directory import is_sharded_path
 from pitstop.shell.resolve import resolve_checkpoint
 from pitstop.shell.treecodec import TensorRef, subtree
 
@@ -117,7 +118,7 @@ def read_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
     A sharded checkpoint directory: the model's full, unsharded state, gathered from its DCP
     files in this process (verified first; nothing is unpickled). It holds no EMA.
     """
-    if path.is_dir():
+    if is_sharded_path(path):
         if kind == "ema":
             raise IncompatibleCheckpoint(
                 [f"{path} holds no EMA weights (a sharded checkpoint); load weights='raw'"]
