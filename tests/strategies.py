@@ -53,12 +53,18 @@ policies = st.builds(
 metrics = st.dictionaries(st.sampled_from([METRIC, "accuracy", "loss"]), metric_values, max_size=3)
 
 
+FILES_ONLY = st.just(False)  # catalogs of checkpoint files only (no sharded directories)
+
+
 @st.composite
-def catalogs(draw: st.DrawFn, max_size: int = 25) -> Catalog:
+def catalogs(
+    draw: st.DrawFn, max_size: int = 25, sharded: st.SearchStrategy[bool] = FILES_ONLY
+) -> Catalog:
     """A catalog of distinct steps whose save order need not follow step order.
 
     Out-of-order sequence numbers model abandoned timelines: a run that resumed from an older
-    checkpoint saves low steps after high ones.
+    checkpoint saves low steps after high ones. ``sharded``: whether each entry is a sharded
+    checkpoint directory rather than a file.
     """
     step_list = draw(st.lists(small_steps, unique=True, max_size=max_size))
     seqs = draw(
@@ -72,6 +78,7 @@ def catalogs(draw: st.DrawFn, max_size: int = 25) -> Catalog:
             seq=q,
             reason=draw(st.sampled_from(SaveReason)),
             metrics=draw(metrics),
+            sharded=draw(sharded),
         )
         for s, q in zip(step_list, seqs, strict=True)
     ]

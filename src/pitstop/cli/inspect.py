@@ -63,9 +63,10 @@ def run_inspect(console: Console, args: argparse.Namespace) -> int:
     from pitstop.shell import fileformat
     from pitstop.shell.checkpoint import TensorInfo
     from pitstop.shell.info import info
+    from pitstop.shell.resolve import manifest_path
 
     record = info(args.checkpoint)
-    manifest = fileformat.read_manifest(record.path)
+    manifest = fileformat.read_manifest(manifest_path(record.path))
     meta = manifest.meta
     versions = {key: meta.get(key) for key in ("pitstop", "torch", "python") if key in meta}
     stored = meta.get("components")

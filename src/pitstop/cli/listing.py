@@ -19,8 +19,8 @@ from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.formatting import format_size
 from pitstop.shell import fileformat
-from pitstop.shell.directory import ResumeChoice, choose_resume, scan
-from pitstop.shell.resolve import recorded_policy
+from pitstop.shell.directory import ResumeChoice, choose_resume, scan, verify_any
+from pitstop.shell.resolve import manifest_path, recorded_policy
 from pitstop.shell.storage import LocalStorage
 
 __all__ = ["format_metrics", "list_directory", "verify_checkpoint"]
@@ -59,7 +59,7 @@ def list_directory(
         with progress_bars(console, enabled=not as_json):
             for entry in found.catalog:
                 try:
-                    fileformat.verify(storage.path(entry.name))
+                    verify_any(storage.path(entry.name))
                     checked[entry.name] = None
                 except (CheckpointCorrupt, OSError) as exc:
                     failures[entry.name] = checked[entry.name] = str(exc)
@@ -195,8 +195,8 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
     via = f" ({target.via})" if target.via else ""
     try:
         with progress_bars(console):
-            fileformat.verify(target.path)
-        manifest = fileformat.read_manifest(target.path)
+            verify_any(target.path)
+        manifest = fileformat.read_manifest(manifest_path(target.path))
     except FileNotFoundError:
         console.print(
             f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: the file does not exist",

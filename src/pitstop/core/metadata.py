@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.naming import NOT_A_CHECKPOINT, parse_name
+from pitstop.core.naming import NOT_A_CHECKPOINT, parse_checkpoint, parse_sharded_name
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -95,6 +95,7 @@ def entry_from_meta(name: str, meta: Mapping[str, Any]) -> CheckpointEntry:
             reason=reason,
             detail=detail,
             metrics=meta.get("metrics", {}),
+            sharded=parse_sharded_name(name) is not NOT_A_CHECKPOINT,
         )
     except ConfigError as exc:
         raise CheckpointCorrupt(f"{name}: manifest entry is invalid: {exc}") from None
@@ -166,7 +167,7 @@ def pointers_from_latest_json(data: object) -> tuple[Pointers, tuple[str, ...]]:
         target = found.get(pointer.value)
         if target is None:
             continue
-        if not isinstance(target, str) or parse_name(target) is NOT_A_CHECKPOINT:
+        if not isinstance(target, str) or parse_checkpoint(target) is NOT_A_CHECKPOINT:
             warnings.append(
                 f"latest.json pointer {pointer.value} -> {target!r} is not a checkpoint file "
                 "name in this directory; ignored"

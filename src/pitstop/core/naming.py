@@ -1,6 +1,7 @@
 # Names in a checkpoint directory.
 #
-# Rules: a checkpoint is `step_<12 digits>.pitstop`, the step zero-padded; nothing else is one.
+# Rules: a checkpoint is `step_<12 digits>.pitstop`, the step zero-padded, or — a sharded
+# checkpoint, a directory — `step_<12 digits>` without the suffix; nothing else is one.
 # Steps that need more than 12 digits are an error (names must sort the way steps do).
 # Every other name is classified — temp file of a writer, pointer, latest.json, lock, or
 # foreign — so the shell can scan a directory without ever guessing.
@@ -26,7 +27,10 @@ __all__ = [
     "NotACheckpoint",
     "checkpoint_name",
     "classify",
+    "parse_checkpoint",
     "parse_name",
+    "parse_sharded_name",
+    "sharded_name",
     "temp_name",
 ]
 
@@ -39,6 +43,7 @@ TEMP_PREFIX: Final = ".tmp-"
 POINTER_NAMES: Final = frozenset({"last", "best", "final"})
 
 _CHECKPOINT_RE: Final = re.compile(rf"step_([0-9]{{{STEP_DIGITS}}}){re.escape(SUFFIX)}")
+_SHARDED_RE: Final = re.compile(rf"step_([0-9]{{{STEP_DIGITS}}})")
 _TOKEN_RE: Final = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -97,6 +102,24 @@ def parse_name(name: str) -> int | NotACheckpoint:
     return int(match.group(1))
 
 
+def sharded_name(step: int) -> str:
+    """The directory name of the sharded checkpoint at ``step``: ``step_000000000100``."""
+    return checkpoint_name(step).removesuffix(SUFFIX)
+
+
+def parse_sharded_name(name: str) -> int | NotACheckpoint:
+    """The step a sharded checkpoint directory name encodes, or ``NOT_A_CHECKPOINT``."""
+    match = _SHARDED_RE.fullmatch(name)
+    return NOT_A_CHECKPOINT if match is None else int(match.group(1))
+
+
+def parse_checkpoint(name: str) -> int | NotACheckpoint:
+    """The step a checkpoint name encodes — a file's or a sharded directory's — or
+    ``NOT_A_CHECKPOINT``."""
+    step = parse_name(name)
+    return parse_sharded_name(name) if step is NOT_A_CHECKPOINT else step
+
+
 def temp_name(final_name: str, token: str) -> str:
     """Return the name of a writer's temp file for ``final_name``.
 
@@ -110,7 +133,7 @@ def temp_name(final_name: str, token: str) -> str:
 
 def classify(name: str) -> EntryKind:
     """Say what the directory entry ``name`` is; unknown names are ``FOREIGN``."""
-    if parse_name(name) is not NOT_A_CHECKPOINT:
+    if parse_checkpoint(name) is not NOT_A_CHECKPOINT:
         return EntryKind.CHECKPOINT
     if name.startswith(TEMP_PREFIX):
         return EntryKind.TEMP

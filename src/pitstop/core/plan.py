@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import attrs
 
-from pitstop.core.naming import checkpoint_name
+from pitstop.core.naming import checkpoint_name, sharded_name
 from pitstop.core.pointers import move_pointers, recompute_pointers_to
 from pitstop.core.records import (
     NO_CHECKPOINT,
@@ -68,9 +68,13 @@ def plan_save(
     policy: Policy,
     metrics: Metrics | None = None,
     detail: str = "",
+    sharded: bool = False,
 ) -> SavePlan:
-    """Plan carrying out ``decision`` at ``progress`` in a directory holding ``catalog``."""
-    name = checkpoint_name(progress.step)
+    """Plan carrying out ``decision`` at ``progress`` in a directory holding ``catalog``.
+
+    ``sharded``: the checkpoint is a sharded directory (``step_000000000100/``), not a file.
+    """
+    name = (sharded_name if sharded else checkpoint_name)(progress.step)
     write = decision.write or (bool(decision.moves) and name not in catalog)
     entry: CheckpointEntry | NoCheckpoint = NO_CHECKPOINT
     replaces = False
@@ -82,6 +86,7 @@ def plan_save(
             reason=decision.reason,
             detail=detail,
             metrics=metrics,
+            sharded=sharded,
         )
         replaces = name in catalog
         after = catalog.with_entry(entry)

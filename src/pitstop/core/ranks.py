@@ -102,14 +102,19 @@ def entry_to_wire(entry: CheckpointEntry | NoCheckpoint) -> tuple[Any, ...] | No
     if entry is NO_CHECKPOINT:
         return None
     metrics = dict(entry.metrics)
-    return (entry.progress, entry.seq, entry.reason.value, entry.detail, metrics)
+    return (entry.progress, entry.seq, entry.reason.value, entry.detail, metrics, entry.sharded)
 
 
 def entry_from_wire(wire: tuple[Any, ...] | None) -> CheckpointEntry | NoCheckpoint:
     """The entry :func:`entry_to_wire` sent."""
     if wire is None:
         return NO_CHECKPOINT
-    progress, seq, reason, detail, metrics = wire
+    progress, seq, reason, detail, metrics, sharded = wire
     return CheckpointEntry(
-        progress=progress, seq=seq, reason=reason, detail=detail, metrics=metrics
+        progress=progress,
+        seq=seq,
+        reason=reason,
+        detail=detail,
+        metrics=metrics,
+        sharded=sharded,
     )

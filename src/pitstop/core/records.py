@@ -19,7 +19,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from pitstop.core.naming import checkpoint_name
+from pitstop.core.naming import checkpoint_name, sharded_name
 from pitstop.core.validators import (
     count,
     fail,
@@ -248,6 +248,8 @@ class CheckpointEntry:
     reason: SaveReason = attrs.field(converter=SaveReason)
     detail: str = ""  # e.g. the signal behind a stop: "SIGTERM"
     metrics: Metrics = attrs.field(factory=dict, converter=freeze_metrics, hash=False)
+    sharded: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """A sharded checkpoint: a directory of DCP files and pitstop's manifest, not one file."""
 
     @property
     def step(self) -> int:
@@ -256,8 +258,9 @@ class CheckpointEntry:
 
     @property
     def name(self) -> str:
-        """The checkpoint's file name."""
-        return checkpoint_name(self.progress.step)
+        """The checkpoint's name: its file's, or a sharded checkpoint's directory's."""
+        step = self.progress.step
+        return sharded_name(step) if self.sharded else checkpoint_name(step)
 
 
 def _by_seq(entries: Iterable[CheckpointEntry]) -> tuple[CheckpointEntry, ...]:

@@ -22,13 +22,7 @@ from typing import Any, Final
 
 import attrs
 
-from pitstop.core.naming import (
-    NOT_A_CHECKPOINT,
-    SUFFIX,
-    NotACheckpoint,
-    checkpoint_name,
-    parse_name,
-)
+from pitstop.core.naming import parse_sharded_name, sharded_name
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [
@@ -52,18 +46,6 @@ MANIFEST_NAME: Final = "manifest.pitstop"
 """pitstop's manifest inside a sharded checkpoint directory (a pitstop file; written last)."""
 LAYOUT_FORMAT: Final = 1
 """The version of the layout's wire form (the manifest's ``sharded`` key)."""
-
-
-def sharded_name(step: int) -> str:
-    """The directory name of the sharded checkpoint at ``step``: ``step_000000000100``."""
-    return checkpoint_name(step).removesuffix(SUFFIX)
-
-
-def parse_sharded_name(name: str) -> int | NotACheckpoint:
-    """The step a sharded checkpoint directory name encodes, or ``NOT_A_CHECKPOINT``."""
-    if name.endswith(SUFFIX):
-        return NOT_A_CHECKPOINT
-    return parse_name(name + SUFFIX)
 
 
 def _plain(name: object) -> bool:

@@ -46,6 +46,7 @@ __all__ = [
     "deferrable",
     "rank_state",
     "ranked_state",
+    "sharded_components",
     "stored_groups",
     "stored_world_size",
     "world",
@@ -98,21 +99,39 @@ def rank_state(live: LiveState) -> dict[str, Any]:
     return {RNG: capture_rng(), RANKED: components}
 
 
+def sharded_components(live: LiveState) -> dict[str, torch.optim.Optimizer]:
+    """The components a sharded checkpoint saves through DCP with the model: its optimizers
+    (not marked per-rank), by name."""
+    per_rank = live.per_rank_names()
+    return {
+        name: obj
+        for name, obj in live.components.items()
+        if isinstance(obj, torch.optim.Optimizer) and name not in per_rank
+    }
+
+
 def capture(
-    live: LiveState, parts: list[dict[str, Any]] | None = None
+    live: LiveState, parts: list[dict[str, Any]] | None = None, *, sharded: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint tree (referencing live tensors) and manifest meta of ``live``.
 
     ``parts``: every rank's :func:`rank_state`, in rank order (default: this rank's alone).
+    ``sharded``: the model and the :func:`sharded_components` are saved through DCP, so the
+    tree (the replicated state a sharded checkpoint's manifest holds) leaves them out.
     """
     parts = parts if parts is not None else [rank_state(live)]
     per_rank = live.per_rank_names()
-    weights: dict[str, Any] = {RAW: live.model.state_dict()}
+    through_dcp = set(sharded_components(live)) if sharded else set()
+    weights: dict[str, Any] = {RAW: {} if sharded else live.model.state_dict()}
     tree: dict[str, Any] = {
         WEIGHTS: weights,
         STATE: {
             **{n: s for n, s in live.pending.items() if n not in live.pending_per_rank},
-            **{n: o.state_dict() for n, o in live.components.items() if n not in per_rank},
+            **{
+                n: o.state_dict()
+                for n, o in live.components.items()
+                if n not in per_rank and n not in through_dcp
+            },
         },
         RNG: {rank: part[RNG] for rank, part in enumerate(parts)},
     }
@@ -147,6 +166,8 @@ def capture(
         },
         WEIGHTS: encode_weights_meta(described),
     }
+    if sharded:
+        meta["sharded_components"] = sorted(through_dcp)
     return tree, meta
 
 

@@ -8,7 +8,9 @@
 # a save is carried out exactly as the core planned it — checkpoint, then pointers, then
 # retention's deletions — and a failure in the pointer phase rolls the directory back to how it
 # was. Choosing a resume point tries the core's resume order until a file verifies, warning
-# about each one skipped.
+# about each one skipped. A sharded checkpoint is a directory (pitstop.shell.sharddir): listed
+# once its manifest reads back, published by writing the manifest last and renaming the temp
+# directory, deleted manifest first; a dead writer's temp directory is removed on opening.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -19,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
@@ -39,7 +42,16 @@ from pitstop.core.metadata import (
     entry_meta,
     pointers_from_latest_json,
 )
-from pitstop.core.naming import LATEST_JSON, NOT_A_CHECKPOINT, EntryKind, classify, parse_name
+from pitstop.core.naming import (
+    LATEST_JSON,
+    NOT_A_CHECKPOINT,
+    EntryKind,
+    classify,
+    parse_checkpoint,
+    parse_name,
+    parse_sharded_name,
+    temp_name,
+)
 from pitstop.core.plan import SavePlan
 from pitstop.core.pointers import reconcile_pointers
 from pitstop.core.records import (
@@ -53,6 +65,7 @@ from pitstop.core.records import (
     Policy,
 )
 from pitstop.core.resume import resume_order
+from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout
 from pitstop.errors import CheckpointCorrupt, PitstopError, SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.lock import DirectoryLock
@@ -65,6 +78,7 @@ __all__ = [
     "ResumeChoice",
     "Scan",
     "choose_resume",
+    "is_sharded_path",
     "read_latest_json",
     "scan",
 ]
@@ -103,14 +117,17 @@ def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
             )
             continue
         target = storage.read_link(pointer.value)
-        if parse_name(target) is NOT_A_CHECKPOINT:
+        if parse_checkpoint(target) is NOT_A_CHECKPOINT:
             warnings.append(
                 f"pointer {pointer.value} -> {target!r} is not a checkpoint file of this "
                 "directory; ignored, never followed"
             )
             continue
-        if storage.kind(target) is not FileKind.REGULAR:
-            warnings.append(f"pointer {pointer.value} -> {target} is not a regular file; ignored")
+        sharded = parse_sharded_name(target) is not NOT_A_CHECKPOINT
+        wanted = FileKind.DIRECTORY if sharded else FileKind.REGULAR
+        if storage.kind(target) is not wanted:
+            what = "a directory" if sharded else "a regular file"
+            warnings.append(f"pointer {pointer.value} -> {target} is not {what}; ignored")
             continue
         targets[pointer] = target
     return Pointers(
@@ -158,6 +175,9 @@ def scan(storage: Storage, best: Best | None = None) -> Scan:
     for name in storage.names():
         if classify(name) is not EntryKind.CHECKPOINT:
             continue
+        if parse_sharded_name(name) is not NOT_A_CHECKPOINT:
+            _scan_sharded(storage, name, entries, unreadable, sizes)
+            continue
         if storage.kind(name) is not FileKind.REGULAR:
             unreadable[name] = f"not a regular file ({storage.kind(name).value})"
             continue
@@ -187,6 +207,48 @@ def scan(storage: Storage, best: Best | None = None) -> Scan:
     )
 
 
+def _scan_sharded(
+    storage: Storage,
+    name: str,
+    entries: list[CheckpointEntry],
+    unreadable: dict[str, str],
+    sizes: dict[str, int],
+) -> None:
+    """A sharded checkpoint directory is listed once its manifest reads back (it is written
+    last: a directory without one, or with a bad one, is no checkpoint)."""
+    from pitstop.shell.sharddir import read_layout  # sharddir publishes through this package
+
+    if storage.kind(name) is not FileKind.DIRECTORY:
+        unreadable[name] = f"not a directory ({storage.kind(name).value})"
+        return
+    try:
+        layout, meta = read_layout(storage.path(name))
+        entries.append(entry_from_meta(name, meta))
+        manifest = os.stat(storage.path(name) / MANIFEST_NAME).st_size
+        sizes[name] = manifest + sum(f.size for f in layout.files)
+    except (CheckpointCorrupt, OSError) as exc:
+        unreadable[name] = str(exc)
+
+
+def is_sharded_path(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is a sharded directory: a directory, and not named
+    like a checkpoint file (``step_….pitstop`` is read as a file, whatever is there)."""
+    return parse_name(path.name) is NOT_A_CHECKPOINT and path.is_dir()
+
+
+def verify_any(path: Path) -> None:
+    """Check every byte of the checkpoint at ``path``: a file, or a sharded directory (every
+    file its manifest lists, and the manifest itself)."""
+    if is_sharded_path(path):
+        from pitstop.shell.sharddir import read_layout, verify_sharded
+
+        fileformat.verify(path / MANIFEST_NAME)
+        layout, _ = read_layout(path)
+        verify_sharded(path, layout)
+        return
+    fileformat.verify(path)
+
+
 @attrs.frozen(kw_only=True)
 class ResumeChoice:
     """The checkpoint a resume uses (``NO_CHECKPOINT``: start fresh), and what it skipped."""
@@ -201,7 +263,7 @@ def choose_resume(
     found: Scan,
     source: PointerName,
     best: Best | None = None,
-    verify: Callable[[Path], None] = fileformat.verify,
+    verify: Callable[[Path], None] = verify_any,
 ) -> ResumeChoice:
     """Try the core's resume order for ``source`` until a checkpoint verifies.
 
@@ -231,7 +293,7 @@ def _subject(plan: SavePlan, before: Pointers) -> tuple[int | str, str]:
     ]
     for target in (*moved, plan.pointers.last):
         if target is not NO_CHECKPOINT:
-            step = parse_name(target)
+            step = parse_checkpoint(target)
             return (step if step is not NOT_A_CHECKPOINT else "?"), target
     return "?", "no checkpoint"
 
@@ -263,6 +325,7 @@ class CheckpointDirectory:
         self._foreign: tuple[CheckpointEntry | NoCheckpoint, int] = (NO_CHECKPOINT, 0)
         self._had_latest = True  # whether latest.json is on disk (a rollback leaves it so)
         self._told_carried = False
+        self._pending_sharded: tuple[ShardedLayout, object, Mapping[str, object]] | None = None
         self.catalog = Catalog()
         self.pointers = Pointers()
 
@@ -279,7 +342,10 @@ class CheckpointDirectory:
                 if classify(name) is EntryKind.TEMP:
                     log.warning("removing %s, left by a writer that died", self.storage.path(name))
                     with contextlib.suppress(FileNotFoundError):
-                        self.storage.remove(name)
+                        if self.storage.kind(name) is FileKind.DIRECTORY:
+                            shutil.rmtree(self.storage.path(name))  # a sharded save's
+                        else:
+                            self.storage.remove(name)
             found = scan(self.storage, self.policy.best)
         except BaseException:
             self._lock.release()
@@ -365,7 +431,9 @@ class CheckpointDirectory:
 
     def _publish(self, plan: SavePlan, write: WriteCheckpoint) -> None:
         entry = plan.entry
-        if entry is not NO_CHECKPOINT:
+        if entry is not NO_CHECKPOINT and entry.sharded:
+            self._publish_directory(plan, entry)
+        elif entry is not NO_CHECKPOINT:
             publish_file(
                 self.storage, entry.name, self.run_id, lambda f, sync: write(f, entry, sync)
             )
@@ -406,6 +474,55 @@ class CheckpointDirectory:
             time.perf_counter() - started,
         )
 
+    def sharded_temp(self, entry: CheckpointEntry) -> str:
+        """The temp directory every rank writes ``entry``'s shards into (rank 0 names it)."""
+        return temp_name(entry.name, self.run_id)
+
+    def publish_sharded(
+        self,
+        plan: SavePlan,
+        entry: CheckpointEntry,
+        layout: ShardedLayout,
+        tree: object,
+        meta: Mapping[str, object],
+    ) -> None:
+        """Rank 0: the shards of ``entry`` are written into :meth:`sharded_temp`: write the
+        manifest (``layout``, the replicated ``tree``, ``meta``) last, rename the directory
+        into place, fsync the parent; then carry ``plan`` out as for a file."""
+        started = time.perf_counter()
+        self._pending_sharded = (layout, tree, {**meta, **entry_meta(entry)})
+        try:
+            self.execute(plan, lambda file, entry, sync: None)
+        finally:
+            self._pending_sharded = None
+        log.info(
+            "saved %s (%s, sharded): %.3fs to durable",
+            self.storage.path(entry.name),
+            entry.reason.value,
+            time.perf_counter() - started,
+        )
+
+    def _publish_directory(self, plan: SavePlan, entry: CheckpointEntry) -> None:
+        from pitstop.shell.sharddir import delete_sharded, publish_sharded, write_manifest
+
+        pending = self._pending_sharded
+        temp = self.sharded_temp(entry)
+        if pending is None:
+            raise SaveError(f"{self.storage.path(temp)}: no shards were written")
+        layout, tree, meta = pending
+        try:
+            write_manifest(self.storage.path(temp), layout, meta, tree, token=self.run_id)
+        except BaseException:
+            shutil.rmtree(self.storage.path(temp), ignore_errors=True)
+            raise
+        old = None
+        if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
+            old = temp_name(entry.name, self.run_id + "-old")  # out of the way, still whole
+            self.storage.replace(entry.name, old)
+        publish_sharded(self.storage, temp, entry.name)
+        if old is not None:
+            delete_sharded(self.storage, old)
+
     def repoint(self, plan: SavePlan) -> None:
         """Carry out a plan that writes no file, only moves pointers."""
         self.execute(plan, lambda file, entry, sync: None)
@@ -428,5 +545,10 @@ class CheckpointDirectory:
         entry = plan.entry
         if entry is not NO_CHECKPOINT and not plan.replaces:
             with contextlib.suppress(OSError):
-                self.storage.remove(entry.name)
-                self.storage.sync_directory()
+                if entry.sharded:
+                    from pitstop.shell.sharddir import delete_sharded
+
+                    delete_sharded(self.storage, entry.name)
+                else:
+                    self.storage.remove(entry.name)
+                    self.storage.sync_directory()

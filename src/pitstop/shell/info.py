@@ -17,11 +17,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 from pitstop.core.metadata import entry_from_meta
-from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_name
+from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell import fileformat
 from pitstop.shell.checkpoint import Checkpoint, TensorInfo
-from pitstop.shell.resolve import resolve_checkpoint
+from pitstop.shell.directory import is_sharded_path
+from pitstop.shell.resolve import manifest_path, resolve_checkpoint
 from pitstop.shell.treecodec import TENSOR_DTYPES
 
 __all__ = ["info", "tensor_table"]
@@ -53,10 +54,11 @@ def info(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     back and :class:`~pitstop.errors.CheckpointNotFound` when ``checkpoint`` names nothing.
     """
     path = resolve_checkpoint(checkpoint, fallback=False)
-    manifest = fileformat.read_manifest(path)
+    sharded = is_sharded_path(path)
+    manifest = fileformat.read_manifest(manifest_path(path))
     meta = manifest.meta
     name = path.name
-    if parse_name(name) is NOT_A_CHECKPOINT:  # a renamed file: named by the step it holds
+    if parse_checkpoint(name) is NOT_A_CHECKPOINT:  # a renamed file: named by the step it holds
         progress = meta.get("progress")
         step = progress.get("step") if isinstance(progress, Mapping) else None
         name = checkpoint_name(step) if isinstance(step, int) else name
@@ -72,6 +74,29 @@ def info(checkpoint: str | os.PathLike[str]) -> Checkpoint:
         metrics=entry.metrics,
         detail=entry.detail,
         config=None if config is None else MappingProxyType(dict(config)),
-        size_bytes=manifest.size,
-        tensors=tensor_table(manifest),
+        size_bytes=manifest.size + (_sharded_bytes(path) if sharded else 0),
+        tensors=tensor_table(manifest) + (_sharded_table(path) if sharded else ()),
     )
+
+
+def _sharded_bytes(path: Path) -> int:
+    from pitstop.shell.sharddir import read_layout
+
+    return sum(f.size for f in read_layout(path)[0].files)
+
+
+def _sharded_table(path: Path) -> tuple[TensorInfo, ...]:
+    """The tensors a sharded directory's DCP files hold, by key path, with global shapes."""
+    from pitstop.shell.sharddir import read_layout
+
+    out = []
+    for value in read_layout(path)[0].values:
+        if value.dtype is None:
+            continue
+        numel = 1
+        for n in value.shape:
+            numel *= n
+        nbytes = numel * TENSOR_DTYPES[value.dtype].itemsize
+        name = ".".join(str(p) for p in value.path)
+        out.append(TensorInfo(name=name, dtype=value.dtype, shape=value.shape, nbytes=nbytes))
+    return tuple(out)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -39,7 +40,7 @@ from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus
 from pitstop.errors import ConfigError
-from pitstop.shell.capture import LiveState, rank_state
+from pitstop.shell.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.checkpoint import Checkpoint, manual_reason, metrics_of, stop_detail
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import Ranks
@@ -53,6 +54,16 @@ from pitstop.shell.storage import Storage
 from pitstop.shell.unwrap import unwrap_model
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
+
+
+def _holds_sharded(live: LiveState) -> bool:
+    """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
+    save is a checkpoint directory written through DCP."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists, nor FSDP2 module
+        return False
+    from pitstop.shell.sharded import is_sharded  # imports DCP: only where it can be needed
+
+    return is_sharded(live.model, live.components)
 
 
 class Stateful(Protocol):
@@ -81,6 +92,10 @@ class Checkpointer:
     faults, as pitstop's reliability suites do — checkpoints are read back from
     ``directory`` itself, so it must keep them there. The directory is locked until
     :meth:`close`; with several ranks, every rank makes the same calls and rank 0 writes.
+    A sharded model (FSDP2, DTensor parameters, an optimizer over DTensors) saves each
+    checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
+    its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
+    run's world size (see docs/distributed.md); ``async_save`` and ``ema`` are refused then.
     """
 
     def __init__(
@@ -125,6 +140,16 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
+        self._sharded = _holds_sharded(self._live)
+        if self._sharded and async_save:
+            raise ConfigError(
+                f"Checkpointer async_save={async_save!r}: a sharded model (FSDP2, DTensor) saves "
+                "synchronously for now; pass async_save=False"
+            )
+        if self._sharded and ema is not None:
+            raise ConfigError(
+                "Checkpointer ema: not supported with a sharded model (FSDP2, DTensor)"
+            )
         self._ranks = Ranks.current(timeout_s)
         if not isinstance(overwrite, bool):
             raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")
@@ -143,6 +168,7 @@ class Checkpointer:
             directory=self._directory,
             session=self._session,
             pool=StagingPool() if background else None,
+            sharded=self._sharded,
         )
         self._remote: RemoteTicket | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -272,6 +298,11 @@ class Checkpointer:
         mismatch it raises :class:`~pitstop.errors.IncompatibleCheckpoint` and is not added.
         ``per_rank``: its state differs per rank. With several ranks, every rank registers.
         """
+        if self._sharded and isinstance(obj, torch.optim.Optimizer):
+            raise ConfigError(
+                f"register({name!r}): a sharded model's optimizers are passed to the "
+                "Checkpointer's state= (they are saved through DCP with the model)"
+            )
         self._settle(Request.REGISTER)
         register_component(
             self._live,
@@ -355,7 +386,11 @@ class Checkpointer:
             return None
         parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
         overlap = self.async_save == "overlap"
-        ticket = ranks.lead(partial(self._saver.write, progress, parts, overlap=overlap))
+        temp = ranks.lead(partial(self._saver.begin_sharded, progress)) if self._sharded else None
+        if temp is not None:
+            ticket = self._save_sharded(temp, parts)
+        else:
+            ticket = ranks.lead(partial(self._saver.write, progress, parts, overlap=overlap))
         self.last_blocking_s = time.perf_counter() - started
         entry = entry_from_wire(planned[1])
         if entry is NO_CHECKPOINT:
@@ -366,6 +401,25 @@ class Checkpointer:
         elif self.async_save:
             handle = self._remote = RemoteTicket()
         return Checkpoint.of(self.directory, entry, handle)
+
+    def _save_sharded(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
+        """Every rank writes its shards into ``temp``; then rank 0 publishes the directory."""
+        from pitstop.shell.sharded import write_sharded
+
+        ranks = self._ranks
+        try:
+            layout = write_sharded(
+                self.directory / temp,
+                self._live.model,
+                sharded_components(self._live),
+                ranks=ranks,
+            )
+        except BaseException:  # raised on every rank: the temp directory is gone
+            if ranks.leader:
+                self._saver.abort_sharded()
+            raise
+        ticket: int = ranks.lead(partial(self._saver.publish_sharded, layout, parts))
+        return ticket
 
     # --- restoring ----------------------------------------------------------------------
 
@@ -389,6 +443,7 @@ class Checkpointer:
             ranks=self._ranks,
             directory=self._directory,
             may_change=self._config_may_change,
+            sharded=self._sharded,
         )
         if path is not None:
             self._resumed_from = path

@@ -159,7 +159,12 @@ def delete_checkpoints(storage: Storage, names: Iterable[str]) -> list[str]:
     deleted = []
     for name in names:
         try:
-            storage.remove(name)
+            if storage.kind(name) is FileKind.DIRECTORY:  # a sharded checkpoint
+                from pitstop.shell.sharddir import delete_sharded  # it publishes through here
+
+                delete_sharded(storage, name)
+            else:
+                storage.remove(name)
             deleted.append(name)
         except FileNotFoundError:
             deleted.append(name)

@@ -27,17 +27,29 @@ from pitstop.core.naming import (
     NOT_A_CHECKPOINT,
     POINTER_NAMES,
     checkpoint_name,
-    parse_name,
+    parse_checkpoint,
+    parse_sharded_name,
 )
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, choose_resume, read_latest_json, scan
+from pitstop.shell.directory import (
+    CheckpointDirectory,
+    choose_resume,
+    is_sharded_path,
+    read_latest_json,
+    scan,
+    verify_any,
+)
 from pitstop.shell.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
     "find_resume",
+    "is_sharded_checkpoint",
     "load",
+    "manifest_path",
+    "own_pointer",
     "pointer_on_disk",
     "recorded_policy",
     "resolve_checkpoint",
@@ -60,12 +72,31 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (a checkpoint's name, and a
+    manifest in it) rather than a directory of checkpoints."""
+    return (
+        parse_sharded_name(path.name) is not NOT_A_CHECKPOINT
+        and path.is_dir()
+        and (path / MANIFEST_NAME).exists()
+    )
+
+
+def manifest_path(path: Path) -> Path:
+    """The file holding ``path``'s manifest: itself, or a sharded directory's manifest."""
+    return path / MANIFEST_NAME if is_sharded_path(path) else path
+
+
 def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerName | None]:
     """``(directory, pointer)`` for a pointer or directory argument, ``(file, None)`` for a file.
 
     Raises :class:`~pitstop.errors.CheckpointNotFound` when the argument names nothing.
     """
     path = Path(checkpoint)
+    if is_sharded_checkpoint(path):
+        return path, None
+    if path.name in POINTER_NAMES and path.is_symlink() and path.parent.is_dir():
+        return path.parent, PointerName(path.name)  # even one whose target is a directory
     if path.is_dir():
         return path, PointerName.LAST
     if path.name in POINTER_NAMES and path.parent.is_dir() and not _is_regular(path):
@@ -86,7 +117,7 @@ def pointer_on_disk(storage: Storage, pointer: PointerName) -> tuple[str | None,
     """
     if storage.kind(pointer.value) is FileKind.SYMLINK:
         target = storage.read_link(pointer.value)
-        if parse_name(target) is not NOT_A_CHECKPOINT:
+        if parse_checkpoint(target) is not NOT_A_CHECKPOINT:
             return target, "symlink"
     data, _ = read_latest_json(storage)
     if data is not None:
@@ -100,7 +131,7 @@ def resolve_checkpoint(
     checkpoint: str | os.PathLike[str],
     *,
     fallback: bool = True,
-    verify: Callable[[Path], None] = fileformat.verify,
+    verify: Callable[[Path], None] = verify_any,
 ) -> Path:
     """Return the checkpoint file that ``checkpoint`` names.
 
@@ -145,10 +176,30 @@ def load(checkpoint: str | os.PathLike[str]) -> Any:
 
     def check_and_load(path: Path) -> None:
         loaded.clear()
-        loaded[path] = fileformat.load(path, verify="file")
+        if is_sharded_path(path):
+            verify_any(path)
+            loaded[path] = _load_sharded(path)
+        else:
+            loaded[path] = fileformat.load(path, verify="file")
 
     path = resolve_checkpoint(checkpoint, fallback=True, verify=check_and_load)
-    return loaded[path] if path in loaded else fileformat.load(path)
+    if path in loaded:
+        return loaded[path]
+    return _load_sharded(path) if is_sharded_path(path) else fileformat.load(path)
+
+
+def _load_sharded(path: Path) -> Any:
+    """A sharded checkpoint's whole tree: the manifest's replicated tree, and under
+    ``"sharded"`` each component DCP stored, full and unsharded (``"model"``, optimizers)."""
+    from pitstop.shell.sharddir import read_layout
+    from pitstop.shell.sharded import full_state_dict
+
+    stored: Any = fileformat.load(path / MANIFEST_NAME)
+    tree: dict[str, Any] = dict(stored)
+    layout, _ = read_layout(path)
+    components = sorted({str(v.path[0]) for v in layout.values if v.path})
+    tree["sharded"] = {name: full_state_dict(path, name) for name in components}
+    return tree
 
 
 def verify(checkpoint: str | os.PathLike[str]) -> Path:
@@ -158,15 +209,29 @@ def verify(checkpoint: str | os.PathLike[str]) -> Path:
     of the file that was verified.
     """
     path = resolve_checkpoint(checkpoint, fallback=False)
-    fileformat.verify(path)
+    verify_any(path)
     return path
+
+
+def own_pointer(
+    directory: CheckpointDirectory, source: str | os.PathLike[str]
+) -> PointerName | None:
+    """The pointer of ``directory`` that ``source`` names — a pointer name, or a path to one
+    of the directory's own pointers (resumed from it, fresh if it has none) — else ``None``."""
+    names = {p.value for p in PointerName}
+    if isinstance(source, str) and source in names:
+        return PointerName(source)
+    path = Path(source)
+    if path.name in names and path.parent.resolve() == directory.path.resolve():
+        return PointerName(path.name)
+    return None
 
 
 def find_resume(
     directory: CheckpointDirectory,
     source: str | os.PathLike[str],
     *,
-    verify: Callable[[Path], None] = fileformat.verify,
+    verify: Callable[[Path], None] = verify_any,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """What ``Checkpointer.resume(source)`` restores: a verified file and its entry.
 
@@ -177,13 +242,10 @@ def find_resume(
     passes one that loads the file in the same pass, so the file is read once).
     """
     directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
-    names = {p.value for p in PointerName}
-    if not (isinstance(source, str) and source in names):
-        path = Path(source)
-        if path.name in names and path.parent.resolve() == directory.path.resolve():
-            source = path.name  # this directory's own pointer: resume from it, fresh if none
+    pointer = own_pointer(directory, source)
     best = directory.policy.best
-    if isinstance(source, str) and source in names:
+    if pointer is not None:
+        source = pointer.value
         storage = directory.storage
         found = scan(storage, best)
         choice = choose_resume(storage, found, PointerName(source), best, verify=verify)
@@ -192,8 +254,8 @@ def find_resume(
         return choice.path, choice.entry
     path = resolve_checkpoint(source, fallback=False)
     verify(path)
-    meta = fileformat.read_manifest(path).meta
-    name = path.name if parse_name(path.name) is not NOT_A_CHECKPOINT else None
+    meta = fileformat.read_manifest(manifest_path(path)).meta
+    name = path.name if parse_checkpoint(path.name) is not NOT_A_CHECKPOINT else None
     if name is None:
         progress = meta.get("progress")
         step = progress.get("step") if isinstance(progress, Mapping) else None

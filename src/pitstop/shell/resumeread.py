@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 from pitstop.core.schema import RANKED, STATE
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.shell.capture import LiveState
+from pitstop.shell.directory import is_sharded_path
 from pitstop.shell.fileread import KeyPath, load
 
 __all__ = ["ResumeRead", "placement"]
@@ -66,10 +68,22 @@ class ResumeRead:
         index = rest[1]
         return self._devices.get((name, index)) if isinstance(index, int) else None
 
-    def verify(self, path: Path) -> None:
-        """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt."""
+    def verify(self, path: Path, *, shards: bool = True) -> None:
+        """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt.
+
+        A sharded checkpoint directory: its manifest is checked whole and its replicated
+        tree loaded, and with ``shards`` every DCP file it lists is checked too (a resume's
+        collective choice has each rank check the files it reads instead).
+        """
         self._path = self._tree = None
-        self._tree = load(path, verify="file", place=self.place)
+        if is_sharded_path(path):
+            from pitstop.shell.sharddir import read_layout, verify_sharded
+
+            self._tree = load(path / MANIFEST_NAME, verify="file")
+            if shards:
+                verify_sharded(path, read_layout(path)[0])
+        else:
+            self._tree = load(path, verify="file", place=self.place)
         self._path = path
 
     def load(self, path: Path) -> Any:
@@ -77,4 +91,6 @@ class ResumeRead:
         if self._path == path:
             tree, self._path, self._tree = self._tree, None, None
             return tree
+        if is_sharded_path(path):
+            return load(path / MANIFEST_NAME, verify=False)
         return load(path, verify=False, place=self.place)  # rank 0 checked it when choosing it

@@ -9,7 +9,11 @@
 # everywhere, committed only when every rank prepared, undone where it was prepared when any
 # rank failed. Components the checkpoint holds but the run has not registered are kept in the
 # live state (deferred) for register() to apply; per-rank state is handed back only when the
-# world size is the one that saved it.
+# world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
+# every rank together: rank 0 sends the resume order, each rank verifies the files it will
+# read, and all move to the next candidate when any rank found a problem; its replicated tree
+# is checked and restored as above, and its layout checked on every rank in the same pass,
+# before DCP reads (resharding) the model and the optimizers.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -24,18 +28,30 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.compat import Difference, judge
+import attrs
+from torch import nn
+
+from pitstop.core.compat import Difference, Kind, judge
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
-from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
+from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
-from pitstop.errors import IncompatibleCheckpoint
+from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, IncompatibleCheckpoint
 from pitstop.shell import fileformat
-from pitstop.shell.capture import LiveState, ranked_state, stored_groups, stored_world_size
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.capture import (
+    LiveState,
+    ranked_state,
+    sharded_components,
+    stored_groups,
+    stored_world_size,
+)
+from pitstop.shell.directory import CheckpointDirectory, is_sharded_path, scan
 from pitstop.shell.distributed import Ranks
-from pitstop.shell.resolve import find_resume
+from pitstop.shell.resolve import find_resume, own_pointer
 from pitstop.shell.restore import Restore, differences
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.sharddir import verify_sharded
 
 __all__ = ["resume_from"]
 
@@ -50,6 +66,7 @@ def resume_from(
     ranks: Ranks,
     directory: CheckpointDirectory,
     may_change: tuple[str, ...],
+    sharded: bool = False,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
 
@@ -58,21 +75,38 @@ def resume_from(
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
     """
     reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
-    path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
+    pointer = own_pointer(directory, source)
+    if sharded and pointer is not None:
+        path, wire = _choose_sharded(directory, pointer, reading, live, ranks)
+    else:
+        path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
     entry = entry_from_wire(wire)
     if path is None:
         return None, NO_CHECKPOINT
-    loaded = ranks.each(partial(_load, path, reading, live, ranks, may_change))
+    is_directory = ranks.each(partial(is_sharded_path, path))
+    if is_directory != sharded:
+        held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
+        run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
+        raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
+    target = _replicated(live) if sharded else live
+    loaded = ranks.each(partial(_load, path, reading, target, ranks, may_change))
     tree, meta, found, deferred = loaded
+    if sharded:
+        found = found + ranks.each(partial(_layout_differences, path, live, ranks.rank))
     found = _union(ranks.all_gather(found))
     if judge(found, strict=strict):
         raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
     for difference in found:
         log.warning("resume from %s: %s", path.name, difference)
     same_world = stored_world_size(meta) == ranks.world_size
-    restore = Restore(live, tree, path, rank=ranks.rank, per_rank=same_world)
+    restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
     try:
         ranks.each(restore.prepare)
+        if sharded:  # checked and verified on every rank before DCP touches a tensor
+            from pitstop.shell.sharded import read_sharded
+
+            # every file was verified when the checkpoint was chosen
+            read_sharded(path, live.model, sharded_components(live), ranks=ranks, verify=False)
     except BaseException:
         restore.undo()  # another rank failed: put this one back too
         raise
@@ -94,7 +128,7 @@ def _load(
     path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks, may_change: tuple[str, ...]
 ) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str]]:
     """Every rank: read ``path`` and compare it with this rank's run."""
-    manifest = fileformat.read_manifest(path)
+    manifest = fileformat.read_manifest(path / MANIFEST_NAME if is_sharded_path(path) else path)
     tree: Any = reading.load(path)  # rank 0 verified it as it loaded it, choosing it
     found, deferred = differences(
         live,
@@ -106,6 +140,93 @@ def _load(
         where=path.name,
     )
     return tree, manifest.meta, found, deferred
+
+
+def _replicated(live: LiveState) -> LiveState:
+    """What a sharded checkpoint's manifest holds of ``live``: every component but the model
+    and the optimizers DCP saves (an empty module stands in for the model)."""
+    through_dcp = sharded_components(live)
+    components = {n: o for n, o in live.components.items() if n not in through_dcp}
+    return attrs.evolve(live, model=nn.Module(), components=components)
+
+
+def _layout_differences(path: Path, live: LiveState, rank: int) -> list[Difference]:
+    """This rank's differences between its sharded state and the directory's layout."""
+    from pitstop.shell.sharded import sharded_differences
+
+    problems = sharded_differences(path, live.model, sharded_components(live), rank)
+    return [Difference(kind=Kind.SHAPE, message=p) for p in problems]
+
+
+def _candidates(
+    directory: CheckpointDirectory, pointer: PointerName
+) -> tuple[list[tuple[Path, tuple[Any, ...] | None]], bool]:
+    """Rank 0: the resume order for ``pointer``, each with its entry as it travels, and
+    whether the directory holds any checkpoint at all."""
+    directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
+    best = directory.policy.best
+    found = scan(directory.storage, best)
+    order = resume_order(found.catalog, found.pointers, pointer, best)
+    wires = [(directory.storage.path(n), entry_to_wire(found.catalog.get(n))) for n in order]
+    return wires, bool(found.catalog)
+
+
+def _problem(path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks) -> str | None:
+    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
+
+    Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
+    rank checks the DCP files it will read, in parallel with the others."""
+    try:
+        if ranks.leader:
+            reading.verify(path, shards=False)
+        if is_sharded_path(path):
+            from pitstop.shell.dcpio import DCP_METADATA
+            from pitstop.shell.sharded import files_to_verify
+
+            layout, names = files_to_verify(
+                path,
+                live.model,
+                sharded_components(live),
+                rank=ranks.rank,
+                world_size=ranks.world_size,
+            )
+            if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
+                names += tuple(f.name for f in layout.files if f.name == DCP_METADATA)
+            verify_sharded(path, layout, names)
+    except (CheckpointCorrupt, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def _choose_sharded(
+    directory: CheckpointDirectory,
+    pointer: PointerName,
+    reading: ResumeRead,
+    live: LiveState,
+    ranks: Ranks,
+) -> tuple[Path | None, tuple[Any, ...] | None]:
+    """Every rank: try rank 0's resume order until a candidate verifies on every rank; all
+    ranks move on together, rank 0 warning about each one skipped and why (and where)."""
+    candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
+    for path, wire in candidates:
+        problems = ranks.all_gather(_problem(path, reading, live, ranks))
+        found: dict[str, list[int]] = {}
+        for rank, problem in enumerate(problems):
+            if problem is not None:
+                found.setdefault(problem, []).append(rank)
+        if not found:
+            return path, wire
+        if ranks.leader:  # one line per problem, with the ranks that found it
+            for problem, where in found.items():
+                ranks_found = ", ".join(map(str, where))
+                log.warning(
+                    "resume skips a checkpoint that does not verify (rank %s): %s",
+                    ranks_found,
+                    problem,
+                )
+    if pointer is not PointerName.LAST and any_found:
+        raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+    return None, None
 
 
 def _find_portable(

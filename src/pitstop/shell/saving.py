@@ -9,7 +9,9 @@
 # storages only optimizer.step() changes are copied later, by whichever thread needs them
 # first) and hands the write to the session's writer thread. Every step is reported to the
 # session as the core's event. Nothing here refers to the Checkpointer, so the job a writer
-# thread holds keeps no Checkpointer alive.
+# thread holds keeps no Checkpointer alive. A sharded save (begin_sharded, publish_sharded):
+# rank 0 names the temp directory, every rank writes its shards into it (the Checkpointer
+# drives that collective), then rank 0 captures the replicated state and publishes.
 # How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
 # carry_out() is a function over the live state, the directory, the session and the pool.
 
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -35,6 +38,7 @@ from pitstop.core.records import (
 )
 from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
 from pitstop.core.session import Event, Request
+from pitstop.core.sharded import ShardedLayout
 from pitstop.shell import fileformat
 from pitstop.shell.capture import LiveState, capture, deferrable
 from pitstop.shell.directory import CheckpointDirectory
@@ -58,7 +62,10 @@ class Saver:
         directory: CheckpointDirectory,
         session: SaveSession,
         pool: StagingPool | None,
+        sharded: bool = False,
     ) -> None:
+        self.sharded = sharded
+        """Each save writes a sharded checkpoint directory (the model holds DTensors)."""
         self.schedule = schedule
         self.pointers = directory.pointers
         self._decided = schedule
@@ -67,6 +74,7 @@ class Saver:
         self._directory = directory
         self._session = session
         self._pool = pool
+        self._ticket = 0
 
     def enter(self, request: Request) -> None:
         """Wait as the session says; raise a failed background save's error, undoing it."""
@@ -119,6 +127,7 @@ class Saver:
             policy=policy,
             metrics=asked.metrics,
             detail=detail or asked.reason,
+            sharded=self.sharded,
         )
         entry = plan.entry
         if entry is NO_CHECKPOINT:
@@ -150,6 +159,43 @@ class Saver:
             raise
         self.schedule, self.pointers = self._decided, plan.pointers
         return ticket
+
+    def begin_sharded(self, progress: Progress) -> str | None:
+        """Rank 0: start the planned sharded save; the temp directory every rank writes its
+        shards into (``None``: the plan writes no checkpoint, only moves pointers)."""
+        plan = self._planned
+        assert plan is not None
+        self._directory.check(plan)  # another run's checkpoints: refused before writing
+        entry = plan.entry
+        if entry is NO_CHECKPOINT:
+            return None
+        self._ticket = self._session.begin(
+            progress.step, entry.name, (self.schedule, self.pointers)
+        )
+        return self._directory.sharded_temp(entry)
+
+    def abort_sharded(self) -> None:
+        """Rank 0: the shards could not be written (every rank raises the same error)."""
+        self._session.event(Event.ABORTED)
+
+    def publish_sharded(self, layout: ShardedLayout, parts: list[dict[str, Any]] | None) -> int:
+        """Rank 0: every rank's shards are durable in the temp directory: capture the
+        replicated state, write the manifest last, publish, then pointers and retention."""
+        plan = self._planned
+        assert plan is not None
+        entry = plan.entry
+        assert entry is not NO_CHECKPOINT
+        try:
+            tree, meta = capture(self._live, parts, sharded=True)
+            self._session.event(Event.CAPTURED)
+            self._directory.publish_sharded(plan, entry, layout, tree, meta)
+        except BaseException:
+            self._session.event(Event.ABORTED)
+            shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+            raise
+        self._session.event(Event.PUBLISHED)
+        self.schedule, self.pointers = self._decided, plan.pointers
+        return self._ticket
 
     def resumed(self, entry: CheckpointEntry | NoCheckpoint) -> None:
         """Rank 0: the schedule after resuming from ``entry``."""

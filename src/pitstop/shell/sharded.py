@@ -72,12 +72,14 @@ __all__ = [
     "PendingShardedWrite",
     "async_write_sharded",
     "delete_sharded",
+    "files_to_verify",
     "full_state_dict",
     "is_sharded",
     "make_stager",
     "publish_sharded",
     "read_layout",
     "read_sharded",
+    "sharded_differences",
     "verify_sharded",
     "write_manifest",
     "write_sharded",
@@ -296,6 +298,40 @@ def _planned_files(
     )
 
 
+def sharded_differences(
+    directory: str | os.PathLike[str], model: nn.Module, optimizers: Optimizers, rank: int
+) -> list[str]:
+    """Every difference between this rank's live sharded state and the directory's layout
+    (empty when it fits); reads the manifest only."""
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    try:
+        _planned_files(root, layout, _state(model, optimizers), rank)
+    except IncompatibleCheckpoint as exc:
+        return list(exc.differences)
+    return []
+
+
+def files_to_verify(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    rank: int,
+    world_size: int,
+) -> tuple[ShardedLayout, tuple[str, ...]]:
+    """The layout, and the files this rank checks when a resume considers ``directory``:
+    those DCP's read plan names for it — or, when its state does not fit the layout (the
+    comparison reports that later), an equal share of every file the layout lists."""
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    try:
+        return layout, _planned_files(root, layout, _state(model, optimizers), rank)
+    except IncompatibleCheckpoint:
+        names = [f.name for f in layout.files]
+        return layout, tuple(names[rank::world_size])
+
+
 def read_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -303,6 +339,7 @@ def read_sharded(
     *,
     ranks: Ranks,
     group: Any = None,
+    verify: bool = True,
 ) -> ShardedLayout:
     """Every rank: restore the model and ``optimizers`` from a sharded checkpoint directory.
 
@@ -311,12 +348,14 @@ def read_sharded(
     verifies the files DCP will read for it (:class:`~pitstop.errors.CheckpointCorrupt`
     naming the file); every rank raises the same error. Then DCP reads, resharding to this
     world size, and ``set_*_state_dict`` applies the state. Returns the layout.
+    ``verify=False``: the files were verified already (a resume's choice checks them).
     """
     root = Path(directory)
     layout = ranks.each(lambda: read_layout(root)[0])
     state = _state(model, optimizers)
     names = ranks.each(lambda: _planned_files(root, layout, state, ranks.rank))
-    ranks.each(lambda: verify_sharded(root, layout, names))
+    if verify:
+        ranks.each(lambda: verify_sharded(root, layout, names))
     load_checked(root, state, layout, process_group=group)
     set_model_state_dict(model, state[MODEL])
     for name, optimizer in optimizers.items():

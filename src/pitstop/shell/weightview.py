@@ -26,6 +26,7 @@ import torch
 from pitstop.core.schema import RAW, weights_meta, weights_path
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
 from pitstop.shell import fileformat
+from pitstop.shell.directory import is_sharded_path
 from pitstop.shell.resolve import resolve_checkpoint
 from pitstop.shell.treecodec import TensorRef, subtree
 
@@ -112,7 +113,19 @@ def weights_view(
 
 
 def read_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
-    """The parameter set ``kind`` of the checkpoint file ``path`` (see :func:`weights_view`)."""
+    """The parameter set ``kind`` of the checkpoint file ``path`` (see :func:`weights_view`).
+
+    A sharded checkpoint directory: the model's full, unsharded state, gathered from its DCP
+    files in this process (verified first; nothing is unpickled). It holds no EMA.
+    """
+    if is_sharded_path(path):
+        if kind == "ema":
+            raise IncompatibleCheckpoint(
+                [f"{path} holds no EMA weights (a sharded checkpoint); load weights='raw'"]
+            )
+        from pitstop.shell.sharded import full_state_dict
+
+        return _tensor_dict(full_state_dict(path), f"{path} weights.raw")
     manifest = fileformat.read_manifest(path)
     stored = _stored(manifest, kind)
     if stored is None:

@@ -1,0 +1,176 @@
+"""An FSDP2 training loop checkpointed through the public Checkpointer; run as real processes.
+
+One process per rank (tests/multirank.py sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; 1
+rank without WORLD_SIZE runs with a 1-process group all the same, as FSDP2 needs one). The
+model is a small MLP with dropout (each rank its own masks and data: the ranks' RNG streams are
+seeded differently), each Linear and the root sharded with ``fully_shard``; the state is AdamW
+(sharded, saved through DCP) and a LambdaLR schedule (replicated, in the manifest's tree).
+
+    python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
+        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first]
+
+``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
+``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
+rank 0 SIGKILLs every rank (itself last) when the manifest write begins.
+``--strict-first``: resume with strict=True first and print the error it raises, then resume
+with strict=False (the run is untouched by the refused one).
+
+Each rank writes ``<OUT>.rank<R>.pitstop`` (a pitstop file): its local shards and the full
+tensors of the model and the optimizer, the scheduler's state, the step it resumed from, and
+draws from its torch RNG after training. A PitstopError prints ``error <Type> <message as
+JSON>`` and exits 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import pitstop
+from pitstop.shell import fileformat, sharddir
+
+EXIT_PITSTOP_ERROR = 3
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)  # the same initial weights on every rank, as fully_shard needs
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 5))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return model, optimizer, schedule
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Local shards and full tensors of the model and the optimizer (a collective)."""
+    optim = get_optimizer_state_dict(model, optimizer)
+    flat = {
+        f"state.{key}.{name}": value
+        for key, state in sorted(optim["state"].items())
+        for name, value in sorted(state.items())
+    }
+    local: dict[str, Any] = {"model": {}, "optimizer": {}}
+    full: dict[str, Any] = {"model": {}, "optimizer": {}}
+    for part, values in (("model", model.state_dict()), ("optimizer", flat)):
+        for key, value in sorted(values.items()):
+            is_d = isinstance(value, DTensor)
+            local[part][key] = (value.to_local() if is_d else value).detach().clone()
+            full[part][key] = (value.full_tensor() if is_d else value).detach().clone()
+    return {"local": local, "full": full}
+
+
+def kill_in_write(step: int, pids: list[int]) -> None:
+    """Rank 0's manifest write of ``step`` SIGKILLs every rank instead (itself last)."""
+    real = sharddir.write_manifest
+
+    def write_manifest(directory: Any, layout: Any, meta: Any, *args: Any, **kw: Any) -> None:
+        if meta["progress"]["step"] == step:
+            print(f"killing in write {step}", flush=True)
+            for pid in pids:
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(directory, layout, meta, *args, **kw)
+
+    sharddir.write_manifest = write_manifest  # type: ignore[assignment]
+
+
+def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    model, optimizer, schedule = build()
+    torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
+    if args.die_in_write_at is not None:
+        pids: list[Any] = [None] * world
+        dist.all_gather_object(pids, os.getpid())
+        if rank == 0:
+            kill_in_write(args.die_in_write_at, pids)
+    policy = pitstop.Policy(every_steps=args.every, keep_last=args.keep_last)
+    ckpt = pitstop.Checkpointer(
+        args.dir,
+        model=model,
+        state={"optimizer": optimizer, "schedule": schedule},
+        policy=policy,
+        timeout_s=args.pg_timeout,
+    )
+    if args.strict_first:
+        try:
+            ckpt.resume()
+        except pitstop.IncompatibleCheckpoint as exc:
+            print(f"strict error {json.dumps(str(exc))}", flush=True)
+    progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
+    print(f"resumed {progress.step}", flush=True)
+    resumed = progress.step
+    while progress.step < args.target:
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+        progress = progress.advance(samples=4 * world)
+        ckpt.maybe_save(progress)
+        print(f"step {progress.step}", flush=True)
+        if progress.step == args.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.finish(progress)
+    ckpt.close()
+    print(f"checkpoints {[c.path.name for c in ckpt.checkpoints()]}", flush=True)
+    out = snapshot(model, optimizer)
+    out["schedule"] = {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"}
+    out["resumed"] = resumed
+    out["draws"] = torch.rand(4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--target", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--keep-last", type=int, default=2)
+    parser.add_argument("--die-at", type=int)
+    parser.add_argument("--die-in-write-at", type=int)
+    parser.add_argument("--no-strict", action="store_true")
+    parser.add_argument("--strict-first", action="store_true")
+    parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29533"))
+    dist.init_process_group(
+        "gloo",
+        init_method="env://",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=args.pg_timeout),
+    )
+    try:
+        try:
+            result = train(args, rank, world)
+        except pitstop.PitstopError as exc:
+            print(f"error {type(exc).__name__} {json.dumps(str(exc))}", flush=True)
+            return EXIT_PITSTOP_ERROR
+        with open(f"{args.out}.rank{rank}.pitstop", "wb") as f:
+            fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

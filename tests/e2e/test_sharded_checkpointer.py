@@ -1,0 +1,257 @@
+"""Sharded state through the public Checkpointer: FSDP2 on gloo, real processes, 2 ranks.
+
+tests/e2e/sharded_train.py trains an FSDP2 MLP (AdamW, a LambdaLR schedule, dropout, each
+rank its own data) with ``pitstop.Checkpointer`` and the same calls as an unsharded run;
+every save is a checkpoint directory ``step_<12 digits>/`` (DCP's files and pitstop's
+manifest). Checked here against one uninterrupted run: a run SIGKILLed after a save and
+resumed in fresh processes ends bitwise equal (local shards, optimizer, schedule, RNG); one
+rank reshards a two-rank checkpoint (strict=True names the per-rank RNG that cannot continue;
+strict=False loads the full tensors); a flipped byte in the newest checkpoint's shard makes
+every rank fall back to the previous one; a save killed between the shards and the manifest
+is never listed; retention deletes old directories and keeps the pointer targets; export,
+load_weights, verify, info, load and the CLI read a checkpoint directory. Every job is a
+tests/multirank.py Job (bounded waits; every process ended when the test ends).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from torch import nn
+
+import pitstop
+from multirank import Finished, Job
+from pitstop.cli import main as cli
+from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.shell import fileformat
+from pitstop.shell.directory import CheckpointDirectory, scan
+from pitstop.shell.storage import LocalStorage
+from trees import assert_same
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is unavailable",
+)
+
+SCRIPT = Path(__file__).with_name("sharded_train.py")
+TARGET = 6  # saves every 2 steps, keep_last=2: step 2 is deleted by the step-6 save
+_STRICT = re.compile(r'^strict error (".*")$')
+
+
+@attrs.frozen
+class Run:
+    directory: Path
+    ranks: list[dict[str, Any]]
+    finished: Finished
+
+
+def train(directory: Path, out: Path, *args: str, ranks: int = 2, code: int = 0) -> Run:
+    with Job(
+        SCRIPT, "--dir", directory, "--out", out, "--target", str(TARGET), *args, ranks=ranks
+    ) as job:
+        finished = job.wait()
+    if code == 0:
+        finished.check()
+        outputs = [fileformat.load(Path(f"{out}.rank{r}.pitstop")) for r in range(ranks)]
+    else:
+        assert set(finished.codes.values()) == {code}, finished.describe()
+        outputs = []
+    return Run(directory=directory, ranks=outputs, finished=finished)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One uninterrupted 2-rank run to step 6."""
+    root = tmp_path_factory.mktemp("straight")
+    return train(root / "checkpoints", root / "out")
+
+
+def copy_run(straight: Run, tmp_path: Path) -> Path:
+    target = tmp_path / "checkpoints"
+    shutil.copytree(straight.directory, target, symlinks=True)
+    return target
+
+
+def trained(run: dict[str, Any]) -> dict[str, Any]:
+    """What must be bitwise equal between two runs that reach the same step."""
+    return {k: v for k, v in run.items() if k != "resumed"}
+
+
+def names(directory: Path) -> list[str]:
+    return [e.name for e in scan(LocalStorage(directory)).catalog]
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# --- saving, retention ------------------------------------------------------------------------
+
+
+def test_saves_are_directories_and_retention_keeps_the_pointer_targets(straight: Run) -> None:
+    directory = straight.directory
+    assert names(directory) == [sharded_name(4), sharded_name(6)]  # step 2: deleted
+    assert not (directory / sharded_name(2)).exists()
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+    for pointer in ("last", "final"):
+        assert (directory / pointer).readlink() == Path(sharded_name(6))
+        assert (directory / pointer / MANIFEST_NAME).is_file()
+    latest = json.loads((directory / "latest.json").read_text())
+    assert latest["pointers"]["last"] == sharded_name(6)
+    files = sorted(p.name for p in (directory / sharded_name(6)).iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST_NAME]
+
+
+# --- resuming ---------------------------------------------------------------------------------
+
+
+def test_a_run_killed_after_a_save_resumes_bitwise_equal(straight: Run, tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    killed = train(directory, tmp_path / "killed", "--die-at", "4", code=-9)
+    assert "step 4" in killed.finished.lines(1)
+    assert names(directory)[-1] == sharded_name(4)
+    resumed = train(directory, tmp_path / "resumed")
+    for rank in range(2):
+        assert resumed.ranks[rank]["resumed"] == 4
+        assert_same(trained(resumed.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+
+
+def test_one_rank_reshards_a_two_rank_checkpoint(straight: Run, tmp_path: Path) -> None:
+    directory = copy_run(straight, tmp_path)
+    one = train(directory, tmp_path / "one", "--strict-first", ranks=1)
+    refused = [m.group(1) for line in one.finished.lines(0) if (m := _STRICT.match(line))]
+    assert len(refused) == 1, one.finished.describe()
+    message = json.loads(refused[0])
+    assert "world size is 2 in the checkpoint, 1 in the run" in message
+    assert "RNG streams" in message
+    (restored,) = one.ranks
+    assert restored["resumed"] == TARGET
+    assert_same(restored["full"], straight.ranks[0]["full"])
+    assert_same(restored["local"], straight.ranks[0]["full"])  # one rank holds everything
+    assert_same(restored["schedule"], straight.ranks[0]["schedule"])
+
+
+def test_a_flipped_byte_in_a_shard_falls_back_on_every_rank(straight: Run, tmp_path: Path) -> None:
+    directory = copy_run(straight, tmp_path)
+    flip_byte(directory / sharded_name(6) / "__1_0.distcp")
+    again = train(directory, tmp_path / "again")
+    warned = [line for line in again.finished.lines(0) if "does not verify" in line]
+    assert len(warned) == 1, again.finished.describe()  # rank 0 warns, once per problem
+    assert f"{sharded_name(6)}: __1_0.distcp fails its checksum" in warned[0]
+    assert "(rank 0, 1)" in warned[0]  # each rank checked the files it reads: both read it
+    assert not [line for line in again.finished.lines(1) if "does not verify" in line]
+    for rank in range(2):
+        assert again.ranks[rank]["resumed"] == 4  # on every rank
+        assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+    pitstop.verify(directory / sharded_name(6))  # the run saved step 6 again, whole
+
+
+def test_a_save_killed_between_the_shards_and_the_manifest_is_never_listed(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "checkpoints"
+    train(directory, tmp_path / "out", "--die-in-write-at", "4", code=-9)
+    temps = [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+    assert [p.name.endswith(sharded_name(4)) for p in temps] == [True]
+    assert (temps[0] / "__1_0.distcp").is_file()  # the shards were written, the manifest not
+    assert names(directory) == [sharded_name(2)]
+    assert pitstop.verify(directory) == directory / sharded_name(2)
+    with CheckpointDirectory(directory):  # the next writer removes the dead one's directory
+        pass
+    assert not temps[0].exists()
+
+
+def test_a_checkpoint_named_directory_without_a_good_manifest_is_not_listed(
+    straight: Run, tmp_path: Path
+) -> None:
+    directory = copy_run(straight, tmp_path)
+    (directory / sharded_name(4) / MANIFEST_NAME).unlink()
+    with (directory / sharded_name(6) / MANIFEST_NAME).open("r+b") as manifest:
+        manifest.truncate(100)  # no footer: an incomplete file
+    found = scan(LocalStorage(directory))
+    assert list(found.catalog) == []
+    assert sorted(found.unreadable) == [sharded_name(4), sharded_name(6)]
+
+
+# --- reading a checkpoint directory on its own ------------------------------------------------
+
+
+def plain_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 5))
+
+
+def test_export_and_load_weights_give_an_unsharded_model_the_full_tensors(
+    straight: Run, tmp_path: Path
+) -> None:
+    full = straight.ranks[0]["full"]["model"]
+    exported = pitstop.export_weights(straight.directory, tmp_path / "weights.pt")
+    model = plain_model()
+    model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
+    assert_same(dict(model.state_dict()), full)
+    other = plain_model()
+    pitstop.load_weights(other, straight.directory / "last", strict=True)
+    assert_same(dict(other.state_dict()), full)
+
+
+def test_verify_info_load_and_the_cli_read_a_checkpoint_directory(
+    straight: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = copy_run(straight, tmp_path)
+    newest = directory / sharded_name(6)
+    assert pitstop.verify(directory) == newest
+    record = pitstop.info(newest)
+    assert record.step == TARGET
+    assert {t.name for t in record.tensors} >= {
+        "model.0.weight",
+        "optimizer.state.0.weight.exp_avg",
+    }
+    tree = pitstop.load(directory)
+    assert_same(tree["sharded"]["model"], straight.ranks[0]["full"]["model"])
+    assert cli(["ls", str(directory), "--check"]) == 0
+    assert f"would use {sharded_name(6)} (step 6)" in capsys.readouterr().out
+    flip_byte(newest / "__0_0.distcp")
+    with pytest.raises(pitstop.CheckpointCorrupt, match=r"__0_0\.distcp fails its checksum"):
+        pitstop.verify(newest)
+    assert cli(["verify", str(newest)]) != 0
+
+
+def test_prune_deletes_old_directories_and_keeps_the_resume_point(
+    straight: Run, tmp_path: Path
+) -> None:
+    directory = copy_run(straight, tmp_path)
+    assert cli(["prune", str(directory), "--keep-last", "1"]) == 0
+    assert names(directory) == [sharded_name(6)]
+    assert not (directory / sharded_name(4)).exists()
+    assert (directory / "last" / MANIFEST_NAME).is_file()
+
+
+def test_a_sharded_model_refuses_async_save_and_an_ema_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pitstop.shell import sharded
+
+    monkeypatch.setattr(sharded, "is_sharded", lambda model, components: True)
+    for options in ({"async_save": True}, {"async_save": "overlap"}, {"ema": plain_model()}):
+        with pytest.raises(pitstop.ConfigError, match="sharded model"):
+            pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), **options)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_four_ranks_reshard_to_two_with_the_full_tensors(tmp_path: Path) -> None:
+    four = train(tmp_path / "checkpoints", tmp_path / "four", ranks=4)
+    two = train(four.directory, tmp_path / "two", "--strict-first", ranks=2)
+    for rank in range(2):
+        assert any(line.startswith("strict error") for line in two.finished.lines(rank))
+        assert two.ranks[rank]["resumed"] == TARGET
+        assert_same(two.ranks[rank]["full"], four.ranks[0]["full"], f"rank {rank}")
+        assert_same(two.ranks[rank]["schedule"], four.ranks[0]["schedule"])
