@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -40,7 +39,7 @@ from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus
 from pitstop.errors import ConfigError
-from pitstop.shell.capture import LiveState, rank_state, sharded_components
+from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import Checkpoint, manual_reason, metrics_of, stop_detail
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import Ranks
@@ -49,21 +48,12 @@ from pitstop.shell.registration import add_component, register_component
 from pitstop.shell.resuming import resume_from
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket, SaveSession, SaveTicket
+from pitstop.shell.shardsave import holds_sharded, save_sharded
 from pitstop.shell.staging import StagingPool
 from pitstop.shell.storage import Storage
 from pitstop.shell.unwrap import unwrap_model
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
-
-
-def _holds_sharded(live: LiveState) -> bool:
-    """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
-    save is a checkpoint directory written through DCP."""
-    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists, nor FSDP2 module
-        return False
-    from pitstop.shell.sharded import is_sharded  # imports DCP: only where it can be needed
-
-    return is_sharded(live.model, live.components)
 
 
 class Stateful(Protocol):
@@ -140,16 +130,7 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
-        self._sharded = _holds_sharded(self._live)
-        if self._sharded and async_save:
-            raise ConfigError(
-                f"Checkpointer async_save={async_save!r}: a sharded model (FSDP2, DTensor) saves "
-                "synchronously for now; pass async_save=False"
-            )
-        if self._sharded and ema is not None:
-            raise ConfigError(
-                "Checkpointer ema: not supported with a sharded model (FSDP2, DTensor)"
-            )
+        self._sharded = holds_sharded(self._live, async_save=async_save, ema=ema)
         self._ranks = Ranks.current(timeout_s)
         if not isinstance(overwrite, bool):
             raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")
@@ -388,7 +369,7 @@ class Checkpointer:
         overlap = self.async_save == "overlap"
         temp = ranks.lead(partial(self._saver.begin_sharded, progress)) if self._sharded else None
         if temp is not None:
-            ticket = self._save_sharded(temp, parts)
+            ticket = save_sharded(self.directory, temp, self._live, self._saver, ranks, parts)
         else:
             ticket = ranks.lead(partial(self._saver.write, progress, parts, overlap=overlap))
         self.last_blocking_s = time.perf_counter() - started
@@ -401,25 +382,6 @@ class Checkpointer:
         elif self.async_save:
             handle = self._remote = RemoteTicket()
         return Checkpoint.of(self.directory, entry, handle)
-
-    def _save_sharded(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
-        """Every rank writes its shards into ``temp``; then rank 0 publishes the directory."""
-        from pitstop.shell.sharded import write_sharded
-
-        ranks = self._ranks
-        try:
-            layout = write_sharded(
-                self.directory / temp,
-                self._live.model,
-                sharded_components(self._live),
-                ranks=ranks,
-            )
-        except BaseException:  # raised on every rank: the temp directory is gone
-            if ranks.leader:
-                self._saver.abort_sharded()
-            raise
-        ticket: int = ranks.lead(partial(self._saver.publish_sharded, layout, parts))
-        return ticket
 
     # --- restoring ----------------------------------------------------------------------
 
