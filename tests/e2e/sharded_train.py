@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from sharded_loop import snapshot  # this directory: the engine tests' child script
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 import pitstop
 from pitstop.shell import fileformat, sharddir
@@ -55,24 +54,6 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return model, optimizer, schedule
-
-
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Local shards and full tensors of the model and the optimizer (a collective)."""
-    optim = get_optimizer_state_dict(model, optimizer)
-    flat = {
-        f"state.{key}.{name}": value
-        for key, state in sorted(optim["state"].items())
-        for name, value in sorted(state.items())
-    }
-    local: dict[str, Any] = {"model": {}, "optimizer": {}}
-    full: dict[str, Any] = {"model": {}, "optimizer": {}}
-    for part, values in (("model", model.state_dict()), ("optimizer", flat)):
-        for key, value in sorted(values.items()):
-            is_d = isinstance(value, DTensor)
-            local[part][key] = (value.to_local() if is_d else value).detach().clone()
-            full[part][key] = (value.full_tensor() if is_d else value).detach().clone()
-    return {"local": local, "full": full}
 
 
 def kill_in_write(step: int, pids: list[int]) -> None:

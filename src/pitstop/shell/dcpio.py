@@ -3,9 +3,9 @@
 # Rules: DCP reads nothing pitstop has not checked and unpickles nothing. Its `.metadata` is a
 # pickle (FileSystemReader.read_metadata runs pickle.load; torch's weights-only unpickler reads
 # only protocol 2 and DCP writes protocol 4), so the reader is handed DCP's metadata rebuilt
-# from the layout in pitstop's manifest instead. Tensors DCP reads with torch.load(weights_only
-# =True) already; its planner reads non-tensor values with weights_only=False, so the planner
-# here reads them with weights_only=True. The writer notes the files its rank wrote from DCP's
+# from the layout in pitstop's manifest instead. Tensors DCP reads weights-only already; its
+# planner reads non-tensor values with a full unpickler, so the planner here reads them with
+# torch.load(weights_only=True). The writer notes the files its rank wrote from DCP's
 # own write results. A layout is built only from untransformed files (no DCP extensions).
 # How: small subclasses of DCP's FileSystemWriter, FileSystemReader and DefaultLoadPlanner.
 
