@@ -7,11 +7,24 @@ seeded differently), each Linear and the root sharded with ``fully_shard``; the 
 (sharded, saved through DCP) and a LambdaLR schedule (replicated, in the manifest's tree).
 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
-        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first]
+        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async]
+        [--die-in-shards-at N] [--fail-shards-at N --fail-rank R]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
 rank 0 SIGKILLs every rank (itself last) when the manifest write begins.
+``--async``: ``async_save=True`` (DCP's async_save; published at a later call). Each save
+prints ``saved <step> <status>`` as it returns; after ``finish`` the records of every save
+print ``status <step> <status>``.
+``--die-in-shards-at N``: rank 0 SIGKILLs every rank (itself last) when DCP begins writing
+rank 0's shards of the step-N save (in the background with ``--async``).
+``--drop-at N``: right after the step-N save returns, the Checkpointer is dropped without
+``close()`` (and collected); the rank prints ``dropped`` and writes no output file.
+``--hold-shards-at N``: every rank's DCP write of the step-N shards waits until that rank's
+loop has taken the next optimizer step (so the shards are written from what was staged, after
+the live tensors changed).
+``--fail-shards-at N --fail-rank R``: rank R's DCP write of the step-N shards raises OSError;
+a SaveError from ``maybe_save`` prints ``save error <message as JSON>`` and training goes on.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
@@ -25,11 +38,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import logging
 import os
 import signal
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +55,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import pitstop
-from pitstop.shell import fileformat, sharddir
+from pitstop.core.sharded import sharded_name
+from pitstop.shell import dcpio, fileformat, sharddir
 
 EXIT_PITSTOP_ERROR = 3
 
@@ -72,14 +89,49 @@ def kill_in_write(step: int, pids: list[int]) -> None:
     sharddir.write_manifest = write_manifest  # type: ignore[assignment]
 
 
-def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+def in_shards(step: int, act: Any) -> None:
+    """DCP's write of this rank's shards of the ``step`` save calls ``act()`` first."""
+    real = dcpio.Writer.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if Path(self.path).name.endswith(sharded_name(step)):
+            act()
+        return real(self, plan, planner)
+
+    dcpio.Writer.write_data = write_data  # type: ignore[method-assign]
+
+
+def kill_all(pids: list[int]) -> None:
+    print("killing in shards", flush=True)
+    for pid in pids:
+        if pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold(stepped: threading.Event, timeout: float) -> None:
+    if not stepped.wait(timeout):
+        raise OSError("the held write was never released")
+
+
+def inject(msg: str) -> None:
+    raise OSError(msg)
+
+
+def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | None:
     model, optimizer, schedule = build()
     torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
-    if args.die_in_write_at is not None:
-        pids: list[Any] = [None] * world
-        dist.all_gather_object(pids, os.getpid())
-        if rank == 0:
-            kill_in_write(args.die_in_write_at, pids)
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if args.die_in_write_at is not None and rank == 0:
+        kill_in_write(args.die_in_write_at, pids)
+    if args.die_in_shards_at is not None and rank == 0:
+        in_shards(args.die_in_shards_at, lambda: kill_all(pids))
+    stepped = threading.Event()  # --hold-shards-at: set by the optimizer step after the save
+    if args.hold_shards_at is not None:
+        in_shards(args.hold_shards_at, lambda: hold(stepped, args.pg_timeout))
+    if args.fail_shards_at is not None and rank == args.fail_rank:
+        in_shards(args.fail_shards_at, lambda: inject(f"injected on rank {rank}"))
     policy = pitstop.Policy(every_steps=args.every, keep_last=args.keep_last)
     ckpt = pitstop.Checkpointer(
         args.dir,
@@ -87,6 +139,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         state={"optimizer": optimizer, "schedule": schedule},
         policy=policy,
         timeout_s=args.pg_timeout,
+        async_save=args.async_save,
     )
     if args.strict_first:
         try:
@@ -96,17 +149,34 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
     print(f"resumed {progress.step}", flush=True)
     resumed = progress.step
+    saves: list[pitstop.Checkpoint] = []
     while progress.step < args.target:
         model(torch.randn(4, 8)).pow(2).mean().backward()
         optimizer.step()
+        if args.hold_shards_at is not None and progress.step == args.hold_shards_at:
+            stepped.set()  # the step after the held save
         optimizer.zero_grad()
         schedule.step()
         progress = progress.advance(samples=4 * world)
-        ckpt.maybe_save(progress)
+        try:
+            saved = ckpt.maybe_save(progress)
+        except pitstop.SaveError as exc:
+            print(f"save error {json.dumps(str(exc))}", flush=True)
+            saved = None
+        if saved is not None:
+            saves.append(saved)
+            print(f"saved {saved.step} {saved.status.value}", flush=True)
         print(f"step {progress.step}", flush=True)
         if progress.step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if progress.step == args.drop_at:
+            del ckpt, saved, saves
+            gc.collect()
+            print("dropped", flush=True)
+            return None
     ckpt.finish(progress)
+    for saved in saves:
+        print(f"status {saved.step} {saved.status.value}", flush=True)
     ckpt.close()
     print(f"checkpoints {[c.path.name for c in ckpt.checkpoints()]}", flush=True)
     out = snapshot(model, optimizer)
@@ -127,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-in-write-at", type=int)
     parser.add_argument("--no-strict", action="store_true")
     parser.add_argument("--strict-first", action="store_true")
+    parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--die-in-shards-at", type=int)
+    parser.add_argument("--hold-shards-at", type=int)
+    parser.add_argument("--drop-at", type=int)
+    parser.add_argument("--fail-shards-at", type=int)
+    parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -146,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         except pitstop.PitstopError as exc:
             print(f"error {type(exc).__name__} {json.dumps(str(exc))}", flush=True)
             return EXIT_PITSTOP_ERROR
+        if result is None:
+            return 0
         with open(f"{args.out}.rank{rank}.pitstop", "wb") as f:
             fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
         return 0

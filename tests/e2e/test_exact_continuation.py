@@ -88,7 +88,7 @@ def split_run(
 
 # Micro-batch 7 is inside an accumulation window of epoch 0; 10 ends epoch 0 exactly; 13 is
 # mid-window early in epoch 1. The slow sweep takes every micro-batch.
-@pytest.mark.parametrize("stop_at", [7, 10])
+@pytest.mark.parametrize("stop_at", [7, pytest.param(10, marks=pytest.mark.slow)])
 def test_stop_and_resume_is_bitwise_identical(
     tmp_path: Path, straight: Callable[..., dict[str, Any]], stop_at: int
 ) -> None:
@@ -131,6 +131,7 @@ def test_reduce_lr_on_plateau(tmp_path: Path, straight: Callable[..., dict[str, 
     assert_continues_exactly(straight("--scheduler", "plateau"), first, second)
 
 
+@pytest.mark.slow  # compiling costs ~25 s; tests/shell/test_weights.py covers the wrapper
 def test_torch_compiled_model(tmp_path: Path, straight: Callable[..., dict[str, Any]]) -> None:
     try:
         torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")(torch.randn(1, 2))

@@ -197,6 +197,7 @@ def test_sigterm_to_one_rank_then_resume_is_bitwise_identical(
     assert_continues_exactly(whole, first, second)
 
 
+@pytest.mark.slow  # test_multirank_harness.py launches a job under torchrun by default
 def test_under_torchrun(tmp_path: Path, straight: Straight) -> None:
     directory = tmp_path / "ckpt"
     first = train_and_stop(directory, tmp_path / "first", rank=1, at=STOP_AT, torchrun=True)

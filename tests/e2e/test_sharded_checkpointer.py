@@ -9,7 +9,11 @@ rank reshards a two-rank checkpoint (strict=True names the per-rank RNG that can
 strict=False loads the full tensors); a flipped byte in the newest checkpoint's shard makes
 every rank fall back to the previous one; a save killed between the shards and the manifest
 is never listed; retention deletes old directories and keeps the pointer targets; export,
-load_weights, verify, info, load and the CLI read a checkpoint directory. Every job is a
+load_weights, verify, info, load and the CLI read a checkpoint directory. In the background
+(``--async``): a run killed while the shards are written resumes from the previous checkpoint,
+bitwise (its shards were written only after the next step changed the model), every record
+pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
+undone; a Checkpointer dropped with a save in flight publishes nothing. Every job is a
 tests/multirank.py Job (bounded waits; every process ended when the test ends).
 """
 
@@ -182,6 +186,95 @@ def test_a_checkpoint_named_directory_without_a_good_manifest_is_not_listed(
     assert sorted(found.unreadable) == [sharded_name(4), sharded_name(6)]
 
 
+# --- in the background (async_save=True: DCP's async_save, published by a later call) ---------
+
+
+def statuses(run: Run, rank: int) -> list[str]:
+    return [line for line in run.finished.lines(rank) if line.startswith(("saved ", "status "))]
+
+
+def test_a_run_killed_while_background_shards_are_written_resumes_from_the_previous(
+    straight: Run, tmp_path: Path
+) -> None:
+    directory = tmp_path / "checkpoints"
+    killed = train(
+        directory,
+        tmp_path / "killed",
+        "--async",
+        "--hold-shards-at",  # step 2's shards are written only after step 3 changed the model
+        "2",
+        "--die-in-shards-at",
+        "4",
+        code=-9,
+    )
+    assert "killing in shards" in killed.finished.lines(0)
+    assert names(directory) == [sharded_name(2)]  # never listed before its shards are durable
+    assert (directory / "last").readlink() == Path(sharded_name(2))
+    resumed = train(directory, tmp_path / "resumed", "--async")
+    for rank in range(2):  # step 2, saved in the background while training went on, is exact
+        assert resumed.ranks[rank]["resumed"] == 2
+        assert_same(trained(resumed.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+        assert statuses(resumed, rank) == [  # pending on every rank until a later call
+            "saved 4 pending",
+            "saved 6 pending",
+            "status 4 published",
+            "status 6 published",
+        ], resumed.finished.describe()
+    assert names(directory) == [sharded_name(4), sharded_name(6)]
+    assert (directory / "final").readlink() == Path(sharded_name(6))
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+    assert pitstop.verify(directory) == directory / sharded_name(6)
+
+
+def test_a_background_save_failing_on_one_rank_raises_on_every_rank_and_is_undone(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "checkpoints"
+    run = train(directory, tmp_path / "failed", "--async", "--fail-shards-at", "4")
+    for rank in range(2):
+        lines = run.finished.lines(rank)
+        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
+        assert len(errors) == 1, run.finished.describe()
+        assert "background save of step 4" in errors[0]
+        assert "injected on rank 1" in errors[0]  # rank 1's error, raised on rank 0 too
+        assert "status 4 failed" in lines
+        assert "status 2 published" in lines
+    assert names(directory) == [sharded_name(2), sharded_name(6)]  # the schedule went on
+    assert (directory / "last").readlink() == Path(sharded_name(6))
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_checkpointer_dropped_with_a_background_save_in_flight_publishes_nothing(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "checkpoints"
+    with Job(
+        SCRIPT,
+        "--dir",
+        directory,
+        "--out",
+        tmp_path / "out",
+        "--target",
+        "6",
+        "--async",
+        "--drop-at",
+        "2",
+        ranks=2,
+    ) as job:
+        finished = job.wait()
+    finished.check()  # no rank hangs on a collective that cannot run any more
+    for rank in range(2):
+        assert "dropped" in finished.lines(rank)
+    logged = [line for line in finished.lines(0) if "nobody was left to raise it" in line]
+    assert len(logged) == 1, finished.describe()
+    assert "dropped without close() while this sharded save was in flight" in logged[0]
+    assert names(directory) == []
+    assert not (directory / "last").exists()
+    with CheckpointDirectory(directory):  # the next writer removes what the save left
+        pass
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+
+
 # --- reading a checkpoint directory on its own ------------------------------------------------
 
 
@@ -234,13 +327,13 @@ def test_prune_deletes_old_directories_and_keeps_the_resume_point(
     assert (directory / "last" / MANIFEST_NAME).is_file()
 
 
-def test_a_sharded_model_refuses_async_save_and_an_ema_before_anything_runs(
+def test_a_sharded_model_refuses_overlap_and_an_ema_before_anything_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pitstop.shell import sharded
 
     monkeypatch.setattr(sharded, "is_sharded", lambda model, components: True)
-    for options in ({"async_save": True}, {"async_save": "overlap"}, {"ema": plain_model()}):
+    for options in ({"async_save": "overlap"}, {"ema": plain_model()}):
         with pytest.raises(pitstop.ConfigError, match="sharded model"):
             pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), **options)
     assert not (tmp_path / "checkpoints").exists()

@@ -4,10 +4,11 @@ tests/e2e/sharded_loop.py trains an FSDP2 MLP with AdamW and saves it through
 pitstop.shell.sharded twice (write_sharded, and async_write_sharded with a stager), or
 restores a checkpoint into a model built from another seed. Checked here: a save publishes a
 complete directory (every DCP file listed with its writer, size and CRC-32, no temp left);
+the export gathers a full state dict that an unsharded model loads with strict=True. Under
+-m slow (test_sharded_checkpointer.py checks the same through the Checkpointer by default):
 fresh processes restore bitwise-equal local shards and optimizer state; a load into another
-world size reshards (2 -> 1, and 4 -> 2 under -m slow); a flipped byte in one shard file is
-found before anything is loaded, on every rank; the export gathers a full state dict that an
-unsharded model loads with strict=True. Every job is a tests/multirank.py Job: each wait is
+world size reshards (2 -> 1, and 4 -> 2); a flipped byte in one shard file is found before
+anything is loaded, on every rank. Every job is a tests/multirank.py Job: each wait is
 bounded and every process it started is killed when the test ends, passing or not.
 """
 
@@ -127,6 +128,7 @@ def test_a_save_publishes_every_file_with_its_writer_and_checksum(saved: Saved, 
 # --- loading ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # test_sharded_checkpointer.py does the same through the Checkpointer
 def test_fresh_processes_restore_bitwise_equal_shards_and_optimizer(
     saved: Saved, tmp_path: Path
 ) -> None:
@@ -137,6 +139,7 @@ def test_fresh_processes_restore_bitwise_equal_shards_and_optimizer(
     assert_same(restored[0]["full"], saved.ranks[0]["full"])
 
 
+@pytest.mark.slow  # test_sharded_checkpointer.py does the same through the Checkpointer
 def test_one_rank_reshards_a_two_rank_async_save_to_the_full_tensors(
     saved: Saved, tmp_path: Path
 ) -> None:
@@ -177,6 +180,7 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow  # test_sharded_checkpointer.py does the same through the Checkpointer
 def test_a_flipped_byte_in_one_shard_is_found_on_every_rank_before_loading(
     saved: Saved, tmp_path: Path
 ) -> None:

@@ -5,7 +5,9 @@
 # Checkpointer closed by its owner raises a failed background save's error (after the
 # release); one dropped without close() (collected, or left open at interpreter exit) has
 # nobody to raise to, so the error is logged. The finalizer refers to the session, the
-# directory and the hooks — never to the Checkpointer, so it does not keep it alive.
+# directory and the hooks — never to the Checkpointer, so it does not keep it alive. A sharded
+# save in flight needs a collective to finish, which a finalizer cannot run: it is abandoned
+# (not published; logged as a failed save).
 # How: the Checkpointer registers shut_down() with weakref.finalize; close() detaches it and
 # calls release() itself.
 
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -37,9 +40,15 @@ def shut_down(
     session: SaveSession,
     directory: CheckpointDirectory,
     hooks: list[torch.utils.hooks.RemovableHandle],
+    abandon: Callable[[], None] | None = None,
 ) -> None:
-    """Finish a Checkpointer nobody closed (garbage collection or interpreter exit)."""
+    """Finish a Checkpointer nobody closed (garbage collection or interpreter exit).
+
+    ``abandon``: gives up a save in flight that only a collective could finish (sharded).
+    """
     try:
+        if abandon is not None:
+            abandon()
         reported = session.close()
         if reported is not None:
             log.error(

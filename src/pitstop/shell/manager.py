@@ -48,7 +48,7 @@ from pitstop.shell.registration import add_component, register_component
 from pitstop.shell.resuming import resume_from
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket, SaveSession, SaveTicket
-from pitstop.shell.shardsave import holds_sharded, save_sharded
+from pitstop.shell.shardsave import ShardedSaves, holds_sharded
 from pitstop.shell.staging import StagingPool
 from pitstop.shell.storage import Storage
 from pitstop.shell.unwrap import unwrap_model
@@ -85,7 +85,9 @@ class Checkpointer:
     A sharded model (FSDP2, DTensor parameters, an optimizer over DTensors) saves each
     checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
     its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
-    run's world size (see docs/distributed.md); ``async_save`` and ``ema`` are refused then.
+    run's world size (see docs/distributed.md); ``async_save=True`` writes through DCP's
+    async_save and publishes at a later call on every rank; ``"overlap"`` and ``ema`` are
+    refused then.
     """
 
     def __init__(
@@ -152,13 +154,21 @@ class Checkpointer:
             sharded=self._sharded,
         )
         self._remote: RemoteTicket | None = None
+        self._shards: ShardedSaves | None = None
+        if self._sharded:
+            self._shards = ShardedSaves(
+                self._directory.path, self._live, self._saver, self._ranks, timeout_s=timeout_s
+            )
+            if async_save:
+                self._shards.background()
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for obj in self._live.optimizers():
             self._hook(obj)
         # A Checkpointer dropped or left open at exit still publishes what is in flight. The
         # finalizer refers to the session, the directory and the hooks — never to self.
+        abandon = self._shards.abandon if self._shards is not None else None
         self._finalizer = weakref.finalize(
-            self, shut_down, self._session, self._directory, self._hooks
+            self, shut_down, self._session, self._directory, self._hooks, abandon
         )
 
     def _open(self) -> None:
@@ -199,6 +209,8 @@ class Checkpointer:
     def _settle(self, request: Request) -> None:
         """Rank 0 waits for its save in flight; every rank learns how it ended."""
         session = self._session
+        if self._shards is not None:  # every rank: the sharded save in flight, published
+            self._shards.settle(block=request is not Request.REGISTER)
 
         def settle() -> SaveStatus | None:
             ticket = session.state.ticket
@@ -237,11 +249,15 @@ class Checkpointer:
             self._saver.raise_failed(reported)
 
         try:
-            self._ranks.lead(close)
+            if self._shards is not None:  # every rank: the sharded save in flight, published
+                self._shards.settle(block=True)
         finally:
-            for hook in self._hooks:  # other ranks' hooks
-                hook.remove()
-            self._hooks.clear()
+            try:
+                self._ranks.lead(close)
+            finally:
+                for hook in self._hooks:  # other ranks' hooks
+                    hook.remove()
+                self._hooks.clear()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -359,25 +375,32 @@ class Checkpointer:
             )
 
         asked = merge_inputs(ranks.all_gather_each(local_input))
-        plan_call = partial(
-            self._saver.plan, self.policy, call, progress, asked, detail, manual, self._resumed_from
-        )
-        planned = ranks.lead(plan_call)
-        if planned is None:
+        shards = self._shards
+        if shards is not None:  # published if every rank's part is done; its error raised
+            shards.settle(block=False)
+        saver = self._saver
+        if not ranks.lead(partial(saver.decide, self.policy, call, progress, asked, manual)):
             return None
+        if shards is not None:  # the next plan needs the directory with the save in flight
+            shards.settle(block=True)
+        planned = ranks.lead(
+            partial(saver.plan, self.policy, progress, asked, detail, self._resumed_from)
+        )
         parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
         overlap = self.async_save == "overlap"
-        temp = ranks.lead(partial(self._saver.begin_sharded, progress)) if self._sharded else None
-        if temp is not None:
-            ticket = save_sharded(self.directory, temp, self._live, self._saver, ranks, parts)
+        temp = ranks.lead(partial(saver.begin_sharded, progress)) if shards else None
+        if shards is not None and temp is not None:
+            ticket = shards.save(temp, parts)
         else:
-            ticket = ranks.lead(partial(self._saver.write, progress, parts, overlap=overlap))
+            ticket = ranks.lead(partial(saver.write, progress, parts, overlap=overlap))
         self.last_blocking_s = time.perf_counter() - started
         entry = entry_from_wire(planned[1])
         if entry is NO_CHECKPOINT:
             return None
         handle: SaveTicket | RemoteTicket | None = None
-        if bool(self.async_save) and ranks.leader:
+        if shards is not None and shards.ticket is not None:
+            handle = shards.ticket
+        elif bool(self.async_save) and ranks.leader:
             handle = SaveTicket(self._session, ticket)
         elif self.async_save:
             handle = self._remote = RemoteTicket()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from copy import deepcopy
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
+from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
 from pitstop.core.session import Event, Request
 from pitstop.core.sharded import ShardedLayout
 from pitstop.shell import fileformat
@@ -70,11 +71,18 @@ class Saver:
         self.pointers = directory.pointers
         self._decided = schedule
         self._planned: SavePlan | None = None
+        self._decision: SaveDecision | None = None
+        self._handed: tuple[Any, ...] | None = None
         self._live = live
         self._directory = directory
         self._session = session
         self._pool = pool
         self._ticket = 0
+
+    @property
+    def session(self) -> SaveSession:
+        """The save session this Saver reports to."""
+        return self._session
 
     def enter(self, request: Request) -> None:
         """Wait as the session says; raise a failed background save's error, undoing it."""
@@ -86,20 +94,15 @@ class Saver:
             self.schedule, self.pointers = reported.undo
             raise reported.error
 
-    def plan(
+    def decide(
         self,
         policy: Policy,
         call: Call,
         progress: Progress,
         asked: CallInput,
-        detail: str,
         manual: SaveReason,
-        resumed_from: Path | None,
-    ) -> tuple[Any, ...] | None:
-        """Rank 0: plan what this call does to the directory; the record it returns, as sent.
-
-        ``None``: the call does nothing. The plan itself stays on rank 0 for :meth:`write`.
-        """
+    ) -> bool:
+        """Rank 0: whether this call saves (or moves pointers); :meth:`plan` then plans it."""
         self.enter(Request.SAVE)
         decision = decide_save(
             policy,
@@ -112,8 +115,21 @@ class Saver:
             stop=asked.stop,
             manual_reason=manual,
         )
-        if not decision.acts:
-            return None
+        self._decision = decision if decision.acts else None
+        return self._decision is not None
+
+    def plan(
+        self,
+        policy: Policy,
+        progress: Progress,
+        asked: CallInput,
+        detail: str,
+        resumed_from: Path | None,
+    ) -> tuple[Any, ...]:
+        """Rank 0: plan what the call :meth:`decide` decided on does to the directory; the
+        record it returns, as sent. The plan itself stays on rank 0 for :meth:`write`."""
+        decision = self._decision
+        assert decision is not None
         if self._live.pending and resumed_from is not None:
             self._directory.note_carried(self._live.pending, resumed_from.name)
         self.enter(Request.WRITE)  # the directory's state must include the save in flight
@@ -196,6 +212,57 @@ class Saver:
         self._session.event(Event.PUBLISHED)
         self.schedule, self.pointers = self._decided, plan.pointers
         return self._ticket
+
+    # A background sharded save: capture_sharded, (every rank starts DCP's write), handed_over;
+    # later, once every rank's shards are durable, publish_handed — or fail_handed.
+
+    def capture_sharded(self, parts: list[dict[str, Any]] | None) -> None:
+        """Rank 0: copy the replicated state of the planned save now (training goes on while
+        the shards are written); an error aborts the save before any shard is written."""
+        plan = self._planned
+        assert plan is not None
+        assert plan.entry is not NO_CHECKPOINT
+        try:
+            tree, meta = capture(self._live, parts, sharded=True)
+            tree = deepcopy(tree)  # small: the model and optimizers go through DCP
+        except BaseException:
+            self.abort_sharded()
+            raise
+        self._handed = (plan, self._decided, tree, meta)
+
+    def handed_over(self) -> int:
+        """Rank 0: every rank's shards are staged and being written: the schedule and the
+        pointers move now (put back if the save fails); returns the save's ticket."""
+        assert self._handed is not None
+        plan, decided, _, _ = self._handed
+        self._session.event(Event.CAPTURED)
+        self.schedule, self.pointers = decided, plan.pointers
+        return self._ticket
+
+    def abort_handed(self) -> None:
+        """Rank 0: DCP's write could not be started (every rank raises the same error)."""
+        self._handed = None
+        self.abort_sharded()
+
+    def publish_handed(self, layout: ShardedLayout) -> None:
+        """Rank 0: every rank's shards of the handed-over save are durable: write the manifest
+        last, publish, then pointers and retention (a failure: see :meth:`fail_handed`)."""
+        assert self._handed is not None
+        plan, _, tree, meta = self._handed
+        self._directory.publish_sharded(plan, plan.entry, layout, tree, meta)
+        self._handed = None
+        self._session.event(Event.PUBLISHED)
+
+    def fail_handed(self, error: BaseException) -> None:
+        """Rank 0: the handed-over save failed (on any rank): remove its temp directory, put
+        the schedule and pointers back and raise the error, as for a failed background save."""
+        assert self._handed is not None
+        entry = self._handed[0].entry
+        self._handed = None
+        shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+        self._session.fail(error)
+        self.enter(Request.LIST)  # raises it, named and undone
+        raise AssertionError("a failed save reports its error")  # pragma: no cover
 
     def resumed(self, entry: CheckpointEntry | NoCheckpoint) -> None:
         """Rank 0: the schedule after resuming from ``entry``."""

@@ -186,13 +186,14 @@ class SaveSession:
         try:
             copy(guard)
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
             if threading.current_thread() is self._thread:
                 raise
             return
         self.event(Event.COPIED)
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """The save in flight failed with ``exc``: kept, and raised by the next call."""
         with self._cond:
             if self._state.phase in (Phase.FAILED, Phase.IDLE, Phase.CLOSED):
                 return
@@ -219,7 +220,7 @@ class SaveSession:
                     return  # the copies failed: nothing to write
             job()
         except BaseException as exc:  # kept for the caller, never lost
-            self._fail(exc)
+            self.fail(exc)
             return
         self.event(Event.PUBLISHED)
 
@@ -242,13 +243,15 @@ class SaveTicket:
 
 class RemoteTicket:
     """A background save's record on a rank other than 0: rank 0 writes, this rank hears.
+    (``sharded``: on every rank; every rank writes its shards, in DCP's background.)
 
     Its status stays pending until the Checkpointer's next collective call tells how rank 0's
     write ended; it cannot wait by itself (``ckpt.wait()``, on every rank, does).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, sharded: bool = False) -> None:
         self._status = SaveStatus.PENDING
+        self._sharded = sharded
 
     def settle(self, status: SaveStatus) -> None:
         """Record how rank 0's write ended."""
@@ -261,9 +264,14 @@ class RemoteTicket:
     def wait(self) -> SaveStatus:
         """The outcome, once heard; waiting alone would wait for a collective call."""
         if self._status is SaveStatus.PENDING:
+            who = (
+                "every rank writes its shards and rank 0 publishes them"
+                if self._sharded
+                else "only rank 0 writes"
+            )
             raise PitstopError(
-                "only rank 0 writes: on this rank a background save's record learns its outcome "
-                "from the Checkpointer's next call on every rank (ckpt.wait(), finish(), ...)"
+                f"{who}: a background save's record learns its outcome from the "
+                "Checkpointer's next call on every rank (ckpt.wait(), finish(), ...)"
             )
         return self._status
 

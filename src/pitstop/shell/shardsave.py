@@ -3,69 +3,178 @@
 # Rules: a run's state is sharded when the model or an optimizer holds DTensors — decided once,
 # when the Checkpointer is built; then every save is a checkpoint directory written through
 # torch.distributed.checkpoint. DCP is imported only where a DTensor can exist (its import costs
-# seconds). Not yet supported with sharded state, and refused when the Checkpointer is built:
-# async_save (DCP's own async path is not wired in) and an EMA. A sharded save is a collective:
-# rank 0 plans it and names the temp directory, every rank writes its shards there, and only
-# then does rank 0 capture the replicated state, write the manifest last and publish; a failure
-# while writing shards is raised on every rank and leaves no temp directory.
-# How: functions over the live state, the Saver and the ranks; the Checkpointer calls them.
+# seconds). Refused with sharded state, when the Checkpointer is built: an EMA, and
+# async_save="overlap" (async_save=True is DCP's own background write). A sharded save is a
+# collective: rank 0 plans it and names the temp directory, every rank writes its shards there,
+# and only then does rank 0 write the manifest last and publish; a failure while writing shards
+# is raised on every rank and leaves no temp directory.
+# In the background (async_save=True): rank 0 copies the replicated state, every rank starts
+# DCP's async_save (on a gloo group of its own, with one kept stager) and the call returns once
+# the shards are staged; the schedule and pointers move then. DCP's completion is a collective,
+# so it is finished on the loop's thread, by a later call on every rank: each call asks every
+# rank whether its part is done and, when all are, publishes; a call that must see the save
+# settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised
+# there on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put
+# back. A Checkpointer dropped without close() cannot run a collective: its save in flight is
+# not published (its temp directory is removed when the directory is next opened).
+# How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
 
 from __future__ import annotations
 
+import datetime
+import shutil
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from pitstop.errors import ConfigError
+from pitstop.core.session import Phase, SaveStatus
+from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.capture import LiveState, sharded_components
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.saving import Saver
+from pitstop.shell.session import RemoteTicket
 
-__all__ = ["holds_sharded", "save_sharded"]
+__all__ = ["ShardedSaves", "holds_sharded"]
 
 
 def holds_sharded(live: LiveState, *, async_save: object, ema: nn.Module | None) -> bool:
     """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
     save is a checkpoint directory written through DCP. Raises ConfigError for what sharded
-    state does not support yet (``async_save``, an ``ema``)."""
+    state does not support (``async_save="overlap"``, an ``ema``)."""
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists, nor FSDP2 module
         return False
     from pitstop.shell.sharded import is_sharded  # imports DCP: only where it can be needed
 
     if not is_sharded(live.model, live.components):
         return False
-    if async_save:
+    if async_save == "overlap":
         raise ConfigError(
-            f"Checkpointer async_save={async_save!r}: a sharded model (FSDP2, DTensor) saves "
-            "synchronously for now; pass async_save=False"
+            "Checkpointer async_save='overlap': a sharded model (FSDP2, DTensor) saves in the "
+            "background through DCP's own async_save; pass async_save=True"
         )
     if ema is not None:
         raise ConfigError("Checkpointer ema: not supported with a sharded model (FSDP2, DTensor)")
     return True
 
 
-def save_sharded(
-    directory: Path,
-    temp: str,
-    live: LiveState,
-    saver: Saver,
-    ranks: Ranks,
-    parts: list[dict[str, Any]] | None,
-) -> int:
-    """Every rank writes its shards into ``directory / temp``; then rank 0 publishes the
-    directory (the save's session ticket is returned)."""
-    from pitstop.shell.sharded import write_sharded
+class ShardedSaves:
+    """Every rank: a sharded run's saves, and the background one in flight (at most one)."""
 
-    try:
-        layout = write_sharded(directory / temp, live.model, sharded_components(live), ranks=ranks)
-    except BaseException:  # raised on every rank: the temp directory is gone
-        if ranks.leader:
-            saver.abort_sharded()
-        raise
-    ticket: int = ranks.lead(partial(saver.publish_sharded, layout, parts))
-    return ticket
+    def __init__(
+        self, directory: Path, live: LiveState, saver: Saver, ranks: Ranks, *, timeout_s: float
+    ) -> None:
+        self._directory, self._live, self._saver, self._ranks = directory, live, saver, ranks
+        self._timeout_s = timeout_s
+        self._group: Any = None
+        self._stager: Any = None
+        self._pending: Any = None  # the PendingShardedWrite in flight
+        self.ticket: RemoteTicket | None = None
+        """The record of the save in flight (every rank hears its outcome from a call)."""
+
+    def background(self) -> None:
+        """Every rank, at construction: saves go through DCP's async_save. DCP runs its
+        collectives on its own thread, so they get a gloo group of their own."""
+        from pitstop.shell.sharded import make_stager
+
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            timeout = datetime.timedelta(seconds=self._timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._stager = make_stager()
+
+    def save(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
+        """Every rank writes its shards into ``directory / temp``; then (synchronous) rank 0
+        publishes the directory, or (background) the write goes on in DCP's background. The
+        save's session ticket is returned (on rank 0)."""
+        if self._stager is None:
+            return self._write(temp, parts)
+        return self._start(temp, parts)
+
+    def _write(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
+        from pitstop.shell.sharded import write_sharded
+
+        saver, ranks = self._saver, self._ranks
+        root, model = self._directory / temp, self._live.model
+        try:
+            layout = write_sharded(root, model, sharded_components(self._live), ranks=ranks)
+        except BaseException:  # raised on every rank: the temp directory is gone
+            if ranks.leader:
+                saver.abort_sharded()
+            raise
+        ticket: int = ranks.lead(partial(saver.publish_sharded, layout, parts))
+        return ticket
+
+    def _start(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
+        from pitstop.shell.sharded import async_write_sharded
+
+        saver, ranks = self._saver, self._ranks
+        ranks.lead(partial(saver.capture_sharded, parts))
+        root = self._directory / temp
+        components = sharded_components(self._live)
+
+        def start() -> Any:
+            pending = async_write_sharded(
+                root,
+                self._live.model,
+                components,
+                ranks=ranks,
+                group=self._group,
+                stager=self._stager,
+            )
+            pending.staged(self._timeout_s)
+            return pending
+
+        try:
+            self._pending = ranks.each(start)
+        except BaseException:
+            if ranks.leader:
+                saver.abort_handed()
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+        self.ticket = RemoteTicket(sharded=True)
+        ticket: int = ranks.lead(saver.handed_over)
+        return ticket
+
+    def settle(self, *, block: bool) -> None:
+        """Every rank: publish the save in flight once every rank's shards are durable —
+        waiting for them (``block``), or only if they already are. Raises its failure."""
+        pending = self._pending
+        if pending is None:
+            return
+        if not block and not all(self._ranks.all_gather(pending.done())):
+            return
+        self._pending = None
+        ticket, self.ticket = self.ticket, None
+        saver, ranks = self._saver, self._ranks
+        try:
+            layout = pending.result(self._timeout_s)  # every rank, or the same error on each
+            ranks.lead(partial(saver.publish_handed, layout))
+        except Exception as exc:
+            if ticket is not None:
+                ticket.settle(SaveStatus.FAILED)
+            ranks.lead(partial(saver.fail_handed, exc))  # rank 0's SaveError, on every rank
+            raise  # fail_handed raised already; this keeps the type checker sure
+        if ticket is not None:
+            ticket.settle(SaveStatus.PUBLISHED)
+
+    def abandon(self) -> None:
+        """A Checkpointer dropped without close(): the save in flight is not published (no
+        collective can run now). Rank 0's session records the failure, so closing it does not
+        wait; the temp directory is removed when the directory is next opened."""
+        if self._pending is None:
+            return
+        self._pending = None
+        session = self._saver.session
+        if self._ranks.leader and session.state.phase is Phase.WRITING:
+            session.fail(
+                SaveError(
+                    "the Checkpointer was dropped without close() while this sharded save "
+                    "was in flight; it is not published"
+                )
+            )
