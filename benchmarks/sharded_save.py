@@ -10,8 +10,9 @@ a new directory under one root:
   ``{"model": get_model_state_dict, "optimizer": get_optimizer_state_dict}``;
 * ``dcp async_save``: ``dcp.async_save`` of the same, one ``DefaultStager`` kept across saves
   (pitstop's ``make_stager()``, the same stager as pitstop async), on a gloo group of its own;
-* ``pitstop sync``: ``write_sharded`` to a temp name, then (rank 0) ``write_manifest`` and
-  ``publish_sharded`` (fsync of every file, checksums, manifest, rename, parent fsync);
+* ``pitstop sync``: ``write_sharded`` to a temp name (every file checksummed as DCP writes it,
+  then fsynced), then (rank 0) ``write_manifest`` and ``publish_sharded`` (manifest, rename,
+  parent fsync);
 * ``pitstop async``: ``async_write_sharded`` with that stager, then ``result()`` and the same
   publish.
 

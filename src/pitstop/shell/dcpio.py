@@ -6,7 +6,8 @@
 # from the layout in pitstop's manifest instead. Tensors DCP reads weights-only already; its
 # planner reads non-tensor values with a full unpickler, so the planner here reads them with
 # torch.load(weights_only=True). The writer notes the files its rank wrote from DCP's
-# own write results. A layout is built only from untransformed files (no DCP extensions).
+# own write results, and their sizes and CRC-32s as its streams wrote and fsynced them
+# (pitstop.shell.dcpwrite). A layout is built only from untransformed files (no DCP extensions).
 # How: small subclasses of DCP's FileSystemWriter, FileSystemReader and DefaultLoadPlanner.
 
 """DCP adapters: layout <-> DCP metadata, a writer that notes its files, a safe reader."""
@@ -40,6 +41,7 @@ from torch.futures import Future
 
 from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.dcpwrite import CrcFileSystem, Note
 from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
@@ -129,15 +131,28 @@ def metadata_of(layout: ShardedLayout) -> Metadata:
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer; :attr:`written` names the files this rank wrote (DCP's results)."""
+    """DCP's file writer into the new ``directory``, never overwriting; :attr:`written` names
+    the files this rank wrote (DCP's results), :meth:`checksums` their sizes and CRC-32s as
+    written. Its streams fsync each file (pitstop.shell.dcpwrite), so DCP's ``sync_files``,
+    which would fsync each again, is off."""
 
     written: tuple[str, ...] = ()
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, sync_files=False, overwrite=False)
+        self.fs = self._files = CrcFileSystem()
+        self.path = self.fs.init_path(directory)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's ``write_data`` (it returns a completed future), noting the files written."""
         future = super().write_data(plan, planner)
         self.written = tuple(sorted({r.storage_data.relative_path for r in future.value()}))
         return future
+
+    def checksums(self) -> dict[str, Note]:
+        """``{name: (size, crc32)}`` of the files written (and fsynced) that could be vouched
+        for as written; a file missing here is to be re-read."""
+        return self._files.written(Path(self.path))
 
 
 class _Reader(FileSystemReader):

@@ -6,12 +6,14 @@
 # name, fsync, rename, directory fsync), so that the names of every file the ranks wrote are
 # durable with it. Then the temp directory is renamed to its final name and the parent fsynced.
 # A deletion takes the manifest out first, durably, so whatever a crash leaves of the rest is
-# no checkpoint. Each rank fsyncs and checksums the files it wrote; a verification compares
-# size (before reading a byte) and CRC-32 against the layout, and names the file that fails.
-# Every file read is opened as untrusted input (regular files only, symlinks not followed).
+# no checkpoint. Each rank's table of the files it wrote takes their sizes and CRC-32s from what
+# its writer's streams noted as they wrote and fsynced them (pitstop.shell.dcpwrite); a file
+# without a note is fsynced and read back instead. A verification compares size (before
+# reading a byte) and CRC-32 against the layout, and names the file that fails. Every file
+# read is opened as untrusted input (regular files only, symlinks not followed).
 # How: CRC-32 pieces on pitstop.shell.checksums' pool, joined with crc32_combine.
 
-"""Sharded checkpoint directories: checksum, verify, write the manifest, publish, delete."""
+"""Sharded checkpoint directories: file tables, verify, write the manifest, publish, delete."""
 
 from __future__ import annotations
 
@@ -69,15 +71,30 @@ def _crc_file(file: BinaryIO, pool: Checksummer) -> tuple[int, int]:
     return size, crc
 
 
-def file_table(directory: Path, names: Iterable[str], rank: int) -> tuple[ShardFile, ...]:
-    """fsync and checksum the files ``names`` of ``directory`` that ``rank`` wrote.
+def file_table(
+    directory: Path,
+    names: Iterable[str],
+    rank: int,
+    noted: Mapping[str, tuple[int, int]] | None = None,
+) -> tuple[ShardFile, ...]:
+    """The table of the files ``names`` of ``directory`` that ``rank`` wrote.
 
-    Raises :class:`~pitstop.errors.SaveError` naming the file that could not be.
+    A file in ``noted`` (``{name: (size, crc32)}``, taken as it was written and fsynced:
+    pitstop.shell.dcpwrite) is listed from there; any other is fsynced and read back to be
+    checksummed. Raises :class:`~pitstop.errors.SaveError` naming the file that could not be.
     """
     storage = LocalStorage(directory)
+    noted = noted or {}
     table = []
-    with Checksummer(default_threads()) as pool:
+    with contextlib.ExitStack() as stack:
+        pool: Checksummer | None = None
         for name in names:
+            if name in noted:
+                size, crc = noted[name]
+                table.append(ShardFile(name=name, size=size, crc32=crc, rank=rank))
+                continue
+            if pool is None:
+                pool = stack.enter_context(Checksummer(default_threads()))
             try:
                 with open_untrusted(storage.path(name), follow_symlinks=False) as file:
                     storage.sync_file(file)

@@ -2,10 +2,10 @@
 # file.
 #
 # Rules: every rank makes the same calls. A save: rank 0 creates the temp directory (exclusive;
-# the outcome is agreed), every rank writes its shards through DCP's FileSystemWriter
-# (sync_files: DCP fsyncs each file it writes), then fsyncs again and checksums (CRC-32, on the
-# checksum pool) the files it wrote itself — rank 0's include DCP's `.metadata` — and the
-# tables are gathered; rank 0 builds the layout (pitstop.core.sharded), writes the manifest last
+# the outcome is agreed), every rank writes its shards through DCP's FileSystemWriter, whose
+# streams CRC-32 each file as DCP writes it and fsync it (pitstop.shell.dcpwrite), so the table
+# of the files it wrote itself — rank 0's include `.metadata` — needs no re-read; the tables are
+# gathered; rank 0 builds the layout (pitstop.core.sharded), writes the manifest last
 # (publish_file: temp name, fsync, rename, directory fsync — which makes the names of every
 # rank's files durable too), renames the temp directory into place and fsyncs the parent.
 # A load: the layout comes from the manifest (DCP's pickled `.metadata` is never read: see
@@ -132,7 +132,7 @@ def _fresh(directory: Path, ranks: Ranks) -> Writer:
             raise SaveError(f"could not create {directory}: {exc}") from exc
 
     ranks.lead(create)
-    return Writer(directory, sync_files=True, overwrite=False)
+    return Writer(directory)
 
 
 @contextlib.contextmanager
@@ -146,8 +146,9 @@ def _removed_on_error(directory: Path, ranks: Ranks) -> Iterator[None]:
         raise
 
 
-def _own(writer: Writer, ranks: Ranks) -> tuple[str, ...]:
-    return writer.written + ((DCP_METADATA,) if ranks.leader else ())
+def _table(directory: Path, writer: Writer, ranks: Ranks) -> tuple[ShardFile, ...]:
+    names = writer.written + ((DCP_METADATA,) if ranks.leader else ())
+    return file_table(directory, names, ranks.rank, writer.checksums())
 
 
 def _agreed(
@@ -173,8 +174,8 @@ def write_sharded(
 ) -> ShardedLayout:
     """Every rank: save the model's and ``optimizers``' state into the new ``directory``.
 
-    Each rank writes its shards through DCP (on ``group``; ``None``: the default group), then
-    fsyncs and checksums the files it wrote; every rank returns the same layout. Nothing is
+    Each rank writes its shards through DCP (on ``group``; ``None``: the default group), each
+    file checksummed as written and fsynced; every rank returns the same layout. Nothing is
     published yet (:func:`write_manifest`, :func:`publish_sharded`). Raises
     :class:`~pitstop.errors.SaveError` on every rank when any rank fails.
     """
@@ -188,7 +189,7 @@ def write_sharded(
                 metadata = save(state, storage_writer=writer, process_group=group)
         except CheckpointException as exc:  # a BaseException, raised on every rank
             raise SaveError(f"could not write the shards of {root}: {exc}") from exc
-        tables = ranks.all_gather_each(lambda: file_table(root, _own(writer, ranks), ranks.rank))
+        tables = ranks.all_gather_each(lambda: _table(root, writer, ranks))
         return _agreed(metadata, tables, ranks)
 
 
@@ -207,9 +208,9 @@ def make_stager() -> DefaultStager:
 
 
 class PendingShardedWrite:
-    """A save :func:`async_write_sharded` started. DCP writes on its upload thread; then, on
-    that thread, this rank's files are fsynced and checksummed. :meth:`result` gathers (after
-    a ``timeout`` there, DCP may still be writing: the directory is then not to be reused)."""
+    """A save :func:`async_write_sharded` started. DCP writes on its upload thread (each file
+    checksummed as written, then fsynced), and there this rank's table is made. :meth:`result`
+    gathers (after a ``timeout`` there, DCP may still be writing: do not reuse the directory)."""
 
     def __init__(self, directory: Path, writer: Writer, ranks: Ranks, response: Any) -> None:
         self._directory, self._writer, self._ranks = directory, writer, ranks
@@ -220,9 +221,8 @@ class PendingShardedWrite:
 
     def _checksum(self, upload: Future[Any]) -> None:  # DCP's upload thread: no collective here
         try:
-            own = _own(self._writer, self._ranks)
             metadata = upload.result()
-            self._done.set_result((metadata, file_table(self._directory, own, self._ranks.rank)))
+            self._done.set_result((metadata, _table(self._directory, self._writer, self._ranks)))
         except BaseException as exc:  # CheckpointException included: result() raises it
             self._done.set_exception(exc)
 
@@ -232,7 +232,7 @@ class PendingShardedWrite:
             self._staging.result(timeout)
 
     def done(self) -> bool:
-        """Whether this rank's files are written, fsynced and checksummed (or failed)."""
+        """Whether this rank's files are written, fsynced and in its table (or failed)."""
         return self._done.done()
 
     def result(self, timeout: float | None = None) -> ShardedLayout:

@@ -1,0 +1,193 @@
+"""The file table of a sharded save comes from CRCs taken as DCP writes (pitstop.shell.dcpwrite).
+
+A small FSDP2 model (DTensor parameters, AdamW state: tensors and byte values) is saved in
+one process on a 1-rank gloo group, with write_sharded and with async_write_sharded. Checked:
+every file the table lists — DCP's `.metadata` included — has the size and CRC-32 of its bytes
+on disk, and the table was made without reading any file back. The streams themselves: a
+seek, an unknown call or a failed write leaves a file unnoted (and the table re-reads it), a
+rename moves a note, a removal drops it.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pitstop.core.sharded import ShardedLayout
+from pitstop.shell import sharddir
+from pitstop.shell.dcpio import DCP_METADATA, Writer
+from pitstop.shell.dcpwrite import CrcFileSystem
+from pitstop.shell.distributed import Ranks
+from pitstop.shell.sharded import async_write_sharded, make_stager, write_sharded
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with gloo is unavailable",
+)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    """A 1-rank gloo default group, and a group of its own for DCP's async collectives."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 5))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def on_disk(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, zlib.crc32(p.read_bytes())) for p in directory.iterdir()}
+
+
+def no_reread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> tuple[int, int]:
+        raise AssertionError("the file table read a file back")
+
+    monkeypatch.setattr(sharddir, "_crc_file", refuse)
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_the_table_holds_each_files_size_and_crc_on_disk_without_a_reread(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    model, optimizer = sharded_model()
+    temp = tmp_path / "temp"
+    no_reread(monkeypatch)
+    layout: ShardedLayout
+    if how == "sync":
+        layout = write_sharded(temp, model, {"optimizer": optimizer}, ranks=Ranks(0, 1))
+    else:
+        pending = async_write_sharded(
+            temp,
+            model,
+            {"optimizer": optimizer},
+            ranks=Ranks(0, 1),
+            group=group,
+            stager=make_stager(),
+        )
+        layout = pending.result(timeout=120)
+    table = {f.name: (f.size, f.crc32) for f in layout.files}
+    assert table == on_disk(temp)
+    assert DCP_METADATA in table
+    assert {f.rank for f in layout.files} == {0}
+
+
+def test_the_writer_notes_every_file_dcp_wrote(group: Any, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model, optimizer = sharded_model()
+    (tmp_path / "d").mkdir()
+    writer = Writer(tmp_path / "d")
+    save({"o": get_optimizer_state_dict(model, optimizer)}, storage_writer=writer)
+    assert writer.written  # DCP's data files, all noted, and its `.metadata`
+    assert writer.checksums() == on_disk(tmp_path / "d")
+    assert set(writer.checksums()) == {*writer.written, DCP_METADATA}
+
+
+# --- the streams ----------------------------------------------------------------------------------
+
+
+def test_a_stream_notes_what_was_written(tmp_path: Path) -> None:
+    fs = CrcFileSystem()
+    with fs.create_stream(tmp_path / "a", "wb") as stream:
+        stream.write(b"head")
+        assert stream.tell() == 4
+        stream.write(memoryview(array.array("f", range(6))))  # 24 bytes, not of format B
+        stream.close()  # as DCP closes its data files, inside the block
+    assert fs.written(tmp_path) == on_disk(tmp_path) == {"a": (28, on_disk(tmp_path)["a"][1])}
+
+
+@pytest.mark.parametrize("call", ["seek", "writelines", "truncate"])
+def test_a_stream_that_did_anything_else_is_not_noted_and_is_reread(
+    tmp_path: Path, call: str
+) -> None:
+    fs = CrcFileSystem()
+    with fs.create_stream(tmp_path / "a", "wb") as stream:
+        stream.write(b"0123456789")
+        if call == "seek":  # 10 + 4 + 6 bytes written, the file 20 long, the position 20
+            stream.seek(8)
+            stream.write(b"abcd")
+            stream.seek(14)
+            stream.write(b"efghij")
+        elif call == "writelines":
+            stream.writelines([b"ab"])
+        else:
+            stream.flush()
+            stream.truncate(3)
+    assert fs.written(tmp_path) == {}
+    (entry,) = sharddir.file_table(tmp_path, ["a"], 0, fs.written(tmp_path))
+    assert (entry.size, entry.crc32) == on_disk(tmp_path)["a"]
+
+
+def test_a_failed_write_leaves_no_note(tmp_path: Path) -> None:
+    fs = CrcFileSystem()
+    with fs.create_stream(tmp_path / "a", "wb") as stream:
+        stream.write(b"first")
+    assert "a" in fs.written(tmp_path)
+
+    def fail() -> None:
+        with fs.create_stream(tmp_path / "a", "wb") as stream:
+            stream.write(b"second")
+            raise RuntimeError("DCP failed")
+
+    with pytest.raises(RuntimeError, match="DCP failed"):
+        fail()
+    assert fs.written(tmp_path) == {}
+
+
+def test_a_write_that_raises_leaves_no_note_even_when_the_caller_goes_on(tmp_path: Path) -> None:
+    fs = CrcFileSystem()
+    with fs.create_stream(tmp_path / "a", "wb") as stream:
+        stream.write(b"kept")
+        with pytest.raises((BufferError, TypeError, ValueError)):
+            stream.write(memoryview(b"not contiguous")[::2])
+        stream.write(b"more")
+    assert fs.written(tmp_path) == {}
+
+
+def test_a_rename_moves_the_note_and_a_removal_drops_it(tmp_path: Path) -> None:
+    fs = CrcFileSystem()
+    with fs.create_stream(tmp_path / "x.tmp", "wb") as stream:
+        stream.write(b"metadata")
+    fs.rename(tmp_path / "x.tmp", tmp_path / "x")
+    assert fs.written(tmp_path) == on_disk(tmp_path) == {"x": (8, zlib.crc32(b"metadata"))}
+    fs.rm_file(tmp_path / "x")
+    assert fs.written(tmp_path) == {}
+
+
+def test_the_table_mixes_noted_and_reread_files(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_bytes(b"written elsewhere")
+    noted = {"noted": (3, zlib.crc32(b"abc"))}
+    (tmp_path / "noted").write_bytes(b"abc")
+    table = sharddir.file_table(tmp_path, ["noted", "plain"], 1, noted)
+    assert {f.name: (f.size, f.crc32) for f in table} == on_disk(tmp_path)
+    assert {f.rank for f in table} == {1}
