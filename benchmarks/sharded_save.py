@@ -1,6 +1,6 @@
-"""Saving the same FSDP2 state: raw DCP (save, async_save) against pitstop's sharded engine.
+"""Saving the same FSDP2 state: raw DCP (save, async_save) against pitstop (engine, Checkpointer).
 
-A skeleton for issue 13's benchmark. Two ranks (``--ranks``) run as real processes on gloo
+Issue 13's benchmark. Two ranks (``--ranks``) run as real processes on gloo
 (127.0.0.1, a free port); each builds the same model, ``--layers`` bias-free square Linear
 layers each sharded with ``fully_shard``, sized so that weights plus AdamW's two moments (one
 step on fixed gradients creates them) are about ``--mib`` MiB in all. Candidates, each writing
@@ -14,7 +14,11 @@ a new directory under one root:
   then fsynced), then (rank 0) ``write_manifest`` and ``publish_sharded`` (manifest, rename,
   parent fsync);
 * ``pitstop async``: ``async_write_sharded`` with that stager, then ``result()`` and the same
-  publish.
+  publish;
+* ``Checkpointer.save sync`` / ``async``: the public path, ``pitstop.Checkpointer`` (one per
+  mode, ``async_save=False`` / ``True``, retention off while timed) ``.save(progress)`` —
+  the core's plan, the replicated state (every rank's RNG) gathered, then the engine — and
+  ``wait()``, which for ``async`` is the later call that finishes DCP's save and publishes.
 
 Figures, in seconds from the call (the ranks leave a barrier just before it), the worse rank's:
 *blocking* — until the call returns and the state is staged; *durable* — until the checkpoint
@@ -22,7 +26,8 @@ is on disk: DCP's call or future returned everywhere and rank 0 fsynced the dire
 parent (DCP fsyncs its files, not the directory); pitstop: published. The ratio column is
 durable over ``dcp save``'s durable (the issue's bound: 1.1 for sync, and async blocking over
 ``dcp async_save``'s). Medians of ``--repeats`` rounds, the candidates' order rotating from one
-round to the next; what a run wrote is removed (untimed) before the next.
+round to the next; what a run wrote is removed (untimed) before the next (the Checkpointers'
+directories at the end).
 
     .venv/bin/python benchmarks/sharded_save.py --mib 1 --repeats 1      # a smoke run
     .venv/bin/python benchmarks/sharded_save.py --mib 256 --repeats 5 --json rows.json
@@ -50,7 +55,14 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
-CANDIDATES = ("dcp save", "dcp async_save", "pitstop sync", "pitstop async")
+CANDIDATES = (
+    "dcp save",
+    "dcp async_save",
+    "pitstop sync",
+    "pitstop async",
+    "Checkpointer.save sync",
+    "Checkpointer.save async",
+)
 RESULT = "@@result "  # rank 0's line with the figures, on its stdout
 
 
@@ -74,6 +86,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
     from torch.distributed.fsdp import fully_shard
 
+    import pitstop
     from pitstop.core.naming import temp_name
     from pitstop.shell.distributed import Ranks
     from pitstop.shell.sharded import (
@@ -101,6 +114,19 @@ def worker(args: argparse.Namespace) -> int:
     optimizer.step()
     stager = make_stager()
     root = Path(args.dir)
+    policy = pitstop.Policy(keep_last=None)  # retention deletes nothing while timed
+    checkpointers = {
+        mode: pitstop.Checkpointer(
+            root / f"checkpointer-{mode}",
+            model=model,
+            state={"optimizer": optimizer},
+            policy=policy,
+            async_save=mode == "async",
+            timeout_s=args.timeout,
+        )
+        for mode in ("sync", "async")
+    }
+    steps = iter(range(1, 1 << 30))
 
     def publish(parent: Path, name: str, layout: Any) -> None:
         def finish() -> None:
@@ -126,6 +152,11 @@ def worker(args: argparse.Namespace) -> int:
             )
             blocking = time.perf_counter() - start
             future.result()
+        elif candidate.startswith("Checkpointer"):
+            ckpt = checkpointers[candidate.rsplit(" ", 1)[1]]
+            ckpt.save(pitstop.Progress(step=next(steps)))
+            blocking = time.perf_counter() - start
+            ckpt.wait()  # async: published at this call, on every rank
         elif candidate == "pitstop sync":
             layout = write_sharded(temp, model, {"optimizer": optimizer}, ranks=ranks)
             blocking = time.perf_counter() - start
@@ -144,7 +175,7 @@ def worker(args: argparse.Namespace) -> int:
                 _fsync_dir(target.parent)
         durable = time.perf_counter() - start
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and target.exists():
             shutil.rmtree(target)
         return blocking, durable
 
@@ -157,6 +188,12 @@ def worker(args: argparse.Namespace) -> int:
             if round_:
                 figures[candidate].append((max(b for b, _ in worst), max(d for _, d in worst)))
     stager.close()
+    for ckpt in checkpointers.values():
+        ckpt.close()
+    dist.barrier()
+    if rank == 0:
+        for ckpt in checkpointers.values():
+            shutil.rmtree(ckpt.directory)
     if rank == 0:
         rows = []
         for candidate, runs in figures.items():
