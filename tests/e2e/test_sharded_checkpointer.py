@@ -144,14 +144,21 @@ def test_one_rank_reshards_a_two_rank_checkpoint(straight: Run, tmp_path: Path) 
     assert_same(restored["schedule"], straight.ranks[0]["schedule"])
 
 
-def test_a_flipped_byte_in_a_shard_falls_back_on_every_rank(straight: Run, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shard", "found_by"),
+    [("__1_0.distcp", "rank 0, 1"), ("__0_0.distcp", "rank 0")],
+    ids=["read-by-both", "read-by-rank-0"],
+)
+def test_a_flipped_byte_in_a_shard_falls_back_on_every_rank(
+    straight: Run, tmp_path: Path, shard: str, found_by: str
+) -> None:
     directory = copy_run(straight, tmp_path)
-    flip_byte(directory / sharded_name(6) / "__1_0.distcp")
+    flip_byte(directory / sharded_name(6) / shard)
     again = train(directory, tmp_path / "again")
     warned = [line for line in again.finished.lines(0) if "does not verify" in line]
     assert len(warned) == 1, again.finished.describe()  # rank 0 warns, once per problem
-    assert f"{sharded_name(6)}: __1_0.distcp fails its checksum" in warned[0]
-    assert "(rank 0, 1)" in warned[0]  # each rank checked the files it reads: both read it
+    assert f"{sharded_name(6)}: {shard} fails its checksum" in warned[0]
+    assert f"({found_by})" in warned[0]  # each rank checked the files it reads
     assert not [line for line in again.finished.lines(1) if "does not verify" in line]
     for rank in range(2):
         assert again.ranks[rank]["resumed"] == 4  # on every rank
