@@ -14,17 +14,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 
+from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
 from pitstop.errors import ConfigError
 from pitstop.shell.session import RemoteTicket, SaveTicket
 
-__all__ = ["Checkpoint", "TensorInfo", "manual_reason", "metrics_of", "stop_detail"]
+__all__ = ["Checkpoint", "TensorInfo", "call_input", "manual_reason", "metrics_of", "stop_detail"]
 
 Ticket = SaveTicket | RemoteTicket
 
@@ -122,6 +124,16 @@ def metrics_of(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
         except (TypeError, ValueError, RuntimeError):
             raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}") from None
     return out
+
+
+def call_input(progress: object, stop: object, metrics: Mapping[str, object] | None) -> CallInput:
+    """What this rank brings to a save call: its stop request, metrics and clock."""
+    if not isinstance(progress, Progress):
+        raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
+    stopped, stopped_by = stop_detail(stop)
+    return CallInput(
+        stop=stopped, reason=stopped_by, metrics=metrics_of(metrics), now=time.monotonic()
+    )
 
 
 def stop_detail(stop: object) -> tuple[bool, str]:

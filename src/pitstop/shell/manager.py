@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from pitstop.core.compat import may_change_patterns
-from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
+from pitstop.core.ranks import entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus
 from pitstop.errors import ConfigError
 from pitstop.shell.capture import LiveState, rank_state
-from pitstop.shell.checkpoint import Checkpoint, manual_reason, metrics_of, stop_detail
+from pitstop.shell.checkpoint import Checkpoint, call_input, manual_reason
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.lifetime import release, shut_down
@@ -132,7 +132,7 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
-        self._sharded = holds_sharded(self._live, async_save=async_save, ema=ema)
+        sharded = holds_sharded(self._live, async_save=async_save, ema=ema)
         self._ranks = Ranks.current(timeout_s)
         if not isinstance(overwrite, bool):
             raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")
@@ -151,16 +151,12 @@ class Checkpointer:
             directory=self._directory,
             session=self._session,
             pool=StagingPool() if background else None,
-            sharded=self._sharded,
+            sharded=sharded,
         )
         self._remote: RemoteTicket | None = None
-        self._shards: ShardedSaves | None = None
-        if self._sharded:
-            self._shards = ShardedSaves(
-                self._directory.path, self._live, self._saver, self._ranks, timeout_s=timeout_s
-            )
-            if async_save:
-                self._shards.background()
+        self._shards = ShardedSaves.of(
+            self._saver, self._ranks, background=bool(async_save), timeout_s=timeout_s
+        )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for obj in self._live.optimizers():
             self._hook(obj)
@@ -171,7 +167,7 @@ class Checkpointer:
             self, shut_down, self._session, self._directory, self._hooks, abandon
         )
 
-    def _open(self) -> None:
+    def _open(self) -> None:  # what it finds stays on rank 0
         self._directory.open()
 
     @property
@@ -295,11 +291,6 @@ class Checkpointer:
         mismatch it raises :class:`~pitstop.errors.IncompatibleCheckpoint` and is not added.
         ``per_rank``: its state differs per rank. With several ranks, every rank registers.
         """
-        if self._sharded and isinstance(obj, torch.optim.Optimizer):
-            raise ConfigError(
-                f"register({name!r}): a sharded model's optimizers are passed to the "
-                "Checkpointer's state= (they are saved through DCP with the model)"
-            )
         self._settle(Request.REGISTER)
         register_component(
             self._live,
@@ -308,6 +299,7 @@ class Checkpointer:
             obj,
             per_rank=per_rank,
             resumed_from=self._resumed_from,
+            sharded=self._shards is not None,
         )
         self._hook(obj)
 
@@ -365,19 +357,12 @@ class Checkpointer:
     ) -> Checkpoint | None:
         started = time.perf_counter()  # what the caller waits for, the previous save included
         ranks = self._ranks
-
-        def local_input() -> CallInput:
-            if not isinstance(progress, Progress):
-                raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
-            stopped, stopped_by = stop_detail(stop)
-            return CallInput(
-                stop=stopped, reason=stopped_by, metrics=metrics_of(metrics), now=time.monotonic()
-            )
-
-        asked = merge_inputs(ranks.all_gather_each(local_input))
         shards = self._shards
+        done = shards.done() if shards is not None else None  # a sharded save in flight
+        gathered = ranks.all_gather_each(lambda: (call_input(progress, stop, metrics), done))
+        asked = merge_inputs([each for each, _ in gathered])
         if shards is not None:  # published if every rank's part is done; its error raised
-            shards.settle(block=False)
+            shards.settle(block=False, done=[d for _, d in gathered])
         saver = self._saver
         if not ranks.lead(partial(saver.decide, self.policy, call, progress, asked, manual)):
             return None
@@ -387,11 +372,8 @@ class Checkpointer:
             partial(saver.plan, self.policy, progress, asked, detail, self._resumed_from)
         )
         parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
-        overlap = self.async_save == "overlap"
-        temp = ranks.lead(partial(saver.begin_sharded, progress)) if shards else None
-        if shards is not None and temp is not None:
-            ticket = shards.save(temp, parts)
-        else:
+        if shards is None or (ticket := shards.save(progress, parts)) is None:
+            overlap = self.async_save == "overlap"
             ticket = ranks.lead(partial(saver.write, progress, parts, overlap=overlap))
         self.last_blocking_s = time.perf_counter() - started
         entry = entry_from_wire(planned[1])
@@ -428,7 +410,7 @@ class Checkpointer:
             ranks=self._ranks,
             directory=self._directory,
             may_change=self._config_may_change,
-            sharded=self._sharded,
+            sharded=self._shards is not None,
         )
         if path is not None:
             self._resumed_from = path

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell.capture import LiveState
 from pitstop.shell.distributed import Ranks
@@ -48,8 +50,18 @@ def register_component(
     *,
     per_rank: bool,
     resumed_from: Path | None,
+    sharded: bool = False,
 ) -> None:
-    """Add ``obj`` on every rank and restore its deferred state, everywhere or nowhere."""
+    """Add ``obj`` on every rank and restore its deferred state, everywhere or nowhere.
+
+    ``sharded``: the model is sharded, so an optimizer is refused (DCP saves it with the model,
+    from the Checkpointer's ``state=``).
+    """
+    if sharded and isinstance(obj, torch.optim.Optimizer):
+        raise ConfigError(
+            f"register({name!r}): a sharded model's optimizers are passed to the "
+            "Checkpointer's state= (they are saved through DCP with the model)"
+        )
     try:
         ranks.each(partial(add_component, live, name, obj))
     except BaseException:

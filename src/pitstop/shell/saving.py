@@ -84,6 +84,16 @@ class Saver:
         """The save session this Saver reports to."""
         return self._session
 
+    @property
+    def directory(self) -> CheckpointDirectory:
+        """The checkpoint directory this Saver writes."""
+        return self._directory
+
+    @property
+    def live(self) -> LiveState:
+        """The run's live state this Saver captures."""
+        return self._live
+
     def enter(self, request: Request) -> None:
         """Wait as the session says; raise a failed background save's error, undoing it."""
         self.raise_failed(self._session.enter(request))
@@ -176,9 +186,13 @@ class Saver:
         self.schedule, self.pointers = self._decided, plan.pointers
         return ticket
 
-    def begin_sharded(self, progress: Progress) -> str | None:
+    def begin_sharded(
+        self, progress: Progress, parts: list[dict[str, Any]] | None = None, *, copy: bool = False
+    ) -> str | None:
         """Rank 0: start the planned sharded save; the temp directory every rank writes its
-        shards into (``None``: the plan writes no checkpoint, only moves pointers)."""
+        shards into (``None``: the plan writes no checkpoint, only moves pointers). ``copy``
+        (a background save): the replicated state, with every rank's ``parts``, is copied
+        now (:meth:`capture_sharded`)."""
         plan = self._planned
         assert plan is not None
         self._directory.check(plan)  # another run's checkpoints: refused before writing
@@ -188,6 +202,8 @@ class Saver:
         self._ticket = self._session.begin(
             progress.step, entry.name, (self.schedule, self.pointers)
         )
+        if copy:
+            self.capture_sharded(parts)
         return self._directory.sharded_temp(entry)
 
     def abort_sharded(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import shutil
 import sys
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pitstop.core.records import Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.capture import LiveState, sharded_components
@@ -66,6 +68,19 @@ def holds_sharded(live: LiveState, *, async_save: object, ema: nn.Module | None)
 class ShardedSaves:
     """Every rank: a sharded run's saves, and the background one in flight (at most one)."""
 
+    @classmethod
+    def of(
+        cls, saver: Saver, ranks: Ranks, *, background: bool, timeout_s: float
+    ) -> ShardedSaves | None:
+        """Every rank, at construction: the sharded saves of ``saver``'s run (``None``: its
+        state is not sharded); ``background``: through DCP's async_save."""
+        if not saver.sharded:
+            return None
+        saves = cls(saver.directory.path, saver.live, saver, ranks, timeout_s=timeout_s)
+        if background:
+            saves.background()
+        return saves
+
     def __init__(
         self, directory: Path, live: LiveState, saver: Saver, ranks: Ranks, *, timeout_s: float
     ) -> None:
@@ -88,13 +103,22 @@ class ShardedSaves:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = make_stager()
 
-    def save(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
-        """Every rank writes its shards into ``directory / temp``; then (synchronous) rank 0
-        publishes the directory, or (background) the write goes on in DCP's background. The
-        save's session ticket is returned (on rank 0)."""
-        if self._stager is None:
+    def save(self, progress: Progress, parts: list[dict[str, Any]] | None) -> int | None:
+        """Every rank writes its shards of the planned save into the temp directory rank 0
+        names; then (synchronous) rank 0 publishes it, or (background) DCP goes on writing.
+        The save's session ticket is returned (on rank 0); ``None``: the plan writes no
+        checkpoint (only pointers move: the Saver does that as for a file)."""
+        saver, background = self._saver, self._stager is not None
+        temp = self._ranks.lead(partial(saver.begin_sharded, progress, parts, copy=background))
+        if temp is None:
+            return None
+        if not background:
             return self._write(temp, parts)
-        return self._start(temp, parts)
+        return self._start(temp)
+
+    def done(self) -> bool | None:
+        """This rank's part of the save in flight is written (``None``: none in flight)."""
+        return None if self._pending is None else bool(self._pending.done())
 
     def _write(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
         from pitstop.shell.sharded import write_sharded
@@ -110,11 +134,10 @@ class ShardedSaves:
         ticket: int = ranks.lead(partial(saver.publish_sharded, layout, parts))
         return ticket
 
-    def _start(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
+    def _start(self, temp: str) -> int:
         from pitstop.shell.sharded import async_write_sharded
 
         saver, ranks = self._saver, self._ranks
-        ranks.lead(partial(saver.capture_sharded, parts))
         root = self._directory / temp
         components = sharded_components(self._live)
 
@@ -138,16 +161,18 @@ class ShardedSaves:
                 shutil.rmtree(root, ignore_errors=True)
             raise
         self.ticket = RemoteTicket(sharded=True)
-        ticket: int = ranks.lead(saver.handed_over)
-        return ticket
+        return saver.handed_over() if ranks.leader else 0  # cannot fail: nothing to agree on
 
-    def settle(self, *, block: bool) -> None:
+    def settle(self, *, block: bool, done: Sequence[bool | None] | None = None) -> None:
         """Every rank: publish the save in flight once every rank's shards are durable —
-        waiting for them (``block``), or only if they already are. Raises its failure."""
+        waiting for them (``block``), or only if they already are (``done``: every rank's
+        :meth:`done`, gathered already; else they are gathered here). Raises its failure."""
         pending = self._pending
         if pending is None:
             return
-        if not block and not all(self._ranks.all_gather(pending.done())):
+        if done is None and not block:
+            done = self._ranks.all_gather(self.done())
+        if not block and not all(done or ()):
             return
         self._pending = None
         ticket, self.ticket = self.ticket, None
