@@ -148,6 +148,7 @@ def _free_port() -> int:
         return port
 
 
+@pytest.mark.slow  # tests/e2e/test_multirank.py continues DDP across 2 processes by default
 def test_one_process_ddp(tmp_path: Path, straight: Callable[..., dict[str, Any]]) -> None:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is unavailable")

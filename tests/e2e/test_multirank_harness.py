@@ -164,6 +164,7 @@ def one_rank(directory: Path, out: Path, *options: str) -> dict[str, Any]:
 
 
 @needs_gloo
+@pytest.mark.slow  # test_multirank.py stops and resumes the same script on 2 ranks by default
 def test_the_ddp_script_stops_and_resumes_exactly_on_one_rank(tmp_path: Path) -> None:
     straight = one_rank(tmp_path / "straight", tmp_path / "straight")
     directory = tmp_path / "ckpt"

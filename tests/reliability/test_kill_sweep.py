@@ -15,7 +15,7 @@ sweep. After every kill:
 * resume restores a step >= the last one whose save returned (sync) or whose ``wait()``
   returned (async, overlap), with exactly that step's weights.
 
-50 random instants per mode by default, 1000 under ``-m slow``.
+30 random instants per mode by default, 1000 under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def one_life(
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "instants", [pytest.param(50, id="50"), pytest.param(1000, id="1000", marks=pytest.mark.slow)]
+    "instants", [pytest.param(30, id="30"), pytest.param(1000, id="1000", marks=pytest.mark.slow)]
 )
 def test_kill_at_random_instants(
     forkserver: ForkServer, fast_dir: Path, mode: str, instants: int
