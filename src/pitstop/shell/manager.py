@@ -364,13 +364,17 @@ class Checkpointer:
         if shards is not None:  # published if every rank's part is done; its error raised
             shards.settle(block=False, done=[d for _, d in gathered])
         saver = self._saver
-        if not ranks.lead(partial(saver.decide, self.policy, call, progress, asked, manual)):
-            return None
-        if shards is not None:  # the next plan needs the directory with the save in flight
+        decide = partial(saver.decide, self.policy, call, progress, asked, manual)
+        plan = partial(saver.plan, self.policy, progress, asked, detail, self._resumed_from)
+        if shards is None or shards.done() is None:  # one round trip: decide, then plan
+            planned = ranks.lead(lambda: plan() if decide() else None)
+        elif ranks.lead(decide):  # the plan needs the directory with the save in flight
             shards.settle(block=True)
-        planned = ranks.lead(
-            partial(saver.plan, self.policy, progress, asked, detail, self._resumed_from)
-        )
+            planned = ranks.lead(plan)
+        else:
+            planned = None
+        if planned is None:
+            return None
         parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
         if shards is None or (ticket := shards.save(progress, parts)) is None:
             overlap = self.async_save == "overlap"

@@ -185,6 +185,9 @@ class ShardedSaves:
                 ticket.settle(SaveStatus.FAILED)
             ranks.lead(partial(saver.fail_handed, exc))  # rank 0's SaveError, on every rank
             raise  # fail_handed raised already; this keeps the type checker sure
+        except BaseException:  # KeyboardInterrupt while waiting: a later call finishes it
+            self._pending, self.ticket = pending, ticket
+            raise
         if ticket is not None:
             ticket.settle(SaveStatus.PUBLISHED)
 
