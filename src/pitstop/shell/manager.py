@@ -12,6 +12,8 @@
 #                               holds but the run has not registered yet is kept and applied
 #                               when register() names it
 #   pitstop.shell.lifetime      the end: close(), or a Checkpointer dropped without it
+#   pitstop.shell.shardsave     sharded state: every rank writes its shards through DCP, and
+#                               a background one is published by a later call on every rank
 # How: a synchronous save writes straight from the live tensors before it returns; a
 # background one copies them into staging buffers and hands the write to the session's writer
 # thread. The directory lock is held from construction to close(); a Checkpointer dropped

@@ -11,7 +11,10 @@
 # session as the core's event. Nothing here refers to the Checkpointer, so the job a writer
 # thread holds keeps no Checkpointer alive. A sharded save (begin_sharded, publish_sharded):
 # rank 0 names the temp directory, every rank writes its shards into it (the Checkpointer
-# drives that collective), then rank 0 captures the replicated state and publishes.
+# drives that collective), then rank 0 captures the replicated state and publishes. In the
+# background (capture_sharded, handed_over; later publish_handed or fail_handed): rank 0 copies
+# the replicated state before DCP's write starts, the schedule and pointers move once every
+# rank's shards are staged, and the publish — or the failure, undone — comes at a later call.
 # How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
 # carry_out() is a function over the live state, the directory, the session and the pool.
 
@@ -25,6 +28,8 @@ from copy import deepcopy
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.plan import SavePlan, plan_save
@@ -47,6 +52,18 @@ from pitstop.shell.session import Reported, SaveSession
 from pitstop.shell.staging import StagingPool
 
 __all__ = ["Saver", "carry_out"]
+
+
+@attrs.frozen(kw_only=True)
+class _Handed:
+    """A background sharded save between its hand-over and its publish: its plan, the
+    schedule it leads to, and the replicated state (copied) its manifest will hold."""
+
+    plan: SavePlan
+    entry: CheckpointEntry  # the plan's
+    decided: ScheduleState
+    tree: dict[str, Any]
+    meta: dict[str, Any]
 
 
 class Saver:
@@ -72,7 +89,7 @@ class Saver:
         self._decided = schedule
         self._planned: SavePlan | None = None
         self._decision: SaveDecision | None = None
-        self._handed: tuple[Any, ...] | None = None
+        self._handed: _Handed | None = None
         self._live = live
         self._directory = directory
         self._session = session
@@ -237,22 +254,23 @@ class Saver:
         the shards are written); an error aborts the save before any shard is written."""
         plan = self._planned
         assert plan is not None
-        assert plan.entry is not NO_CHECKPOINT
+        entry = plan.entry
+        assert entry is not NO_CHECKPOINT
         try:
             tree, meta = capture(self._live, parts, sharded=True)
             tree = deepcopy(tree)  # small: the model and optimizers go through DCP
         except BaseException:
             self.abort_sharded()
             raise
-        self._handed = (plan, self._decided, tree, meta)
+        self._handed = _Handed(plan=plan, entry=entry, decided=self._decided, tree=tree, meta=meta)
 
     def handed_over(self) -> int:
         """Rank 0: every rank's shards are staged and being written: the schedule and the
         pointers move now (put back if the save fails); returns the save's ticket."""
-        assert self._handed is not None
-        plan, decided, _, _ = self._handed
+        handed = self._handed
+        assert handed is not None
         self._session.event(Event.CAPTURED)
-        self.schedule, self.pointers = decided, plan.pointers
+        self.schedule, self.pointers = handed.decided, handed.plan.pointers
         return self._ticket
 
     def abort_handed(self) -> None:
@@ -263,9 +281,9 @@ class Saver:
     def publish_handed(self, layout: ShardedLayout) -> None:
         """Rank 0: every rank's shards of the handed-over save are durable: write the manifest
         last, publish, then pointers and retention (a failure: see :meth:`fail_handed`)."""
-        assert self._handed is not None
-        plan, _, tree, meta = self._handed
-        self._directory.publish_sharded(plan, plan.entry, layout, tree, meta)
+        handed = self._handed
+        assert handed is not None
+        self._directory.publish_sharded(handed.plan, handed.entry, layout, handed.tree, handed.meta)
         self._handed = None
         self._session.event(Event.PUBLISHED)
 
@@ -273,7 +291,7 @@ class Saver:
         """Rank 0: the handed-over save failed (on any rank): remove its temp directory, put
         the schedule and pointers back and raise the error, as for a failed background save."""
         assert self._handed is not None
-        entry = self._handed[0].entry
+        entry = self._handed.entry
         self._handed = None
         shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
         self._session.fail(error)

@@ -28,7 +28,6 @@ import shutil
 import sys
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,15 +75,14 @@ class ShardedSaves:
         state is not sharded); ``background``: through DCP's async_save."""
         if not saver.sharded:
             return None
-        saves = cls(saver.directory.path, saver.live, saver, ranks, timeout_s=timeout_s)
+        saves = cls(saver, ranks, timeout_s=timeout_s)
         if background:
             saves.background()
         return saves
 
-    def __init__(
-        self, directory: Path, live: LiveState, saver: Saver, ranks: Ranks, *, timeout_s: float
-    ) -> None:
-        self._directory, self._live, self._saver, self._ranks = directory, live, saver, ranks
+    def __init__(self, saver: Saver, ranks: Ranks, *, timeout_s: float) -> None:
+        self._directory, self._live = saver.directory.path, saver.live
+        self._saver, self._ranks = saver, ranks
         self._timeout_s = timeout_s
         self._group: Any = None
         self._stager: Any = None
