@@ -168,7 +168,10 @@ def test_one_process_ddp(tmp_path: Path, straight: Callable[..., dict[str, Any]]
     assert_continues_exactly(reference, first, second)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "sig",  # SIGINT by default: tests/train/test_signals.py sends it to `pitstop train`
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+)
 def test_a_real_signal_mid_run_pauses_and_resume_continues_exactly(
     tmp_path: Path, straight: Callable[..., dict[str, Any]], sig: signal.Signals
 ) -> None:
