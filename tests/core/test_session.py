@@ -24,6 +24,7 @@ from pitstop.core.session import (
     reads_live,
     satisfied,
     save_status,
+    settles_first,
 )
 from pitstop.errors import PitstopError
 
@@ -105,6 +106,7 @@ def test_every_call_but_the_optimizer_hook_raises_a_pending_failure(request_: Re
 )
 def test_what_each_call_waits_for(request_: Request, until: Until) -> None:
     assert gate(Session(background=True), request_).until is until
+    assert settles_first(request_) is (until is Until.SETTLED)
 
 
 @pytest.mark.parametrize("request_", list(Request))

@@ -165,11 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ranks = Ranks(rank, world, dist.new_group(backend="gloo", timeout=timeout))
         result = save(args, ranks, timeout) if args.command == "save" else load(args, ranks)
-        with open(f"{args.out}.rank{rank}.pitstop", "wb") as f:
-            fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
+        write_result(args.out, rank, world, result)
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def write_result(out: str, rank: int, world: int, result: dict[str, Any]) -> None:
+    """This rank's result as ``<out>.rank<R>.pitstop`` (a pitstop file, read by the test)."""
+    with open(f"{out}.rank{rank}.pitstop", "wb") as f:
+        fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
 
 
 if __name__ == "__main__":

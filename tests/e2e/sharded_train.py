@@ -50,13 +50,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sharded_loop import snapshot  # this directory: the engine tests' child script
+from sharded_loop import snapshot, write_result  # this directory: the engine tests' child
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import pitstop
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import dcpio, fileformat, sharddir
+from pitstop.shell import dcpio, sharddir
 
 EXIT_PITSTOP_ERROR = 3
 
@@ -224,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_PITSTOP_ERROR
         if result is None:
             return 0
-        with open(f"{args.out}.rank{rank}.pitstop", "wb") as f:
-            fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
+        write_result(args.out, rank, world, result)
         return 0
     finally:
         dist.destroy_process_group()

@@ -54,6 +54,7 @@ __all__ = [
     "reads_live",
     "satisfied",
     "save_status",
+    "settles_first",
 ]
 
 
@@ -244,6 +245,12 @@ def gate(session: Session, request: Request) -> Gate:
             return Gate(until=Until.NOW, raise_failure=False)
         return Gate(until=Until.NOW, raise_failure=False, refuse="closed")
     return _GATES[request]
+
+
+def settles_first(request: Request) -> bool:
+    """Whether ``request`` waits until the save in flight is published or has failed — so a
+    save only a collective call can finish (sharded, in the background) is finished first."""
+    return _GATES[request].until is Until.SETTLED
 
 
 def satisfied(session: Session, until: Until) -> bool:

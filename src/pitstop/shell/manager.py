@@ -39,7 +39,7 @@ from pitstop.core.compat import may_change_patterns
 from pitstop.core.ranks import entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
-from pitstop.core.session import Request, SaveStatus
+from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import ConfigError
 from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import Checkpoint, call_input, manual_reason
@@ -208,7 +208,7 @@ class Checkpointer:
         """Rank 0 waits for its save in flight; every rank learns how it ended."""
         session = self._session
         if self._shards is not None:  # every rank: the sharded save in flight, published
-            self._shards.settle(block=request is not Request.REGISTER)
+            self._shards.settle(block=settles_first(request))
 
         def settle() -> SaveStatus | None:
             ticket = session.state.ticket

@@ -223,6 +223,17 @@ class Saver:
             self.capture_sharded(parts)
         return self._directory.sharded_temp(entry)
 
+    def _planned_save(self) -> tuple[SavePlan, CheckpointEntry]:
+        """The planned save and the checkpoint it writes (it writes one)."""
+        plan = self._planned
+        assert plan is not None
+        assert plan.entry is not NO_CHECKPOINT
+        return plan, plan.entry
+
+    def _remove_temp(self, entry: CheckpointEntry) -> None:
+        """Remove the temp directory of ``entry``'s sharded save, whatever is left of it."""
+        shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+
     def abort_sharded(self) -> None:
         """Rank 0: the shards could not be written (every rank raises the same error)."""
         self._session.event(Event.ABORTED)
@@ -230,17 +241,14 @@ class Saver:
     def publish_sharded(self, layout: ShardedLayout, parts: list[dict[str, Any]] | None) -> int:
         """Rank 0: every rank's shards are durable in the temp directory: capture the
         replicated state, write the manifest last, publish, then pointers and retention."""
-        plan = self._planned
-        assert plan is not None
-        entry = plan.entry
-        assert entry is not NO_CHECKPOINT
+        plan, entry = self._planned_save()
         try:
             tree, meta = capture(self._live, parts, sharded=True)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta)
         except BaseException:
             self._session.event(Event.ABORTED)
-            shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+            self._remove_temp(entry)
             raise
         self._session.event(Event.PUBLISHED)
         self.schedule, self.pointers = self._decided, plan.pointers
@@ -252,10 +260,7 @@ class Saver:
     def capture_sharded(self, parts: list[dict[str, Any]] | None) -> None:
         """Rank 0: copy the replicated state of the planned save now (training goes on while
         the shards are written); an error aborts the save before any shard is written."""
-        plan = self._planned
-        assert plan is not None
-        entry = plan.entry
-        assert entry is not NO_CHECKPOINT
+        plan, entry = self._planned_save()
         try:
             tree, meta = capture(self._live, parts, sharded=True)
             tree = deepcopy(tree)  # small: the model and optimizers go through DCP
@@ -293,7 +298,7 @@ class Saver:
         assert self._handed is not None
         entry = self._handed.entry
         self._handed = None
-        shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+        self._remove_temp(entry)
         self._session.fail(error)
         self.enter(Request.LIST)  # raises it, named and undone
         raise AssertionError("a failed save reports its error")  # pragma: no cover
