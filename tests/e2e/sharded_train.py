@@ -56,7 +56,7 @@ from torch.distributed.fsdp import fully_shard
 
 import pitstop
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import dcpio, sharddir
+from pitstop.shell import dcpio, sharddir, shardsave
 
 EXIT_PITSTOP_ERROR = 3
 
@@ -118,6 +118,33 @@ def inject(msg: str) -> None:
     raise OSError(msg)
 
 
+def fail_part(step: int, at: list[int], rank: int) -> None:
+    """This rank's own part of the ``step`` save (its RNG and per-rank state, sent to rank 0
+    after its shards are written or staged) cannot be taken."""
+    real = shardsave.rank_state
+
+    def rank_state(live: Any) -> Any:
+        if at[0] == step:
+            raise OSError(f"part injected on rank {rank}")
+        return real(live)
+
+    shardsave.rank_state = rank_state  # type: ignore[assignment]
+
+
+def note_end(step: int, ended: list[bool]) -> None:
+    """``ended[0]`` turns True once DCP's write of this rank's ``step`` shards has returned."""
+    real = dcpio.Writer.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        try:
+            return real(self, plan, planner)
+        finally:
+            if Path(self.path).name.endswith(sharded_name(step)):
+                ended[0] = True
+
+    dcpio.Writer.write_data = write_data  # type: ignore[method-assign]
+
+
 def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | None:
     model, optimizer, schedule = build()
     torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
@@ -132,6 +159,12 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         in_shards(args.hold_shards_at, lambda: hold(stepped, args.pg_timeout))
     if args.fail_shards_at is not None and rank == args.fail_rank:
         in_shards(args.fail_shards_at, lambda: inject(f"injected on rank {rank}"))
+    at = [0]  # the step of the call being made
+    ended = [False]  # --fail-part-at: whether DCP's write of that save had ended
+    if args.fail_part_at is not None:
+        note_end(args.fail_part_at, ended)
+        if rank == args.fail_rank:
+            fail_part(args.fail_part_at, at, rank)
     policy = pitstop.Policy(every_steps=args.every, keep_last=args.keep_last)
     ckpt = pitstop.Checkpointer(
         args.dir,
@@ -158,10 +191,13 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         optimizer.zero_grad()
         schedule.step()
         progress = progress.advance(samples=4 * world)
+        at[0] = progress.step
         try:
             saved = ckpt.maybe_save(progress)
-        except pitstop.SaveError as exc:
+        except (pitstop.SaveError, OSError) as exc:  # a rank's own OSError is raised as itself
             print(f"save error {json.dumps(str(exc))}", flush=True)
+            if at[0] == args.fail_part_at:  # raised only once DCP's write of it had ended
+                print(f"write ended {ended[0]}", flush=True)
             saved = None
         if saved is not None:
             saves.append(saved)
@@ -202,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-shards-at", type=int)
     parser.add_argument("--drop-at", type=int)
     parser.add_argument("--fail-shards-at", type=int)
+    parser.add_argument("--fail-part-at", type=int)
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)

@@ -251,6 +251,29 @@ def test_a_background_save_failing_on_one_rank_raises_on_every_rank_and_is_undon
     assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    """Rank 1's own part (RNG, per-rank state) of the step-4 save fails after its shards are
+    written (sync) or staged (async): the same error on both ranks at that call (rank 1 raises
+    its own OSError), raised only once DCP's write had ended (async: it had just begun), nothing
+    of step 4 left, and the next saves go on over the same groups."""
+    directory = tmp_path / "checkpoints"
+    options = ["--fail-part-at", "4"] + (["--async"] if mode == "async" else [])
+    run = train(directory, tmp_path / "failed", *options)
+    for rank in range(2):
+        lines = run.finished.lines(rank)
+        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
+        assert len(errors) == 1, run.finished.describe()
+        assert "part injected on rank 1" in errors[0]
+        assert "write ended True" in lines  # DCP's write was over before the error came
+        assert not [line for line in lines if line.startswith("saved 4")]
+        assert {"status 2 published", "status 6 published"} <= set(lines)
+    assert names(directory) == [sharded_name(2), sharded_name(6)]
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+
+
 def test_a_checkpointer_dropped_with_a_background_save_in_flight_publishes_nothing(
     tmp_path: Path,
 ) -> None:

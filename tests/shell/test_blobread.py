@@ -24,6 +24,15 @@ from pitstop.shell.resumeread import ResumeRead
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True, params=[1, 3], ids=["one-reader", "three-readers"])
+def readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every test here runs with one reader (its CRCs on the pool) and with three readers
+    (each checksumming what it read), whatever this machine's cores."""
+    count: int = request.param
+    monkeypatch.setattr(blobread, "default_threads", lambda: count)
+    return count
+
+
 def _tree() -> dict[str, object]:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 70, generator=generator)

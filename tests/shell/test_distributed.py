@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
+import torch
 
 from pitstop.errors import (
     CheckpointCorrupt,
@@ -11,7 +14,7 @@ from pitstop.errors import (
     PitstopError,
     SaveError,
 )
-from pitstop.shell.distributed import Ranks, outcome_of, raise_outcome
+from pitstop.shell.distributed import Ranks, outcome_of, pack_state, raise_outcome, unpack_state
 
 
 @pytest.mark.parametrize(
@@ -58,3 +61,31 @@ def test_one_rank_runs_everything_in_place() -> None:
     assert ranks.all_gather_each(lambda: 6) == [6]
     with pytest.raises(ValueError, match="own"):
         ranks.lead(lambda: (_ for _ in ()).throw(ValueError("own")))
+
+
+def test_a_packed_tree_comes_back_equal_as_a_copy_with_storage_sharing_kept() -> None:
+    base = torch.arange(12, dtype=torch.float64)
+    tree = {
+        "rng": (3, tuple(range(5)), None),
+        "state": collections.OrderedDict(
+            whole=base, part=base[2:6], transposed=base.view(3, 4).t(), half=torch.ones(2).half()
+        ),
+        "names": {"a", "b"},
+    }
+    copy = unpack_state(pack_state(tree))
+    assert copy["rng"] == tree["rng"] and copy["names"] == tree["names"]
+    assert type(copy["state"]) is collections.OrderedDict
+    for name, tensor in tree["state"].items():
+        got = copy["state"][name]
+        assert got.dtype == tensor.dtype and got.stride() == tensor.stride()
+        assert torch.equal(got, tensor)
+    shared = {copy["state"][n].untyped_storage().data_ptr() for n in ("whole", "part", "transposed")}
+    assert len(shared) == 1  # one storage, as on the sender
+    assert shared != {base.untyped_storage().data_ptr()}  # a copy
+    copy["state"]["part"].zero_()
+    assert copy["state"]["whole"][2] == 0 and base[2] == 2
+
+
+def test_a_tree_a_checkpoint_cannot_hold_is_refused_naming_its_key_path() -> None:
+    with pytest.raises(SaveError, match=r"sampler.*object"):
+        pack_state({"sampler": {"hook": object()}})

@@ -25,6 +25,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import threading
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -263,6 +265,8 @@ def read_blobs(
     if hasattr(os, "posix_fadvise"):  # a longer readahead window for one sequential pass
         os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_SEQUENTIAL)
     count = default_threads() if threads is None else threads
+    if check and count > 1 and all(d.type == "cpu" for d in placed.values()):
+        return _read_in_parallel(fd, manifest, order, placed, count, padding, advance)
     with Checksummer(count if check else 0) as pool:
         reader = _Reader(fd, manifest, pool, check=check, advance=advance)
         cursor = HEADER_SIZE
@@ -275,4 +279,89 @@ def read_blobs(
                 storages[index] = storage
             cursor = blob.stop
         reader.settle()
+    return storages
+
+
+@attrs.frozen
+class _Chunk:
+    """One pread of the parallel pass: bytes ``start..start + nbytes`` of blob ``blob``."""
+
+    blob: int
+    start: int
+    nbytes: int
+
+
+def _read_in_parallel(
+    fd: int,
+    manifest: Manifest,
+    order: Sequence[int],
+    placed: Mapping[int, torch.device],
+    count: int,
+    padding: bool,
+    advance: Advance | None,
+) -> dict[int, torch.UntypedStorage]:
+    """:func:`read_blobs` when every placed blob goes to the CPU: ``count`` threads (this
+    one among them) take the chunks in file order, each reading one into its place (a new
+    storage, or a bounce buffer of its own) and computing its CRC-32 itself, so faulting in
+    new memory, copying and checksumming all run on every core; the CRCs are joined and
+    compared, in blob order, once every chunk is in."""
+    lock = threading.Lock()
+    reader = _Reader(fd, manifest, Checksummer(0), check=True, advance=advance)  # padding
+    targets: dict[int, memoryview] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    chunks: list[_Chunk] = []
+    cursor = HEADER_SIZE
+    for index in order:
+        blob = manifest.blobs[index]
+        if padding:
+            reader.check_padding(cursor, blob.offset, index)
+        cursor = blob.stop
+        if index in placed:
+            target = torch.empty(blob.length, dtype=torch.uint8)
+            storages[index], targets[index] = target.untyped_storage(), _view(target)
+        chunks += [
+            _Chunk(index, at, min(CHUNK, blob.length - at)) for at in range(0, blob.length, CHUNK)
+        ]
+    crcs = [0] * len(chunks)
+    turns = iter(range(len(chunks)))  # next() on it is atomic under the GIL
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        bounce = torch.empty(CHUNK, dtype=torch.uint8)
+        own = _view(bounce)
+        try:
+            for turn in turns:
+                if failed:
+                    return
+                chunk = chunks[turn]
+                place = targets.get(chunk.blob)
+                view = (
+                    own[: chunk.nbytes]
+                    if place is None
+                    else place[chunk.start : chunk.start + chunk.nbytes]
+                )
+                reader.read_into(view, manifest.blobs[chunk.blob].offset + chunk.start)
+                crcs[turn] = zlib.crc32(view)
+                if advance is not None:
+                    with lock:
+                        advance(chunk.nbytes)
+        except BaseException as exc:  # raised below, on the calling thread
+            failed.append(exc)
+
+    helpers = [threading.Thread(target=work, name=f"pitstop-read-{i}") for i in range(count - 1)]
+    for helper in helpers:
+        helper.start()
+    try:
+        work()
+    finally:
+        for helper in helpers:
+            helper.join()
+    if failed:
+        raise failed[0]
+    joined: dict[int, int] = {}
+    for chunk, crc in zip(chunks, crcs, strict=True):
+        joined[chunk.blob] = crc32_combine(joined.get(chunk.blob, 0), crc, chunk.nbytes)
+    for index in order:
+        if joined.get(index, 0) != manifest.blobs[index].crc32:
+            raise blob_corrupt(manifest, index)
     return storages

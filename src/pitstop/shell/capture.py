@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -49,6 +49,7 @@ __all__ = [
     "sharded_components",
     "stored_groups",
     "stored_world_size",
+    "with_parts",
     "world",
 ]
 
@@ -133,10 +134,7 @@ def capture(
                 if n not in per_rank and n not in through_dcp
             },
         },
-        RNG: {rank: part[RNG] for rank, part in enumerate(parts)},
     }
-    if any(part[RANKED] for part in parts):
-        tree[RANKED] = {rank: part[RANKED] for rank, part in enumerate(parts)}
     ema_buffers = "own"
     if live.ema is not None:
         weights[EMA] = unwrap_model(live.ema).state_dict()
@@ -152,7 +150,6 @@ def capture(
         "pitstop": _version(),
         "torch": str(torch.__version__),
         "python": platform.python_version(),
-        "world_size": len(parts),
         "config": live.config,
         "components": sorted({*live.components, *live.pending}),
         "per_rank": sorted(per_rank | live.pending_per_rank),
@@ -168,7 +165,24 @@ def capture(
     }
     if sharded:
         meta["sharded_components"] = sorted(through_dcp)
-    return tree, meta
+    return with_parts(tree, meta, parts)
+
+
+def with_parts(
+    tree: Mapping[str, Any], meta: Mapping[str, Any], parts: Sequence[Mapping[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``tree`` and ``meta`` (from :func:`capture`) holding every rank's ``parts`` (each a
+    :func:`rank_state`, in rank order) instead of the ones they held."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():  # in capture's order: the parts come after STATE
+        if key in (RNG, RANKED):
+            continue
+        out[key] = value
+        if key == STATE:
+            out[RNG] = {rank: part[RNG] for rank, part in enumerate(parts)}
+            if any(part[RANKED] for part in parts):
+                out[RANKED] = {rank: part[RANKED] for rank, part in enumerate(parts)}
+    return out, {**meta, "world_size": len(parts)}
 
 
 def deferrable(live: LiveState) -> frozenset[tuple[str, int | None, int]]:

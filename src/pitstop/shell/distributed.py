@@ -8,27 +8,31 @@
 # the writer: it holds the directory lock and writes; the others never touch the directory.
 # Errors travel as (class name, message) and are rebuilt as the same pitstop error class, so
 # every rank raises the same error at the same call.
-# Per-rank state trees travel as torch.save bytes (each storage once, so storage sharing
-# survives) read back with weights_only=True.
-# How: torch.distributed's object collectives (they pickle in memory between this job's own
-# processes; nothing read from a checkpoint is ever unpickled).
+# Per-rank state trees travel in pitstop's own tree encoding with each storage's bytes once
+# (so storage sharing survives), decoded as a checkpoint's tree is.
+# How: a value is pickled in memory between this job's own processes, as torch.distributed's
+# object collectives do (nothing read from a checkpoint is ever unpickled), and travels in a
+# fixed box of SMALL bytes: one collective per all_gather or broadcast, where torch's object
+# collectives take two (the sizes, then the data); a larger value takes a second round, which
+# every rank knows of from the sizes in the first.
 
 """Ranks: rank 0 decides and writes; every rank hears the same answer."""
 
 from __future__ import annotations
 
-import collections
 import datetime
-import io
+import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 
 from pitstop import errors
 from pitstop.core.ranks import OK, Outcome, agree
+from pitstop.shell.treecodec import TENSOR_DTYPES, encode_tree, resolve, unpack
+from pitstop.shell.treewalk import dtype_name, storage_of
 
-__all__ = ["Ranks", "outcome_of", "raise_outcome"]
+__all__ = ["Packed", "Ranks", "outcome_of", "pack_state", "raise_outcome", "unpack_state"]
 
 T = TypeVar("T")
 
@@ -68,16 +72,82 @@ def raise_outcome(outcome: Outcome, *, own: BaseException | None = None) -> None
     raise cls(where + outcome.error)
 
 
-def _pack(value: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+Packed = tuple[bytes, tuple[bytes, ...], tuple[tuple[Any, ...], ...]]
+"""A state tree for another rank: its msgpack, each storage's bytes, each tensor's view."""
 
 
-def _unpack(data: Any) -> Any:
-    allowed: list[Any] = [set, frozenset, collections.OrderedDict, torch.Size]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+def pack_state(value: object) -> Packed:
+    """A state tree as plain bytes for another rank: the tree in pitstop's own encoding
+    (:mod:`pitstop.shell.treecodec`, so what a checkpoint cannot hold is a SaveError naming
+    its key path here), each storage's bytes once (tensors that share storage still share it
+    in :func:`unpack_state`'s copy) and each tensor's dtype, offset, shape and strides."""
+    storages: dict[Any, int] = {}
+    data: list[bytes] = []
+    views: list[tuple[Any, ...]] = []
+
+    def on_tensor(tensor: torch.Tensor, path: str) -> int:
+        storage = storage_of(tensor, path)
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
+        if key not in storages:
+            storages[key] = len(data)
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            data.append(raw.cpu().numpy().tobytes())
+        views.append(
+            (
+                storages[key],
+                dtype_name(tensor.dtype),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+            )
+        )
+        return len(views) - 1
+
+    return encode_tree(value, on_tensor=on_tensor), tuple(data), tuple(views)
+
+
+def unpack_state(packed: Packed) -> Any:
+    """The tree :func:`pack_state` made, on the CPU: a copy, sharing nothing with the sender's
+    (decoded as a checkpoint's tree is: no code runs)."""
+    tree, data, views = packed
+    made = [torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() for raw in data]
+    tensors = {
+        index: torch.empty(0, dtype=TENSOR_DTYPES[dtype]).set_(made[storage], offset, shape, stride)
+        for index, (storage, dtype, offset, shape, stride) in enumerate(views)
+    }
+    return resolve(unpack(tree), tensors)
+
+
+SMALL: Final = 4096
+"""Bytes of a pickled value that travel in one collective (larger ones take a second)."""
+
+_HEADER: Final = 8  # the value's size, little-endian, before it in its box
+
+
+def _dumps(value: object) -> bytes:
+    # Between this job's own processes, as torch.distributed's object collectives do.
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _loads(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _bytes_tensor(data: bytes, size: int) -> torch.Tensor:
+    tensor = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        tensor[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tensor
+
+
+def _boxed(data: bytes) -> torch.Tensor:
+    """``data``'s size, then ``data`` itself if it fits: a box of SMALL bytes for one round."""
+    size = len(data).to_bytes(_HEADER, "little")
+    return _bytes_tensor(size + data if len(data) <= SMALL else size, _HEADER + SMALL)
+
+
+def _size_of(box: torch.Tensor) -> int:
+    return int.from_bytes(box[:_HEADER].numpy().tobytes(), "little")
 
 
 class Ranks:
@@ -112,39 +182,53 @@ class Ranks:
         """Every rank's ``value``, in rank order, on every rank."""
         if not self.many:
             return [value]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, value, group=self._group)
-        return out
+        data = _dumps(value)
+        box = _boxed(data)
+        boxes = [torch.empty_like(box) for _ in range(self.world_size)]
+        torch.distributed.all_gather(boxes, box, group=self._group)
+        sizes = [_size_of(b) for b in boxes]
+        if max(sizes) <= SMALL:  # one round: every value fitted its box
+            return [_loads(b[_HEADER : _HEADER + n]) for b, n in zip(boxes, sizes, strict=True)]
+        # Every rank saw the same sizes, so every rank takes this second round.
+        whole = _bytes_tensor(data, max(sizes))
+        wholes = [torch.empty_like(whole) for _ in range(self.world_size)]
+        torch.distributed.all_gather(wholes, whole, group=self._group)
+        return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
 
     def broadcast(self, value: T) -> T:
         """Rank 0's ``value`` on every rank."""
         if not self.many:
             return value
-        box: list[Any] = [value]
-        torch.distributed.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]  # type: ignore[no-any-return]
-
-    def gather(self, value: T) -> list[T]:
-        """Every rank's ``value`` on rank 0 (an empty list elsewhere)."""
-        if not self.many:
-            return [value]
-        out: list[Any] | None = [None] * self.world_size if self.leader else None
-        torch.distributed.gather_object(value, out, dst=0, group=self._group)
-        return out or []
+        data = _dumps(value) if self.leader else b""
+        box = _boxed(data)
+        torch.distributed.broadcast(box, src=0, group=self._group)
+        size = _size_of(box)
+        if size <= SMALL:  # one round: it fitted the box
+            return _loads(box[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
+        whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
+        torch.distributed.broadcast(whole, src=0, group=self._group)
+        return _loads(whole)  # type: ignore[no-any-return]
 
     def gather_state(self, value: T) -> list[T]:
-        """Every rank's state tree on rank 0 (an empty list elsewhere), storage sharing intact.
+        """Every rank's state tree on rank 0 (an empty list elsewhere), storage sharing intact;
+        a tree that cannot be packed raises the same SaveError on every rank.
 
         Rank 0 keeps its own tree as it is (references to live tensors); the others travel
-        through ``torch.save``, which writes each storage once, so tensors that share storage
-        on a rank still share it on rank 0 (and are written once), and are read back with
-        ``torch.load(weights_only=True)``, on the CPU.
+        packed (:func:`pack_state`: each storage once, so tensors that share storage on a rank
+        still share it on rank 0, and are written once) and arrive on the CPU.
         """
         if not self.many:
             return [value]
-        sent = None if self.leader else _pack(value)
-        received = self.gather(sent)
-        return [value if r == 0 else _unpack(data) for r, data in enumerate(received)]
+        # Every rank hears whether every tree could be packed: a tree a checkpoint cannot hold
+        # is the same SaveError (naming its key path) on every rank.
+        packed = self.all_gather_each(lambda: None if self.leader else pack_state(value))
+        if not self.leader:
+            return []
+        trees = [value]
+        for other in packed[1:]:
+            assert other is not None  # every rank but 0 packed its tree
+            trees.append(unpack_state(other))
+        return trees
 
     def _attempt(self, work: Callable[[], T]) -> tuple[Any, Outcome, BaseException | None]:
         """``work()``'s result and outcome here (its own exception kept to raise as itself)."""

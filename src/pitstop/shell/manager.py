@@ -367,7 +367,11 @@ class Checkpointer:
             shards.settle(block=False, done=[d for _, d in gathered])
         saver = self._saver
         decide = partial(saver.decide, self.policy, call, progress, asked, manual)
-        plan = partial(saver.plan, self.policy, progress, asked, detail, self._resumed_from)
+
+        def plan() -> tuple[tuple[Any, ...], str | None]:  # and a sharded save's temp directory
+            planned = saver.plan(self.policy, progress, asked, detail, self._resumed_from)
+            return planned, (shards.begin(progress) if shards is not None else None)
+
         if shards is None or shards.done() is None:  # one round trip: decide, then plan
             planned = ranks.lead(lambda: plan() if decide() else None)
         elif ranks.lead(decide):  # the plan needs the directory with the save in flight
@@ -377,12 +381,15 @@ class Checkpointer:
             planned = None
         if planned is None:
             return None
-        parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
-        if shards is None or (ticket := shards.save(progress, parts)) is None:
+        (_, wire), temp = planned
+        if shards is not None and temp is not None:
+            ticket = shards.save(temp)
+        else:
+            parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
             overlap = self.async_save == "overlap"
             ticket = ranks.lead(partial(saver.write, progress, parts, overlap=overlap))
         self.last_blocking_s = time.perf_counter() - started
-        entry = entry_from_wire(planned[1])
+        entry = entry_from_wire(wire)
         if entry is NO_CHECKPOINT:
             return None
         handle: SaveTicket | RemoteTicket | None = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from copy import deepcopy
 from functools import partial
 from pathlib import Path
@@ -45,8 +46,9 @@ from pitstop.core.records import (
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
 from pitstop.core.session import Event, Request
 from pitstop.core.sharded import ShardedLayout
+from pitstop.errors import SaveError
 from pitstop.shell import fileformat
-from pitstop.shell.capture import LiveState, capture, deferrable
+from pitstop.shell.capture import LiveState, capture, deferrable, with_parts
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.session import Reported, SaveSession
 from pitstop.shell.staging import StagingPool
@@ -203,13 +205,11 @@ class Saver:
         self.schedule, self.pointers = self._decided, plan.pointers
         return ticket
 
-    def begin_sharded(
-        self, progress: Progress, parts: list[dict[str, Any]] | None = None, *, copy: bool = False
-    ) -> str | None:
-        """Rank 0: start the planned sharded save; the temp directory every rank writes its
-        shards into (``None``: the plan writes no checkpoint, only moves pointers). ``copy``
-        (a background save): the replicated state, with every rank's ``parts``, is copied
-        now (:meth:`capture_sharded`)."""
+    def begin_sharded(self, progress: Progress, *, copy: bool = False) -> str | None:
+        """Rank 0: start the planned sharded save and create the temp directory every rank
+        writes its shards into; its name (``None``: the plan writes no checkpoint, only moves
+        pointers). ``copy`` (a background save): the replicated state is copied now
+        (:meth:`capture_sharded`)."""
         plan = self._planned
         assert plan is not None
         self._directory.check(plan)  # another run's checkpoints: refused before writing
@@ -220,8 +220,15 @@ class Saver:
             progress.step, entry.name, (self.schedule, self.pointers)
         )
         if copy:
-            self.capture_sharded(parts)
-        return self._directory.sharded_temp(entry)
+            self.capture_sharded()
+        temp = self._directory.sharded_temp(entry)
+        try:
+            (self._directory.path / temp).mkdir()  # it must not exist yet
+        except OSError as exc:
+            self._handed = None
+            self.abort_sharded()
+            raise SaveError(f"could not create {self._directory.path / temp}: {exc}") from exc
+        return temp
 
     def _planned_save(self) -> tuple[SavePlan, CheckpointEntry]:
         """The planned save and the checkpoint it writes (it writes one)."""
@@ -257,23 +264,27 @@ class Saver:
     # A background sharded save: capture_sharded, (every rank starts DCP's write), handed_over;
     # later, once every rank's shards are durable, publish_handed — or fail_handed.
 
-    def capture_sharded(self, parts: list[dict[str, Any]] | None) -> None:
+    def capture_sharded(self) -> None:
         """Rank 0: copy the replicated state of the planned save now (training goes on while
-        the shards are written); an error aborts the save before any shard is written."""
+        the shards are written); an error aborts the save before any shard is written. Every
+        rank's own part (RNG, per-rank components) comes with :meth:`handed_over`."""
         plan, entry = self._planned_save()
         try:
-            tree, meta = capture(self._live, parts, sharded=True)
+            tree, meta = capture(self._live, sharded=True)
             tree = deepcopy(tree)  # small: the model and optimizers go through DCP
         except BaseException:
             self.abort_sharded()
             raise
         self._handed = _Handed(plan=plan, entry=entry, decided=self._decided, tree=tree, meta=meta)
 
-    def handed_over(self) -> int:
-        """Rank 0: every rank's shards are staged and being written: the schedule and the
-        pointers move now (put back if the save fails); returns the save's ticket."""
+    def handed_over(self, parts: Sequence[Mapping[str, Any]]) -> int:
+        """Rank 0: every rank's shards are staged and being written, and ``parts`` is every
+        rank's own part, copied: the schedule and the pointers move now (put back if the save
+        fails); returns the save's ticket."""
         handed = self._handed
         assert handed is not None
+        tree, meta = with_parts(handed.tree, handed.meta, parts)
+        self._handed = attrs.evolve(handed, tree=tree, meta=meta)
         self._session.event(Event.CAPTURED)
         self.schedule, self.pointers = handed.decided, handed.plan.pointers
         return self._ticket

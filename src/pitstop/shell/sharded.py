@@ -25,11 +25,13 @@ import itertools
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -70,6 +72,7 @@ from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 __all__ = [
     "MODEL",
     "PendingShardedWrite",
+    "WrittenShards",
     "async_write_sharded",
     "delete_sharded",
     "files_to_verify",
@@ -83,6 +86,7 @@ __all__ = [
     "verify_sharded",
     "write_manifest",
     "write_sharded",
+    "write_shards",
 ]
 
 MODEL = "model"
@@ -122,8 +126,9 @@ def _state(model: nn.Module, optimizers: Optimizers) -> dict[str, Any]:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _fresh(directory: Path, ranks: Ranks) -> Writer:
-    """Rank 0 creates ``directory`` (it must not exist yet; every rank hears the outcome)."""
+def _fresh(directory: Path, ranks: Ranks, *, created: bool) -> Writer:
+    """Rank 0 creates ``directory`` (it must not exist yet; every rank hears the outcome),
+    unless it was ``created`` already (by rank 0, before every rank heard its name)."""
 
     def create() -> None:
         try:
@@ -131,7 +136,8 @@ def _fresh(directory: Path, ranks: Ranks) -> Writer:
         except OSError as exc:
             raise SaveError(f"could not create {directory}: {exc}") from exc
 
-    ranks.lead(create)
+    if not created:
+        ranks.lead(create)
     return Writer(directory)
 
 
@@ -151,17 +157,26 @@ def _table(directory: Path, writer: Writer, ranks: Ranks) -> tuple[ShardFile, ..
     return file_table(directory, names, ranks.rank, writer.checksums())
 
 
-def _agreed(
-    metadata: Metadata | None, tables: Sequence[Sequence[ShardFile]], ranks: Ranks
-) -> ShardedLayout:
-    """Rank 0 builds the layout from DCP's metadata and every rank's files; all get it."""
-    files = [f for table in tables for f in table]
+@attrs.frozen
+class WrittenShards:
+    """Every rank's shards of a save, durable in its temp directory; what rank 0 publishes."""
 
-    def build() -> ShardedLayout:
-        assert metadata is not None  # rank 0's
-        return layout_of(metadata, files, ranks.world_size)
+    metadata: Metadata | None
+    """DCP's metadata (rank 0's; ``None`` on the other ranks)."""
+    tables: tuple[tuple[ShardFile, ...], ...]
+    """Every rank's files, in rank order."""
+    riders: tuple[Any, ...] = ()
+    """What each rank sent along (``gather``), in rank order."""
 
-    return ranks.lead(build)
+    def layout(self, world_size: int) -> ShardedLayout:
+        """Rank 0: the checkpoint's layout, from DCP's metadata and every rank's files."""
+        assert self.metadata is not None  # rank 0's
+        return layout_of(self.metadata, [f for t in self.tables for f in t], world_size)
+
+
+def _agreed(written: WrittenShards, ranks: Ranks) -> ShardedLayout:
+    """Rank 0 builds the layout; every rank gets it."""
+    return ranks.lead(partial(written.layout, ranks.world_size))
 
 
 def write_sharded(
@@ -179,8 +194,25 @@ def write_sharded(
     published yet (:func:`write_manifest`, :func:`publish_sharded`). Raises
     :class:`~pitstop.errors.SaveError` on every rank when any rank fails.
     """
+    return _agreed(write_shards(directory, model, optimizers, ranks=ranks, group=group), ranks)
+
+
+def write_shards(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    ranks: Ranks,
+    group: Any = None,
+    created: bool = False,
+    gather: Callable[[], Any] | None = None,
+) -> WrittenShards:
+    """Every rank: :func:`write_sharded`, without the round that hands rank 0's layout to
+    every rank (rank 0 builds it from the result, :meth:`WrittenShards.layout`, with what it
+    publishes). ``created``: rank 0 made ``directory`` already. ``gather()``: run on every
+    rank once its shards are durable, its result gathered with the files (one round)."""
     root = Path(directory)
-    writer = _fresh(root, ranks)
+    writer = _fresh(root, ranks, created=created)
     with _removed_on_error(root, ranks):
         try:
             with warnings.catch_warnings():
@@ -189,8 +221,16 @@ def write_sharded(
                 metadata = save(state, storage_writer=writer, process_group=group)
         except CheckpointException as exc:  # a BaseException, raised on every rank
             raise SaveError(f"could not write the shards of {root}: {exc}") from exc
-        tables = ranks.all_gather_each(lambda: _table(root, writer, ranks))
-        return _agreed(metadata, tables, ranks)
+
+        def table() -> tuple[tuple[ShardFile, ...], Any]:
+            return _table(root, writer, ranks), (gather() if gather is not None else None)
+
+        gathered = ranks.all_gather_each(table)
+        return WrittenShards(
+            metadata=metadata if ranks.leader else None,
+            tables=tuple(t for t, _ in gathered),
+            riders=tuple(r for _, r in gathered) if gather is not None else (),
+        )
 
 
 def make_stager() -> DefaultStager:
@@ -238,6 +278,10 @@ class PendingShardedWrite:
     def result(self, timeout: float | None = None) -> ShardedLayout:
         """Every rank, from the calling thread: wait and gather; the same layout on every rank,
         or :class:`~pitstop.errors.SaveError` on every rank when any rank failed."""
+        return _agreed(self.written(timeout), self._ranks)
+
+    def written(self, timeout: float | None = None) -> WrittenShards:
+        """:meth:`result` without the round that hands rank 0's layout to every rank."""
 
         def wait() -> tuple[Metadata | None, tuple[ShardFile, ...]]:
             try:
@@ -248,7 +292,13 @@ class PendingShardedWrite:
 
         with _removed_on_error(self._directory, self._ranks):
             outcomes = self._ranks.all_gather_each(wait)
-            return _agreed(outcomes[0][0], [table for _, table in outcomes], self._ranks)
+        return WrittenShards(metadata=outcomes[0][0], tables=tuple(t for _, t in outcomes))
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for DCP's write to end, whatever its outcome (its collectives done), before
+        the group it runs on is used again; a failure is not raised."""
+        with contextlib.suppress(BaseException):
+            self._done.result(timeout)
 
 
 def async_write_sharded(
@@ -259,15 +309,17 @@ def async_write_sharded(
     ranks: Ranks,
     group: Any,
     stager: DefaultStager,
+    created: bool = False,
 ) -> PendingShardedWrite:
     """Every rank: :func:`write_sharded` through ``dcp.async_save`` with ``stager``.
 
     ``group``: a gloo process group nothing else uses while the write runs (DCP runs its
     collectives on its own thread). Returns once the state is staged on the CPU; with CUDA,
     once staging began (wait for :meth:`PendingShardedWrite.staged` before the next step).
+    ``created``: rank 0 made ``directory`` already.
     """
     root = Path(directory)
-    writer = _fresh(root, ranks)
+    writer = _fresh(root, ranks, created=created)
     state = _state(model, optimizers)
     response = async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
     return PendingShardedWrite(root, writer, ranks, response)

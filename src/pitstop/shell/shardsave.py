@@ -36,8 +36,8 @@ from torch import nn
 from pitstop.core.records import Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import ConfigError, SaveError
-from pitstop.shell.capture import LiveState, sharded_components
-from pitstop.shell.distributed import Ranks
+from pitstop.shell.capture import LiveState, rank_state, sharded_components
+from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
@@ -101,35 +101,53 @@ class ShardedSaves:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = make_stager()
 
-    def save(self, progress: Progress, parts: list[dict[str, Any]] | None) -> int | None:
-        """Every rank writes its shards of the planned save into the temp directory rank 0
-        names; then (synchronous) rank 0 publishes it, or (background) DCP goes on writing.
-        The save's session ticket is returned (on rank 0); ``None``: the plan writes no
-        checkpoint (only pointers move: the Saver does that as for a file)."""
-        saver, background = self._saver, self._stager is not None
-        temp = self._ranks.lead(partial(saver.begin_sharded, progress, parts, copy=background))
-        if temp is None:
-            return None
-        if not background:
-            return self._write(temp, parts)
+    def begin(self, progress: Progress) -> str | None:
+        """Rank 0, right after the plan (in the same round): start the planned save; the temp
+        directory, made, that every rank writes its shards into (``None``: the plan writes no
+        checkpoint, only pointers move: the Saver does that as for a file)."""
+        return self._saver.begin_sharded(progress, copy=self._stager is not None)
+
+    def save(self, temp: str) -> int:
+        """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
+        (synchronous) rank 0 publishes it, or (background) DCP goes on writing. Every rank's
+        own part (RNG, per-rank components) reaches rank 0 with the round that ends the
+        write (synchronous) or the staging (background). The save's ticket (on rank 0)."""
+        if self._stager is None:
+            return self._write(temp)
         return self._start(temp)
 
     def done(self) -> bool | None:
         """This rank's part of the save in flight is written (``None``: none in flight)."""
         return None if self._pending is None else bool(self._pending.done())
 
-    def _write(self, temp: str, parts: list[dict[str, Any]] | None) -> int:
-        from pitstop.shell.sharded import write_sharded
+    def _part(self) -> Packed:
+        """This rank's own part of the save, packed (rank 0 unpacks a copy of each)."""
+        return pack_state(rank_state(self._live))
+
+    def _write(self, temp: str) -> int:
+        from pitstop.shell.sharded import write_shards
 
         saver, ranks = self._saver, self._ranks
         root, model = self._directory / temp, self._live.model
         try:
-            layout = write_sharded(root, model, sharded_components(self._live), ranks=ranks)
+            written = write_shards(
+                root,
+                model,
+                sharded_components(self._live),
+                ranks=ranks,
+                created=True,
+                gather=self._part,
+            )
         except BaseException:  # raised on every rank: the temp directory is gone
             if ranks.leader:
                 saver.abort_sharded()
             raise
-        ticket: int = ranks.lead(partial(saver.publish_sharded, layout, parts))
+
+        def publish() -> int:
+            parts = [unpack_state(packed) for packed in written.riders]
+            return saver.publish_sharded(written.layout(ranks.world_size), parts)
+
+        ticket: int = ranks.lead(publish)
         return ticket
 
     def _start(self, temp: str) -> int:
@@ -138,8 +156,9 @@ class ShardedSaves:
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
         components = sharded_components(self._live)
+        started: list[Any] = []
 
-        def start() -> Any:
+        def start() -> Packed:
             pending = async_write_sharded(
                 root,
                 self._live.model,
@@ -147,19 +166,26 @@ class ShardedSaves:
                 ranks=ranks,
                 group=self._group,
                 stager=self._stager,
+                created=True,
             )
+            started.append(pending)
             pending.staged(self._timeout_s)
-            return pending
+            return self._part()
 
         try:
-            self._pending = ranks.each(start)
-        except BaseException:
+            packed = ranks.all_gather_each(start)
+        except BaseException:  # raised on every rank
+            for pending in started:  # DCP's collectives end before its group is used again
+                pending.drain(self._timeout_s)
             if ranks.leader:
                 saver.abort_handed()
                 shutil.rmtree(root, ignore_errors=True)
             raise
+        self._pending = started[0]
         self.ticket = RemoteTicket(sharded=True)
-        return saver.handed_over() if ranks.leader else 0  # cannot fail: nothing to agree on
+        if not ranks.leader:
+            return 0
+        return saver.handed_over([unpack_state(p) for p in packed])  # cannot fail
 
     def settle(self, *, block: bool, done: Sequence[bool | None] | None = None) -> None:
         """Every rank: publish the save in flight once every rank's shards are durable —
@@ -176,8 +202,8 @@ class ShardedSaves:
         ticket, self.ticket = self.ticket, None
         saver, ranks = self._saver, self._ranks
         try:
-            layout = pending.result(self._timeout_s)  # every rank, or the same error on each
-            ranks.lead(partial(saver.publish_handed, layout))
+            written = pending.written(self._timeout_s)  # every rank, or the same error on each
+            ranks.lead(lambda: saver.publish_handed(written.layout(ranks.world_size)))
         except Exception as exc:
             if ticket is not None:
                 ticket.settle(SaveStatus.FAILED)
