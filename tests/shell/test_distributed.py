@@ -73,17 +73,22 @@ def test_a_packed_tree_comes_back_equal_as_a_copy_with_storage_sharing_kept() ->
         "names": {"a", "b"},
     }
     copy = unpack_state(pack_state(tree))
-    assert copy["rng"] == tree["rng"] and copy["names"] == tree["names"]
+    assert copy["rng"] == tree["rng"]
+    assert copy["names"] == tree["names"]
     assert type(copy["state"]) is collections.OrderedDict
     for name, tensor in tree["state"].items():
         got = copy["state"][name]
-        assert got.dtype == tensor.dtype and got.stride() == tensor.stride()
+        assert got.dtype == tensor.dtype
+        assert got.stride() == tensor.stride()
         assert torch.equal(got, tensor)
-    shared = {copy["state"][n].untyped_storage().data_ptr() for n in ("whole", "part", "transposed")}
+    shared = {
+        copy["state"][n].untyped_storage().data_ptr() for n in ("whole", "part", "transposed")
+    }
     assert len(shared) == 1  # one storage, as on the sender
     assert shared != {base.untyped_storage().data_ptr()}  # a copy
     copy["state"]["part"].zero_()
-    assert copy["state"]["whole"][2] == 0 and base[2] == 2
+    assert copy["state"]["whole"][2] == 0
+    assert base[2] == 2
 
 
 def test_a_tree_a_checkpoint_cannot_hold_is_refused_naming_its_key_path() -> None:
