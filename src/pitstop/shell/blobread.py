@@ -17,6 +17,11 @@
 #     here: the development machine has no GPU.
 # How: a bounded FIFO of chunks whose CRC is in flight; a bounce buffer is reused only once
 # its chunk's CRC (and copy to the device) is done; an error cancels the pool's queued work.
+# Where no blob goes to a CUDA device and there is more than one core, the pass is parallel
+# instead: as many threads as the checksum pool would have take the chunks in file order,
+# each reading one into its place (or a bounce buffer of its own) and checksumming it itself,
+# so faulting in new memory, copying and CRC-32 share the cores; the CRCs are compared, in
+# blob order, once every chunk is in.
 
 """Read a checkpoint file's blobs once, checking each one's CRC-32 as it is read."""
 

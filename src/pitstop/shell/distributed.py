@@ -118,8 +118,9 @@ def unpack_state(packed: Packed) -> Any:
     return resolve(unpack(tree), tensors)
 
 
-SMALL: Final = 4096
-"""Bytes of a pickled value that travel in one collective (larger ones take a second)."""
+SMALL: Final = 32 << 10
+"""Bytes of a pickled value that travel in one collective (larger ones take a second): enough
+for a rank's RNG streams and a sampler's state (about 13 KiB on the CPU)."""
 
 _HEADER: Final = 8  # the value's size, little-endian, before it in its box
 
