@@ -18,7 +18,8 @@ a new directory under one root:
   publish;
 * ``Checkpointer.save sync`` / ``async``: the public path, ``pitstop.Checkpointer`` (one per
   mode, ``async_save=False`` / ``True``, retention off while timed) ``.save(progress)`` —
-  the core's plan, the replicated state (every rank's RNG) gathered, then the engine — and
+  the core's plan, the engine, every rank's RNG gathered with the write's (or the staging's)
+  last round — and
   ``wait()``, which for ``async`` is the later call that finishes DCP's save and publishes.
 
 Figures, in seconds from the call (the ranks leave a barrier just before it), the worse rank's:

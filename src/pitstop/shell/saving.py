@@ -10,11 +10,12 @@
 # first) and hands the write to the session's writer thread. Every step is reported to the
 # session as the core's event. Nothing here refers to the Checkpointer, so the job a writer
 # thread holds keeps no Checkpointer alive. A sharded save (begin_sharded, publish_sharded):
-# rank 0 names the temp directory, every rank writes its shards into it (the Checkpointer
-# drives that collective), then rank 0 captures the replicated state and publishes. In the
-# background (capture_sharded, handed_over; later publish_handed or fail_handed): rank 0 copies
-# the replicated state before DCP's write starts, the schedule and pointers move once every
-# rank's shards are staged, and the publish — or the failure, undone — comes at a later call.
+# rank 0 creates the temp directory, every rank writes its shards into it (the Checkpointer
+# drives that collective), then rank 0 captures the replicated state with every rank's part and
+# publishes. In the background (capture_sharded, handed_over; later publish_handed or
+# fail_handed): rank 0 copies the replicated state before DCP's write starts, every rank's part
+# and the moves of the schedule and pointers come once every rank's shards are staged, and the
+# publish — or the failure, undone — comes at a later call.
 # How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
 # carry_out() is a function over the live state, the directory, the session and the pool.
 

@@ -5,9 +5,12 @@
 # torch.distributed.checkpoint. DCP is imported only where a DTensor can exist (its import costs
 # seconds). Refused with sharded state, when the Checkpointer is built: an EMA, and
 # async_save="overlap" (async_save=True is DCP's own background write). A sharded save is a
-# collective: rank 0 plans it and names the temp directory, every rank writes its shards there,
-# and only then does rank 0 write the manifest last and publish; a failure while writing shards
-# is raised on every rank and leaves no temp directory.
+# collective: rank 0 plans it and creates the temp directory (its name goes with the plan),
+# every rank writes its shards there, and only then does rank 0 write the manifest last and
+# publish; every rank's own part (RNG, per-rank components) reaches rank 0 with the round that
+# ends the write, or the staging in the background. A failure while writing shards is raised
+# on every rank and leaves no temp directory; one after DCP's background write started is
+# raised only once every rank's DCP write has ended (its collectives never meet the next's).
 # In the background (async_save=True): rank 0 copies the replicated state, every rank starts
 # DCP's async_save (on a gloo group of its own, with one kept stager) and the call returns once
 # the shards are staged; the schedule and pointers move then. DCP's completion is a collective,
@@ -185,7 +188,7 @@ class ShardedSaves:
         self.ticket = RemoteTicket(sharded=True)
         if not ranks.leader:
             return 0
-        return saver.handed_over([unpack_state(p) for p in packed])  # cannot fail
+        return saver.handed_over([unpack_state(p) for p in packed])  # what every rank packed
 
     def settle(self, *, block: bool, done: Sequence[bool | None] | None = None) -> None:
         """Every rank: publish the save in flight once every rank's shards are durable —
