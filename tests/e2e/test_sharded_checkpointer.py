@@ -360,9 +360,9 @@ def test_prune_deletes_old_directories_and_keeps_the_resume_point(
 def test_a_sharded_model_refuses_overlap_and_an_ema_before_anything_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pitstop.shell import sharded
+    from pitstop.shell import shardsave
 
-    monkeypatch.setattr(sharded, "is_sharded", lambda model, components: True)
+    monkeypatch.setattr(shardsave, "is_sharded", lambda model, components: True)
     for options in ({"async_save": "overlap"}, {"ema": plain_model()}):
         with pytest.raises(pitstop.ConfigError, match="sharded model"):
             pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), **options)

@@ -1068,3 +1068,25 @@ def test_data_parallel_is_unwrapped(tmp_path: Path) -> None:
     ) as ckpt:
         assert ckpt.resume() == Progress(step=1)
     assert_same(dict(inner.state_dict()), dict(other.state_dict()))
+
+
+def test_a_run_without_sharded_state_never_imports_dcp(tmp_path: Path) -> None:
+    """torch's optimizers import DTensor's module in every run; telling a sharded model apart
+    must not import torch.distributed.checkpoint too (a tenth of a second or more, on every
+    start and resume). In a fresh interpreter: this one may have imported it already."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, pitstop\n"
+        "m = torch.nn.Linear(2, 2); o = torch.optim.AdamW(m.parameters())\n"
+        "assert 'torch.distributed.tensor' in sys.modules\n"
+        f"with pitstop.Checkpointer({str(tmp_path)!r}, model=m, state={{'optimizer': o}}) as c:\n"
+        "    c.save(pitstop.Progress(step=1)); c.resume()\n"
+        "print('dcp', 'torch.distributed.checkpoint' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["dcp", "False"]

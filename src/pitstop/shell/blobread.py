@@ -353,9 +353,14 @@ def _read_in_parallel(
         except BaseException as exc:  # raised below, on the calling thread
             failed.append(exc)
 
-    helpers = [threading.Thread(target=work, name=f"pitstop-read-{i}") for i in range(count - 1)]
-    for helper in helpers:
-        helper.start()
+    helpers: list[threading.Thread] = []
+    for i in range(count - 1):
+        helper = threading.Thread(target=work, name=f"pitstop-read-{i}")
+        try:
+            helper.start()
+        except RuntimeError:  # no new threads now (at interpreter exit): fewer readers
+            break
+        helpers.append(helper)
     try:
         work()
     finally:

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import shutil
 import warnings
@@ -44,8 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from pitstop.core.sharded import LiveValue, ShardedLayout, ShardFile, files_for, layout_differences
 from pitstop.errors import ConfigError, IncompatibleCheckpoint, SaveError
@@ -67,6 +64,7 @@ from pitstop.shell.sharddir import (
     verify_sharded,
     write_manifest,
 )
+from pitstop.shell.shardsave import is_sharded
 from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
@@ -93,22 +91,6 @@ MODEL = "model"
 """The top-level key the model's state is saved under (optimizers go under their own names)."""
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
-
-
-def is_sharded(model: nn.Module, components: Mapping[str, object] | None = None) -> bool:
-    """Whether ``model`` (or an optimizer among ``components``) holds sharded state: an FSDP2
-    module anywhere in the model, or any DTensor parameter or buffer."""
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        return True
-    if any(isinstance(t, DTensor) for t in itertools.chain(model.parameters(), model.buffers())):
-        return True
-    return any(
-        isinstance(p, DTensor)
-        for obj in (components or {}).values()
-        if isinstance(obj, torch.optim.Optimizer)
-        for group in obj.param_groups
-        for p in group["params"]
-    )
 
 
 def _state(model: nn.Module, optimizers: Optimizers) -> dict[str, Any]:

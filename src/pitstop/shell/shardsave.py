@@ -2,9 +2,10 @@
 #
 # Rules: a run's state is sharded when the model or an optimizer holds DTensors — decided once,
 # when the Checkpointer is built; then every save is a checkpoint directory written through
-# torch.distributed.checkpoint. DCP is imported only where a DTensor can exist (its import costs
-# seconds). Refused with sharded state, when the Checkpointer is built: an EMA, and
-# async_save="overlap" (async_save=True is DCP's own background write). A sharded save is a
+# torch.distributed.checkpoint. DCP is imported only when the state is sharded (its import costs
+# a tenth of a second or more, and torch's optimizers import DTensor's module in every run).
+# Refused with sharded state, when the Checkpointer is built: an EMA, and async_save="overlap"
+# (async_save=True is DCP's own background write). A sharded save is a
 # collective: rank 0 plans it and creates the temp directory (its name goes with the plan),
 # every rank writes its shards there, and only then does rank 0 write the manifest last and
 # publish; every rank's own part (RNG, per-rank components) reaches rank 0 with the round that
@@ -27,9 +28,10 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -44,17 +46,39 @@ from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
-__all__ = ["ShardedSaves", "holds_sharded"]
+__all__ = ["ShardedSaves", "holds_sharded", "is_sharded"]
+
+
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
+def is_sharded(model: nn.Module, components: Mapping[str, object] | None = None) -> bool:
+    """Whether ``model`` (or an optimizer among ``components``) holds sharded state: an FSDP2
+    module anywhere in the model, or any DTensor parameter or buffer. Imports nothing (torch's
+    optimizers import DTensor's module, but DCP's import costs a tenth of a second or more)."""
+    tensors = sys.modules.get("torch.distributed.tensor")
+    if tensors is None:  # no DTensor exists, nor an FSDP2 module
+        return False
+    dtensor = tensors.DTensor
+    for name in _FSDP_MODULES:
+        fsdp = getattr(sys.modules.get(name), "FSDPModule", None)
+        if fsdp is not None and any(isinstance(module, fsdp) for module in model.modules()):
+            return True
+    if any(isinstance(t, dtensor) for t in itertools.chain(model.parameters(), model.buffers())):
+        return True
+    return any(
+        isinstance(p, dtensor)
+        for obj in (components or {}).values()
+        if isinstance(obj, torch.optim.Optimizer)
+        for group in obj.param_groups
+        for p in group["params"]
+    )
 
 
 def holds_sharded(live: LiveState, *, async_save: object, ema: nn.Module | None) -> bool:
     """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
     save is a checkpoint directory written through DCP. Raises ConfigError for what sharded
     state does not support (``async_save="overlap"``, an ``ema``)."""
-    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists, nor FSDP2 module
-        return False
-    from pitstop.shell.sharded import is_sharded  # imports DCP: only where it can be needed
-
     if not is_sharded(live.model, live.components):
         return False
     if async_save == "overlap":
