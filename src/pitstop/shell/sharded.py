@@ -1,11 +1,9 @@
 # Sharded state (FSDP2, DTensor) through torch.distributed.checkpoint (DCP), published like a
 # file.
 #
-# Rules: every rank makes the same calls. A save: rank 0 creates the temp directory (exclusive;
-# the outcome is agreed), every rank writes its shards through DCP's FileSystemWriter, whose
-# streams CRC-32 each file as DCP writes it and fsync it (pitstop.shell.dcpwrite), so the table
-# of the files it wrote itself — rank 0's include `.metadata` — needs no re-read; the tables are
-# gathered; rank 0 builds the layout (pitstop.core.sharded), writes the manifest last
+# Rules: every rank makes the same calls. A save: every rank writes its shards into a temp
+# directory and the tables of its files are gathered (pitstop.shell.shardwrite, whose names are
+# re-exported here); rank 0 builds the layout (pitstop.core.sharded), writes the manifest last
 # (publish_file: temp name, fsync, rename, directory fsync — which makes the names of every
 # rank's files durable too), renames the temp directory into place and fsyncs the parent.
 # A load: the layout comes from the manifest (DCP's pickled `.metadata` is never read: see
@@ -20,51 +18,44 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-from pitstop.core.sharded import LiveValue, ShardedLayout, ShardFile, files_for, layout_differences
-from pitstop.errors import ConfigError, IncompatibleCheckpoint, SaveError
+from pitstop.core.sharded import LiveValue, ShardedLayout, files_for, layout_differences
+from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.dcpio import (
-    DCP_METADATA,
-    NO_DIST_WARNING,
     SafePlanner,
-    Writer,
-    layout_of,
     load_checked,
     metadata_of,
 )
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.sharddir import (
     delete_sharded,
-    file_table,
     publish_sharded,
     read_layout,
     verify_sharded,
     write_manifest,
 )
 from pitstop.shell.shardsave import is_sharded
+from pitstop.shell.shardwrite import (
+    MODEL,
+    Optimizers,
+    PendingShardedWrite,
+    WrittenShards,
+    async_write_sharded,
+    dcp_state,
+    make_stager,
+    write_sharded,
+    write_shards,
+)
 from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
@@ -86,226 +77,6 @@ __all__ = [
     "write_sharded",
     "write_shards",
 ]
-
-MODEL = "model"
-"""The top-level key the model's state is saved under (optimizers go under their own names)."""
-
-Optimizers = Mapping[str, torch.optim.Optimizer]
-
-
-def _state(model: nn.Module, optimizers: Optimizers) -> dict[str, Any]:
-    """What DCP saves or fills: the model's state under ``model``, each optimizer's under its
-    name (keyed by parameter names, as ``get_optimizer_state_dict`` makes them)."""
-    for name in optimizers:
-        if name == MODEL or not name or "." in name:
-            raise ConfigError(f"sharded component {name!r}: a name without '.', not {MODEL!r}")
-    state: dict[str, Any] = {MODEL: get_model_state_dict(model)}
-    for name, optimizer in optimizers.items():
-        state[name] = get_optimizer_state_dict(model, optimizer)
-    return state
-
-
-# --- writing ----------------------------------------------------------------------------------
-
-
-def _fresh(directory: Path, ranks: Ranks, *, created: bool) -> Writer:
-    """Rank 0 creates ``directory`` (it must not exist yet; every rank hears the outcome),
-    unless it was ``created`` already (by rank 0, before every rank heard its name)."""
-
-    def create() -> None:
-        try:
-            directory.mkdir()
-        except OSError as exc:
-            raise SaveError(f"could not create {directory}: {exc}") from exc
-
-    if not created:
-        ranks.lead(create)
-    return Writer(directory)
-
-
-@contextlib.contextmanager
-def _removed_on_error(directory: Path, ranks: Ranks) -> Iterator[None]:
-    """Rank 0 removes the temp ``directory`` of a save that failed (on every rank, by then)."""
-    try:
-        yield
-    except Exception:
-        if ranks.leader:
-            shutil.rmtree(directory, ignore_errors=True)
-        raise
-
-
-def _table(directory: Path, writer: Writer, ranks: Ranks) -> tuple[ShardFile, ...]:
-    names = writer.written + ((DCP_METADATA,) if ranks.leader else ())
-    return file_table(directory, names, ranks.rank, writer.checksums())
-
-
-@attrs.frozen
-class WrittenShards:
-    """Every rank's shards of a save, durable in its temp directory; what rank 0 publishes."""
-
-    metadata: Metadata | None
-    """DCP's metadata (rank 0's; ``None`` on the other ranks)."""
-    tables: tuple[tuple[ShardFile, ...], ...]
-    """Every rank's files, in rank order."""
-    riders: tuple[Any, ...] = ()
-    """What each rank sent along (``gather``), in rank order."""
-
-    def layout(self, world_size: int) -> ShardedLayout:
-        """Rank 0: the checkpoint's layout, from DCP's metadata and every rank's files."""
-        assert self.metadata is not None  # rank 0's
-        return layout_of(self.metadata, [f for t in self.tables for f in t], world_size)
-
-
-def _agreed(written: WrittenShards, ranks: Ranks) -> ShardedLayout:
-    """Rank 0 builds the layout; every rank gets it."""
-    return ranks.lead(partial(written.layout, ranks.world_size))
-
-
-def write_sharded(
-    directory: str | os.PathLike[str],
-    model: nn.Module,
-    optimizers: Optimizers,
-    *,
-    ranks: Ranks,
-    group: Any = None,
-) -> ShardedLayout:
-    """Every rank: save the model's and ``optimizers``' state into the new ``directory``.
-
-    Each rank writes its shards through DCP (on ``group``; ``None``: the default group), each
-    file checksummed as written and fsynced; every rank returns the same layout. Nothing is
-    published yet (:func:`write_manifest`, :func:`publish_sharded`). Raises
-    :class:`~pitstop.errors.SaveError` on every rank when any rank fails.
-    """
-    return _agreed(write_shards(directory, model, optimizers, ranks=ranks, group=group), ranks)
-
-
-def write_shards(
-    directory: str | os.PathLike[str],
-    model: nn.Module,
-    optimizers: Optimizers,
-    *,
-    ranks: Ranks,
-    group: Any = None,
-    created: bool = False,
-    gather: Callable[[], Any] | None = None,
-) -> WrittenShards:
-    """Every rank: :func:`write_sharded`, without the round that hands rank 0's layout to
-    every rank (rank 0 builds it from the result, :meth:`WrittenShards.layout`, with what it
-    publishes). ``created``: rank 0 made ``directory`` already. ``gather()``: run on every
-    rank once its shards are durable, its result gathered with the files (one round)."""
-    root = Path(directory)
-    writer = _fresh(root, ranks, created=created)
-    with _removed_on_error(root, ranks):
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
-                state = _state(model, optimizers)
-                metadata = save(state, storage_writer=writer, process_group=group)
-        except CheckpointException as exc:  # a BaseException, raised on every rank
-            raise SaveError(f"could not write the shards of {root}: {exc}") from exc
-
-        def table() -> tuple[tuple[ShardFile, ...], Any]:
-            return _table(root, writer, ranks), (gather() if gather is not None else None)
-
-        gathered = ranks.all_gather_each(table)
-        return WrittenShards(
-            metadata=metadata if ranks.leader else None,
-            tables=tuple(t for t, _ in gathered),
-            riders=tuple(r for _, r in gathered) if gather is not None else (),
-        )
-
-
-def make_stager() -> DefaultStager:
-    """A stager for :func:`async_write_sharded`, to keep and reuse (it caches its host buffers):
-    pinned memory and a background copy with CUDA, a blocking copy on the CPU (DCP's own
-    FileSystemWriter stager, ``cache_staged_state_dict=True``, cannot pin memory there)."""
-    cuda = torch.cuda.is_available()
-    options = StagingOptions(
-        use_pinned_memory=cuda,
-        use_shared_memory=False,
-        use_async_staging=cuda,
-        use_non_blocking_copy=cuda,
-    )
-    return DefaultStager(options)
-
-
-class PendingShardedWrite:
-    """A save :func:`async_write_sharded` started. DCP writes on its upload thread (each file
-    checksummed as written, then fsynced), and there this rank's table is made. :meth:`result`
-    gathers (after a ``timeout`` there, DCP may still be writing: do not reuse the directory)."""
-
-    def __init__(self, directory: Path, writer: Writer, ranks: Ranks, response: Any) -> None:
-        self._directory, self._writer, self._ranks = directory, writer, ranks
-        self._staging: Future[Any] | None = getattr(response, "staging_completion", None)
-        upload: Future[Any] = getattr(response, "upload_completion", response)
-        self._done: Future[tuple[Metadata, tuple[ShardFile, ...]]] = Future()
-        upload.add_done_callback(self._checksum)
-
-    def _checksum(self, upload: Future[Any]) -> None:  # DCP's upload thread: no collective here
-        try:
-            metadata = upload.result()
-            self._done.set_result((metadata, _table(self._directory, self._writer, self._ranks)))
-        except BaseException as exc:  # CheckpointException included: result() raises it
-            self._done.set_exception(exc)
-
-    def staged(self, timeout: float | None = None) -> None:
-        """Wait until the state is copied to host buffers (then the model may change)."""
-        if self._staging is not None:
-            self._staging.result(timeout)
-
-    def done(self) -> bool:
-        """Whether this rank's files are written, fsynced and in its table (or failed)."""
-        return self._done.done()
-
-    def result(self, timeout: float | None = None) -> ShardedLayout:
-        """Every rank, from the calling thread: wait and gather; the same layout on every rank,
-        or :class:`~pitstop.errors.SaveError` on every rank when any rank failed."""
-        return _agreed(self.written(timeout), self._ranks)
-
-    def written(self, timeout: float | None = None) -> WrittenShards:
-        """:meth:`result` without the round that hands rank 0's layout to every rank."""
-
-        def wait() -> tuple[Metadata | None, tuple[ShardFile, ...]]:
-            try:
-                metadata, table = self._done.result(timeout)
-            except CheckpointException as exc:
-                raise SaveError(f"could not write the shards of {self._directory}: {exc}") from exc
-            return (metadata if self._ranks.leader else None), table  # rank 0 builds the layout
-
-        with _removed_on_error(self._directory, self._ranks):
-            outcomes = self._ranks.all_gather_each(wait)
-        return WrittenShards(metadata=outcomes[0][0], tables=tuple(t for _, t in outcomes))
-
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait for DCP's write to end, whatever its outcome (its collectives done), before
-        the group it runs on is used again; a failure is not raised."""
-        with contextlib.suppress(BaseException):
-            self._done.result(timeout)
-
-
-def async_write_sharded(
-    directory: str | os.PathLike[str],
-    model: nn.Module,
-    optimizers: Optimizers,
-    *,
-    ranks: Ranks,
-    group: Any,
-    stager: DefaultStager,
-    created: bool = False,
-) -> PendingShardedWrite:
-    """Every rank: :func:`write_sharded` through ``dcp.async_save`` with ``stager``.
-
-    ``group``: a gloo process group nothing else uses while the write runs (DCP runs its
-    collectives on its own thread). Returns once the state is staged on the CPU; with CUDA,
-    once staging began (wait for :meth:`PendingShardedWrite.staged` before the next step).
-    ``created``: rank 0 made ``directory`` already.
-    """
-    root = Path(directory)
-    writer = _fresh(root, ranks, created=created)
-    state = _state(model, optimizers)
-    response = async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
-    return PendingShardedWrite(root, writer, ranks, response)
-
 
 # --- reading ----------------------------------------------------------------------------------
 
@@ -340,7 +111,7 @@ def sharded_differences(
     root = Path(directory)
     layout, _ = read_layout(root)
     try:
-        _planned_files(root, layout, _state(model, optimizers), rank)
+        _planned_files(root, layout, dcp_state(model, optimizers), rank)
     except IncompatibleCheckpoint as exc:
         return list(exc.differences)
     return []
@@ -360,7 +131,7 @@ def files_to_verify(
     root = Path(directory)
     layout, _ = read_layout(root)
     try:
-        return layout, _planned_files(root, layout, _state(model, optimizers), rank)
+        return layout, _planned_files(root, layout, dcp_state(model, optimizers), rank)
     except IncompatibleCheckpoint:
         names = [f.name for f in layout.files]
         return layout, tuple(names[rank::world_size])
@@ -386,7 +157,7 @@ def read_sharded(
     """
     root = Path(directory)
     layout = ranks.each(lambda: read_layout(root)[0])
-    state = _state(model, optimizers)
+    state = dcp_state(model, optimizers)
     names = ranks.each(lambda: _planned_files(root, layout, state, ranks.rank))
     if verify:
         ranks.each(lambda: verify_sharded(root, layout, names))

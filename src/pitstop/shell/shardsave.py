@@ -120,7 +120,7 @@ class ShardedSaves:
     def background(self) -> None:
         """Every rank, at construction: saves go through DCP's async_save. DCP runs its
         collectives on its own thread, so they get a gloo group of their own."""
-        from pitstop.shell.sharded import make_stager
+        from pitstop.shell.shardwrite import make_stager
 
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
@@ -152,7 +152,7 @@ class ShardedSaves:
         return pack_state(rank_state(self._live))
 
     def _write(self, temp: str) -> int:
-        from pitstop.shell.sharded import write_shards
+        from pitstop.shell.shardwrite import write_shards
 
         saver, ranks = self._saver, self._ranks
         root, model = self._directory / temp, self._live.model
@@ -178,7 +178,7 @@ class ShardedSaves:
         return ticket
 
     def _start(self, temp: str) -> int:
-        from pitstop.shell.sharded import async_write_sharded
+        from pitstop.shell.shardwrite import async_write_sharded
 
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
