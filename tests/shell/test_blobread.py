@@ -113,6 +113,16 @@ def test_placed_tensors_come_back_equal_in_private_memory(tmp_path: Path) -> Non
     assert torch.equal(again["state"]["optimizer"]["state"][0]["exp_avg"], stored)  # type: ignore[index]
 
 
+def test_empty_and_zero_dimensional_tensors_are_placed_too(tmp_path: Path) -> None:
+    tree = {"state": {"empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}, "w": torch.ones(3)}
+    path = _save(tmp_path / "c.pitstop", tree)
+    loaded = ff.load(path, verify="file", place=_is_placed)
+    assert isinstance(loaded, dict)
+    assert loaded["state"]["empty"].shape == (0, 4)
+    assert loaded["state"]["scalar"].item() == 2.5
+    assert torch.equal(loaded["w"], torch.ones(3))
+
+
 @pytest.mark.parametrize("place", [None, _is_placed], ids=["mapped", "placed"])
 def test_a_blob_read_in_many_chunks_is_checked_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, place: object

@@ -68,7 +68,12 @@ def test_a_packed_tree_comes_back_equal_as_a_copy_with_storage_sharing_kept() ->
     tree = {
         "rng": (3, tuple(range(5)), None),
         "state": collections.OrderedDict(
-            whole=base, part=base[2:6], transposed=base.view(3, 4).t(), half=torch.ones(2).half()
+            whole=base,
+            part=base[2:6],
+            transposed=base.view(3, 4).t(),
+            half=torch.ones(2).half(),
+            empty=torch.zeros(0, 3, dtype=torch.int64),
+            scalar=torch.tensor(7),
         ),
         "names": {"a", "b"},
     }

@@ -110,7 +110,12 @@ def unpack_state(packed: Packed) -> Any:
     """The tree :func:`pack_state` made, on the CPU: a copy, sharing nothing with the sender's
     (decoded as a checkpoint's tree is: no code runs)."""
     tree, data, views = packed
-    made = [torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() for raw in data]
+    made = [
+        (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+        ).untyped_storage()
+        for raw in data
+    ]
     tensors = {
         index: torch.empty(0, dtype=TENSOR_DTYPES[dtype]).set_(made[storage], offset, shape, stride)
         for index, (storage, dtype, offset, shape, stride) in enumerate(views)
