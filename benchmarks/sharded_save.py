@@ -157,9 +157,11 @@ def worker(args: argparse.Namespace) -> int:
             future.result()
         elif candidate.startswith("Checkpointer"):
             ckpt = checkpointers[candidate.rsplit(" ", 1)[1]]
-            ckpt.save(pitstop.Progress(step=next(steps)))
+            saved = ckpt.save(pitstop.Progress(step=next(steps)))
             blocking = time.perf_counter() - start
             ckpt.wait()  # async: published at this call, on every rank
+            assert saved is not None
+            target = saved.path  # removed below, untimed, as every candidate's output is
         elif candidate == "pitstop sync":
             layout = write_sharded(temp, model, {"optimizer": optimizer}, ranks=ranks)
             blocking = time.perf_counter() - start

@@ -1,5 +1,6 @@
-# The files a DCP save writes, checksummed as DCP writes them: each one's size and CRC-32 are
-# noted from the bytes DCP hands the stream, so the file table needs no re-read.
+# The files a DCP save writes, checksummed as DCP closes them: each one's size is counted from
+# the bytes DCP hands the stream, and its CRC-32 is taken from the file's own pages while its
+# fsync runs, so the file table needs no re-read after the save.
 #
 # Rules: DCP (torch.distributed.checkpoint.filesystem) opens each file it writes with
 # `fs.create_stream(path, "wb")` — its data files one thread at a time each (a file is never
@@ -9,13 +10,15 @@
 # seeking. A file is noted only when all of that held: every byte went through `write`, whole;
 # nothing else was called that could move or write the file (a seek, or any call this stream
 # does not know, leaves it unnoted); on close its position and size equal the bytes counted; it
-# was flushed and fsynced. A file left unnoted is re-read by the file table, as before. The
-# streams fsync on a clean close (flush first, so the fsync covers every byte: DCP's own fsync
-# of `.metadata` comes before its buffer is flushed), which is why the writer turns DCP's
-# sync_files off — one fsync per file, not two. Names become durable with the manifest's
+# was flushed and fsynced. On a clean close the fsync runs on a helper thread while this one
+# computes the CRC-32 of the file's pages (a read-only map of what the page cache holds, which
+# is what the fsync writes), so the checksum costs no time beside the disk's. A file left
+# unnoted is re-read by the file table, as before. The streams flush before they fsync (DCP's
+# own fsync of `.metadata` comes before its buffer is flushed), which is why the writer turns
+# DCP's sync_files off — one fsync per file, not two. Names become durable with the manifest's
 # directory fsync (pitstop.shell.sharddir). The notes are shared by DCP's writer threads and
 # read from the thread that builds the table: a lock guards them.
-# How: a FileSystem subclass whose write streams wrap the real file, zlib.crc32 per write.
+# How: a FileSystem subclass whose write streams wrap the real file.
 
 """DCP's file system for pitstop's writer: write streams that note each file's size and CRC."""
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import os
 import threading
 import zlib
@@ -40,12 +44,12 @@ Note = tuple[int, int]
 
 
 class _CrcStream:
-    """A file opened for writing, passing each write on and folding its bytes into a CRC-32.
+    """A file opened for writing, passing each write on and counting its bytes.
 
-    ``size`` and ``crc`` hold only while :attr:`tracked`: any call that could move the file's
-    position or write past this stream (a seek, ``writelines``, anything unknown) clears it.
-    :meth:`close` flushes, checks and fsyncs the file, then hands ``done`` its note (``None``:
-    the file cannot be vouched for).
+    ``size`` holds only while :attr:`tracked`: any call that could move the file's position or
+    write past this stream (a seek, ``writelines``, anything unknown) clears it. :meth:`close`
+    flushes and checks the file, fsyncs it while it computes its CRC-32 (``crc``), then hands
+    ``done`` its note (``None``: the file cannot be vouched for).
     """
 
     def __init__(self, file: BinaryIO, done: Callable[[Note | None], None]) -> None:
@@ -54,7 +58,7 @@ class _CrcStream:
         self.tracked = True
 
     def write(self, data: Any) -> int:
-        """Write ``data`` (any contiguous buffer) to the file; its bytes join the CRC."""
+        """Write ``data`` (any contiguous buffer) to the file; its bytes are counted."""
         try:
             view = memoryview(data)
             written = self._file.write(view)
@@ -64,7 +68,6 @@ class _CrcStream:
         if written != view.nbytes:  # a partial write: the bytes on disk are not those seen
             self.tracked = False
         else:
-            self.crc = zlib.crc32(view, self.crc)
             self.size += written
         return written
 
@@ -91,15 +94,19 @@ class _CrcStream:
         return self._file.closed
 
     def close(self) -> None:
-        """Flush, check, fsync and close the file, and hand ``done`` its note (once)."""
+        """Flush and check the file, fsync it while its CRC-32 is computed, close it, and hand
+        ``done`` its note (once)."""
         if self._file.closed:
             return
         with self._file:
             self._file.flush()
-            position = self._file.tell()
-            on_disk = os.fstat(self._file.fileno()).st_size
-            os.fsync(self._file.fileno())
-        clean = self.tracked and position == self.size == on_disk
+            position, fd = self._file.tell(), self._file.fileno()
+            on_disk = os.fstat(fd).st_size
+            clean = self.tracked and position == self.size == on_disk
+            if clean:
+                self.crc = _crc_while_syncing(fd, on_disk)
+            else:
+                os.fsync(fd)
         self._done((self.size, self.crc) if clean else None)
 
     def abandon(self) -> None:
@@ -118,6 +125,39 @@ class _CrcStream:
             raise AttributeError(name)
         self.tracked = False
         return getattr(self._file, name)
+
+
+def _crc_while_syncing(fd: int, size: int) -> int:
+    """fsync ``fd`` on a helper thread while this one computes the CRC-32 of its ``size``
+    bytes from the page cache (a read-only map: no copy); the CRC, once both are done."""
+    failed: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            os.fsync(fd)
+        except BaseException as exc:  # raised below, on the calling thread
+            failed.append(exc)
+
+    helper = threading.Thread(target=sync, name="pitstop-fsync")
+    try:
+        helper.start()
+    except RuntimeError:  # no new threads now (at interpreter exit): one after the other
+        sync()
+    try:
+        crc = 0
+        if size:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    crc = zlib.crc32(view)
+                finally:
+                    view.release()
+    finally:
+        if helper.ident is not None:
+            helper.join()
+    if failed:
+        raise failed[0]
+    return crc
 
 
 class CrcFileSystem(FileSystem):
@@ -151,7 +191,8 @@ class CrcFileSystem(FileSystem):
             return
         target = Path(path)
         self._note(target, None)
-        stream = _CrcStream(target.open("wb"), lambda note: self._note(target, note))
+        # read too: its CRC-32 is taken from a map of it when it is closed
+        stream = _CrcStream(target.open("w+b"), lambda note: self._note(target, note))
         try:
             yield cast(io.IOBase, stream)
         except BaseException:
