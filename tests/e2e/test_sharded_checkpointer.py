@@ -251,7 +251,7 @@ def test_a_background_save_failing_on_one_rank_raises_on_every_rank_and_is_undon
     assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
     tmp_path: Path, mode: str
 ) -> None:

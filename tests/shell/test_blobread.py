@@ -284,8 +284,11 @@ _MEMORY_PROBE = textwrap.dedent(
     import torch
     from torch import nn
     import pitstop
+    from pitstop.shell import blobread
 
     MIB = 1 << 20
+    READERS = int(sys.argv[2])
+    blobread.default_threads = lambda: READERS  # this test's parameter, in this process
 
     def rss_anon():
         with open("/proc/self/status") as status:
@@ -334,7 +337,9 @@ _MEMORY_PROBE = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_resume_holds_no_second_copy_of_the_state_in_anonymous_memory(tmp_path: Path) -> None:
+def test_resume_holds_no_second_copy_of_the_state_in_anonymous_memory(
+    tmp_path: Path, readers: int
+) -> None:
     # 128 MiB of parameters and a 128 MiB momentum buffer: the resume reads the buffer into
     # memory (it becomes the optimizer's state) and copies the weights from the page cache
     # into the live model, so anonymous memory grows by the optimizer's state and at most
@@ -342,7 +347,7 @@ def test_resume_holds_no_second_copy_of_the_state_in_anonymous_memory(tmp_path: 
     probe = tmp_path / "probe.py"
     probe.write_text(_MEMORY_PROBE)
     done = subprocess.run(
-        [sys.executable, str(probe), str(tmp_path / "ckpt")],
+        [sys.executable, str(probe), str(tmp_path / "ckpt"), str(readers)],
         capture_output=True,
         text=True,
         timeout=300,
