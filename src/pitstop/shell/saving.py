@@ -271,7 +271,7 @@ class Saver:
         rank's own part (RNG, per-rank components) comes with :meth:`handed_over`."""
         plan, entry = self._planned_save()
         try:
-            tree, meta = capture(self._live, sharded=True)
+            tree, meta = capture(self._live, [], sharded=True)  # the parts: handed_over's
             tree = deepcopy(tree)  # small: the model and optimizers go through DCP
         except BaseException:
             self.abort_sharded()
