@@ -20,4 +20,4 @@ def test_values_of_every_size_travel_whole_between_two_ranks() -> None:
     with Job(Path(__file__).with_name("ranks_child.py"), ranks=2, timeout=120) as job:
         finished = job.wait()
     finished.check()
-    assert finished.lines(0)[-1] == finished.lines(1)[-1] == "ok 98"
+    assert finished.lines(0)[-1] == finished.lines(1)[-1] == "ok 432"

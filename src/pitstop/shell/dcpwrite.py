@@ -29,12 +29,13 @@ import io
 import mmap
 import os
 import threading
-import zlib
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from pitstop.shell.checksums import crc32
 
 __all__ = ["CrcFileSystem", "Note"]
 
@@ -149,7 +150,7 @@ def _crc_while_syncing(fd: int, size: int) -> int:
             with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
                 try:
-                    crc = zlib.crc32(view)
+                    crc = crc32(view)
                 finally:
                     view.release()
     finally:

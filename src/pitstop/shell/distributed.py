@@ -12,9 +12,10 @@
 # (so storage sharing survives), decoded as a checkpoint's tree is.
 # How: a value is pickled in memory between this job's own processes, as torch.distributed's
 # object collectives do (nothing read from a checkpoint is ever unpickled), and travels in a
-# fixed box of SMALL bytes: one collective per all_gather or broadcast, where torch's object
-# collectives take two (the sizes, then the data); a larger value takes a second round, which
-# every rank knows of from the sizes in the first.
+# fixed box: one collective per all_gather or broadcast, where torch's object collectives take
+# two (the sizes, then the data); a larger value takes a second round, which every rank knows
+# of from the sizes in the first. An all-gather's box is received once per rank, so it is small
+# (a call's inputs) except in the once-a-save rounds that carry every rank's part.
 
 """Ranks: rank 0 decides and writes; every rank hears the same answer."""
 
@@ -32,7 +33,17 @@ from pitstop.core.ranks import OK, Outcome, agree
 from pitstop.shell.treecodec import TENSOR_DTYPES, encode_tree, resolve, unpack
 from pitstop.shell.treewalk import dtype_name, storage_of
 
-__all__ = ["Packed", "Ranks", "outcome_of", "pack_state", "raise_outcome", "unpack_state"]
+__all__ = [
+    "BROADCAST_BOX",
+    "GATHER_BOX",
+    "PART_BOX",
+    "Packed",
+    "Ranks",
+    "outcome_of",
+    "pack_state",
+    "raise_outcome",
+    "unpack_state",
+]
 
 T = TypeVar("T")
 
@@ -123,9 +134,16 @@ def unpack_state(packed: Packed) -> Any:
     return resolve(unpack(tree), tensors)
 
 
-SMALL: Final = 32 << 10
-"""Bytes of a pickled value that travel in one collective (larger ones take a second): enough
-for a rank's RNG streams and a sampler's state (about 13 KiB on the CPU)."""
+GATHER_BOX: Final = 1 << 10
+"""Bytes of a pickled value an all-gather sends in one collective (a larger one takes a
+second): a call's inputs fit. Every rank receives one box per rank, so it stays small."""
+
+BROADCAST_BOX: Final = 4 << 10
+"""Bytes of a pickled value a broadcast sends in one collective: a plan, an outcome fit."""
+
+PART_BOX: Final = 32 << 10
+"""The box of the once-a-save rounds that carry every rank's own part (its RNG streams and a
+sampler's state: about 13 KiB on the CPU)."""
 
 _HEADER: Final = 8  # the value's size, little-endian, before it in its box
 
@@ -146,10 +164,10 @@ def _bytes_tensor(data: bytes, size: int) -> torch.Tensor:
     return tensor
 
 
-def _boxed(data: bytes) -> torch.Tensor:
-    """``data``'s size, then ``data`` itself if it fits: a box of SMALL bytes for one round."""
+def _boxed(data: bytes, box: int) -> torch.Tensor:
+    """``data``'s size, then ``data`` itself if it fits: a box of ``box`` bytes for one round."""
     size = len(data).to_bytes(_HEADER, "little")
-    return _bytes_tensor(size + data if len(data) <= SMALL else size, _HEADER + SMALL)
+    return _bytes_tensor(size + data if len(data) <= box else size, _HEADER + box)
 
 
 def _size_of(box: torch.Tensor) -> int:
@@ -184,16 +202,17 @@ class Ranks:
         """Whether there is more than one rank."""
         return self.world_size > 1
 
-    def all_gather(self, value: T) -> list[T]:
-        """Every rank's ``value``, in rank order, on every rank."""
+    def all_gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
+        """Every rank's ``value``, in rank order, on every rank (in one collective when every
+        pickled value fits ``box`` bytes, in two otherwise)."""
         if not self.many:
             return [value]
         data = _dumps(value)
-        box = _boxed(data)
-        boxes = [torch.empty_like(box) for _ in range(self.world_size)]
-        torch.distributed.all_gather(boxes, box, group=self._group)
+        boxed = _boxed(data, box)
+        boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
+        torch.distributed.all_gather(boxes, boxed, group=self._group)
         sizes = [_size_of(b) for b in boxes]
-        if max(sizes) <= SMALL:  # one round: every value fitted its box
+        if max(sizes) <= box:  # one round: every value fitted its box
             return [_loads(b[_HEADER : _HEADER + n]) for b, n in zip(boxes, sizes, strict=True)]
         # Every rank saw the same sizes, so every rank takes this second round.
         whole = _bytes_tensor(data, max(sizes))
@@ -202,15 +221,15 @@ class Ranks:
         return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
 
     def broadcast(self, value: T) -> T:
-        """Rank 0's ``value`` on every rank."""
+        """Rank 0's ``value`` on every rank (in one collective when it fits BROADCAST_BOX)."""
         if not self.many:
             return value
         data = _dumps(value) if self.leader else b""
-        box = _boxed(data)
-        torch.distributed.broadcast(box, src=0, group=self._group)
-        size = _size_of(box)
-        if size <= SMALL:  # one round: it fitted the box
-            return _loads(box[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
+        boxed = _boxed(data, BROADCAST_BOX)
+        torch.distributed.broadcast(boxed, src=0, group=self._group)
+        size = _size_of(boxed)
+        if size <= BROADCAST_BOX:  # one round: it fitted the box
+            return _loads(boxed[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
         whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
         torch.distributed.broadcast(whole, src=0, group=self._group)
         return _loads(whole)  # type: ignore[no-any-return]
@@ -227,7 +246,9 @@ class Ranks:
             return [value]
         # Every rank hears whether every tree could be packed: a tree a checkpoint cannot hold
         # is the same SaveError (naming its key path) on every rank.
-        packed = self.all_gather_each(lambda: None if self.leader else pack_state(value))
+        packed = self.all_gather_each(
+            lambda: None if self.leader else pack_state(value), box=PART_BOX
+        )
         if not self.leader:
             return []
         trees = [value]
@@ -255,12 +276,13 @@ class Ranks:
         raise_outcome(outcome, own=own)
         return result  # type: ignore[no-any-return]
 
-    def all_gather_each(self, work: Callable[[], T]) -> list[T]:
-        """Run ``work`` on every rank and hand every result to every rank, or the same error."""
+    def all_gather_each(self, work: Callable[[], T], *, box: int = GATHER_BOX) -> list[T]:
+        """Run ``work`` on every rank and hand every result to every rank, or the same error
+        (``box``: as for :meth:`all_gather`)."""
         if not self.many:
             return [work()]
         result, outcome, own = self._attempt(work)
-        pairs = self.all_gather((outcome, result))
+        pairs = self.all_gather((outcome, result), box=box)
         agreed = agree([o for o, _ in pairs])
         raise_outcome(agreed, own=own if agreed == outcome else None)
         return [r for _, r in pairs]

@@ -42,7 +42,7 @@ from pitstop.core.records import Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
-from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
+from pitstop.shell.distributed import PART_BOX, Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
@@ -200,7 +200,7 @@ class ShardedSaves:
             return self._part()
 
         try:
-            packed = ranks.all_gather_each(start)
+            packed = ranks.all_gather_each(start, box=PART_BOX)
         except BaseException:  # raised on every rank
             for pending in started:  # DCP's collectives end before its group is used again
                 pending.drain(self._timeout_s)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save
 from pitstop.core.sharded import ShardedLayout, ShardFile
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.dcpio import DCP_METADATA, NO_DIST_WARNING, Writer, layout_of
-from pitstop.shell.distributed import Ranks
+from pitstop.shell.distributed import GATHER_BOX, PART_BOX, Ranks
 from pitstop.shell.sharddir import file_table
 
 __all__ = [
@@ -173,7 +173,7 @@ def write_shards(
         def table() -> tuple[tuple[ShardFile, ...], Any]:
             return _table(root, writer, ranks), (gather() if gather is not None else None)
 
-        gathered = ranks.all_gather_each(table)
+        gathered = ranks.all_gather_each(table, box=PART_BOX if gather is not None else GATHER_BOX)
         return WrittenShards(
             metadata=metadata if ranks.leader else None,
             tables=tuple(t for t, _ in gathered),
@@ -197,7 +197,7 @@ def make_stager() -> DefaultStager:
 
 class PendingShardedWrite:
     """A save :func:`async_write_sharded` started. DCP writes on its upload thread (each file
-    checksummed as written, then fsynced), and there this rank's table is made. :meth:`result`
+    checksummed and fsynced as DCP closes it), and there this rank's table is made. :meth:`result`
     gathers (after a ``timeout`` there, DCP may still be writing: do not reuse the directory)."""
 
     def __init__(self, directory: Path, writer: Writer, ranks: Ranks, response: Any) -> None:
@@ -244,8 +244,9 @@ class PendingShardedWrite:
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for DCP's write to end, whatever its outcome (its collectives done), before
-        the group it runs on is used again; a failure is not raised."""
-        with contextlib.suppress(BaseException):
+        the group it runs on is used again; its failure, or a timeout, is not raised (an
+        interrupt is)."""
+        with contextlib.suppress(Exception, CheckpointException):  # the latter: BaseException
             self._done.result(timeout)
 
 
