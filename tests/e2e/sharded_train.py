@@ -8,7 +8,7 @@ seeded differently), each Linear and the root sharded with ``fully_shard``; the 
 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
         [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async]
-        [--die-in-shards-at N] [--fail-shards-at N --fail-rank R]
+        [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
@@ -25,6 +25,10 @@ loop has taken the next optimizer step (so the shards are written from what was 
 the live tensors changed).
 ``--fail-shards-at N --fail-rank R``: rank R's DCP write of the step-N shards raises OSError;
 a SaveError from ``maybe_save`` prints ``save error <message as JSON>`` and training goes on.
+``--fail-part-at N --fail-rank R``: rank R's own part of the step-N save (its RNG and per-rank
+state, taken after its shards are written or staged) raises OSError (rank R raises it as
+itself, the others a SaveError naming it); each rank then prints ``write ended <bool>``:
+whether DCP's write of those shards had ended before the error came.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
