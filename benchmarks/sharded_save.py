@@ -170,7 +170,6 @@ def worker(args: argparse.Namespace) -> int:
             pending = async_write_sharded(
                 temp, model, {"optimizer": optimizer}, ranks=ranks, group=dcp_group, stager=stager
             )
-            pending.staged()
             blocking = time.perf_counter() - start
             publish(root, target.name, pending.result())
         if candidate.startswith("dcp"):

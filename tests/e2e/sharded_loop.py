@@ -122,7 +122,6 @@ def save(args: argparse.Namespace, ranks: Ranks, timeout: datetime.timedelta) ->
             group=dcp_group,
             stager=stager,
         )
-        pending.staged(timeout.total_seconds())
         layout = pending.result(timeout.total_seconds())
     finally:
         stager.close()

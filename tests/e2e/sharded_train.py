@@ -9,6 +9,7 @@ seeded differently), each Linear and the root sharded with ``fully_shard``; the 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
         [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
+        [--fail-stage-at N]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
@@ -27,8 +28,11 @@ the live tensors changed).
 a SaveError from ``maybe_save`` prints ``save error <message as JSON>`` and training goes on.
 ``--fail-part-at N --fail-rank R``: rank R's own part of the step-N save (its RNG and per-rank
 state, taken after its shards are written or staged) raises OSError (rank R raises it as
-itself, the others a SaveError naming it); each rank then prints ``write ended <bool>``:
-whether DCP's write of those shards had ended before the error came.
+itself, the others a SaveError naming it); each rank then prints ``write began <bool> ended
+<bool>``: whether DCP had set up its write of those shards, and whether that write had ended,
+before the error came.
+``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
+(DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
@@ -56,6 +60,7 @@ import torch
 import torch.distributed as dist
 from sharded_loop import snapshot, write_result  # this directory: the engine tests' child
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.fsdp import fully_shard
 
 import pitstop
@@ -135,17 +140,41 @@ def fail_part(step: int, at: list[int], rank: int) -> None:
     shardsave.rank_state = rank_state  # type: ignore[assignment]
 
 
-def note_end(step: int, ended: list[bool]) -> None:
-    """``ended[0]`` turns True once DCP's write of this rank's ``step`` shards has returned."""
-    real = dcpio.Writer.write_data
+def fail_stage(step: int, at: list[int], rank: int) -> None:
+    """This rank's staging of the ``step`` save (the copy of its shards to host buffers that
+    DCP's background write starts from) raises."""
+    real = DefaultStager.stage
+
+    def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        if at[0] == step:
+            raise OSError(f"staging injected on rank {rank}")
+        return real(self, state_dict, **kwargs)
+
+    DefaultStager.stage = stage  # type: ignore[method-assign]
+
+
+def note_write(step: int, began: list[bool], ended: list[bool]) -> None:
+    """``began[0]`` turns True once DCP sets up this rank's write of the ``step`` shards
+    (before its first collective), ``ended[0]`` once its write of them has returned."""
+    real_set_up = dcpio.Writer.set_up_storage_writer
+    real_write = dcpio.Writer.write_data
+
+    def ours(writer: Any) -> bool:
+        return Path(writer.path).name.endswith(sharded_name(step))
+
+    def set_up_storage_writer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if ours(self):
+            began[0] = True
+        return real_set_up(self, *args, **kwargs)
 
     def write_data(self: Any, plan: Any, planner: Any) -> Any:
         try:
-            return real(self, plan, planner)
+            return real_write(self, plan, planner)
         finally:
-            if Path(self.path).name.endswith(sharded_name(step)):
+            if ours(self):
                 ended[0] = True
 
+    dcpio.Writer.set_up_storage_writer = set_up_storage_writer  # type: ignore[method-assign]
     dcpio.Writer.write_data = write_data  # type: ignore[method-assign]
 
 
@@ -164,11 +193,14 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     if args.fail_shards_at is not None and rank == args.fail_rank:
         in_shards(args.fail_shards_at, lambda: inject(f"injected on rank {rank}"))
     at = [0]  # the step of the call being made
-    ended = [False]  # --fail-part-at: whether DCP's write of that save had ended
-    if args.fail_part_at is not None:
-        note_end(args.fail_part_at, ended)
-        if rank == args.fail_rank:
-            fail_part(args.fail_part_at, at, rank)
+    began, ended = [False], [False]  # --fail-part-at, --fail-stage-at: DCP's write of it
+    failing = args.fail_part_at if args.fail_part_at is not None else args.fail_stage_at
+    if failing is not None:
+        note_write(failing, began, ended)
+    if args.fail_part_at is not None and rank == args.fail_rank:
+        fail_part(args.fail_part_at, at, rank)
+    if args.fail_stage_at is not None and rank == args.fail_rank:
+        fail_stage(args.fail_stage_at, at, rank)
     policy = pitstop.Policy(every_steps=args.every, keep_last=args.keep_last)
     ckpt = pitstop.Checkpointer(
         args.dir,
@@ -200,8 +232,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
             saved = ckpt.maybe_save(progress)
         except (pitstop.SaveError, OSError) as exc:  # a rank's own OSError is raised as itself
             print(f"save error {json.dumps(str(exc))}", flush=True)
-            if at[0] == args.fail_part_at:  # raised only once DCP's write of it had ended
-                print(f"write ended {ended[0]}", flush=True)
+            if at[0] == failing:  # whether DCP's write of it began, and had ended
+                print(f"write began {began[0]} ended {ended[0]}", flush=True)
             saved = None
         if saved is not None:
             saves.append(saved)
@@ -243,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop-at", type=int)
     parser.add_argument("--fail-shards-at", type=int)
     parser.add_argument("--fail-part-at", type=int)
+    parser.add_argument("--fail-stage-at", type=int)
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)

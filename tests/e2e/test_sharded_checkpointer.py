@@ -13,7 +13,7 @@ load_weights, verify, info, load and the CLI read a checkpoint directory. In the
 (``--async``): a run killed while the shards are written resumes from the previous checkpoint,
 bitwise (its shards were written only after the next step changed the model), every record
 pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
-undone; a Checkpointer dropped with a save in flight publishes nothing. Every job is a
+undone; a staging or a part failing on rank 1 raises on both ranks before any DCP write began; a Checkpointer dropped with a save in flight publishes nothing. Every job is a
 tests/multirank.py Job (bounded waits; every process ended when the test ends).
 """
 
@@ -257,8 +257,8 @@ def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
 ) -> None:
     """Rank 1's own part (RNG, per-rank state) of the step-4 save fails after its shards are
     written (sync) or staged (async): the same error on both ranks at that call (rank 1 raises
-    its own OSError), raised only once DCP's write had ended (async: it had just begun), nothing
-    of step 4 left, and the next saves go on over the same groups."""
+    its own OSError) — sync: only once DCP's write had ended; async: before any rank's DCP
+    write began —, nothing of step 4 left, and the next saves go on over the same groups."""
     directory = tmp_path / "checkpoints"
     options = ["--fail-part-at", "4"] + (["--async"] if mode == "async" else [])
     run = train(directory, tmp_path / "failed", *options)
@@ -267,7 +267,31 @@ def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
         errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
         assert len(errors) == 1, run.finished.describe()
         assert "part injected on rank 1" in errors[0]
-        assert "write ended True" in lines  # DCP's write was over before the error came
+        wrote = "True" if mode == "sync" else "False"
+        assert f"write began {wrote} ended {wrote}" in lines, run.finished.describe()
+        assert not [line for line in lines if line.startswith("saved 4")]
+        assert {"status 2 published", "status 6 published"} <= set(lines)
+    assert names(directory) == [sharded_name(2), sharded_name(6)]
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_staging_that_fails_on_one_rank_starts_no_rank_s_background_write(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's staging of the step-4 save (the copy DCP's background write starts from)
+    raises: every rank raises at that call (rank 0 a SaveError naming rank 1's error), no
+    rank's DCP write of step 4 began (so no rank waits on DCP's collectives until their
+    timeout), nothing of step 4 is left, and the next saves go on over the same groups. The
+    collectives' timeout is longer than the job's: a wait for it fails the test."""
+    directory = tmp_path / "checkpoints"
+    options = ["--async", "--fail-stage-at", "4", "--pg-timeout", "600"]
+    run = train(directory, tmp_path / "failed", *options)
+    for rank in range(2):
+        lines = run.finished.lines(rank)
+        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
+        assert len(errors) == 1, run.finished.describe()
+        assert "staging injected on rank 1" in errors[0]
+        assert "write began False ended False" in lines, run.finished.describe()
         assert not [line for line in lines if line.startswith("saved 4")]
         assert {"status 2 published", "status 6 published"} <= set(lines)
     assert names(directory) == [sharded_name(2), sharded_name(6)]

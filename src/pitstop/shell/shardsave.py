@@ -178,37 +178,29 @@ class ShardedSaves:
         return ticket
 
     def _start(self, temp: str) -> int:
-        from pitstop.shell.shardwrite import async_write_sharded
+        from pitstop.shell.shardwrite import StagedShards, stage_sharded, start_sharded
 
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
         components = sharded_components(self._live)
-        started: list[Any] = []
+        staged: list[StagedShards] = []
 
-        def start() -> Packed:
-            pending = async_write_sharded(
-                root,
-                self._live.model,
-                components,
-                ranks=ranks,
-                group=self._group,
-                stager=self._stager,
-                created=True,
+        def stage() -> Packed:  # this rank alone: DCP has run no collective for it yet
+            staged.append(
+                stage_sharded(self._live.model, components, self._stager, self._timeout_s)
             )
-            started.append(pending)
-            pending.staged(self._timeout_s)
             return self._part()
 
-        try:
-            packed = ranks.all_gather_each(start, box=PART_BOX)
-        except BaseException:  # raised on every rank
-            for pending in started:  # DCP's collectives end before its group is used again
-                pending.drain(self._timeout_s)
+        try:  # one round: every rank staged its shards and packed its part, or none starts DCP
+            packed = ranks.all_gather_each(stage, box=PART_BOX)
+        except BaseException:  # the same error on every rank; no rank's DCP write began
             if ranks.leader:
                 saver.abort_handed()
                 shutil.rmtree(root, ignore_errors=True)
             raise
-        self._pending = started[0]
+        # Every rank starts, or (a fault nothing here can foresee) the others' DCP write ends at
+        # its collectives' timeout and fails there, as a write that failed in the background.
+        self._pending = start_sharded(root, staged[0], ranks=ranks, group=self._group, created=True)
         self.ticket = RemoteTicket(sharded=True)
         if not ranks.leader:
             return 0

@@ -2,14 +2,16 @@
 #
 # Rules: every rank makes the same calls. Rank 0 creates the temp directory (exclusive; the
 # outcome is agreed — or it did so already, with the plan), every rank writes its shards through
-# DCP's FileSystemWriter, whose streams CRC-32 each file as DCP writes it and fsync it
-# (pitstop.shell.dcpwrite), so the table of the files it wrote itself — rank 0's include
-# `.metadata` — needs no re-read; the tables are gathered (with whatever each rank sends along)
-# and rank 0 builds the layout (pitstop.core.sharded). A failure on any rank is the same
-# SaveError on every rank, and the temp directory is removed. DCP's collectives run on `group`
-# (async: on DCP's upload thread, so then `group` must be a process group of its own);
-# pitstop's agreement runs on `ranks`, from the calling thread only. Publishing is
-# pitstop.shell.sharddir's.
+# DCP's FileSystemWriter, whose files are CRC-32ed (from a map of their pages, beside their
+# fsync) as DCP closes them (pitstop.shell.dcpwrite), so the table of the files it wrote itself
+# — rank 0's include `.metadata` — needs no re-read; the tables are gathered (with whatever each
+# rank sends along) and rank 0 builds the layout (pitstop.core.sharded). A failure on any rank
+# is the same SaveError on every rank, and the temp directory is removed. DCP's collectives run
+# on `group` (async: on DCP's upload thread, so then `group` must be a process group of its
+# own); pitstop's agreement runs on `ranks`, from the calling thread only. In the background,
+# each rank stages first, on its own (stage_sharded), and DCP starts (start_sharded) only once
+# the caller has agreed that every rank staged: a rank that could not stage leaves no DCP
+# collective waiting on the others. Publishing is pitstop.shell.sharddir's.
 # How: DCP does the tensor I/O; this module the directory, the tables and the agreement.
 
 """Write a checkpoint directory's shards through DCP, synchronously or in the background."""
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
@@ -45,10 +47,13 @@ __all__ = [
     "MODEL",
     "Optimizers",
     "PendingShardedWrite",
+    "StagedShards",
     "WrittenShards",
     "async_write_sharded",
     "dcp_state",
     "make_stager",
+    "stage_sharded",
+    "start_sharded",
     "write_sharded",
     "write_shards",
 ]
@@ -202,7 +207,6 @@ class PendingShardedWrite:
 
     def __init__(self, directory: Path, writer: Writer, ranks: Ranks, response: Any) -> None:
         self._directory, self._writer, self._ranks = directory, writer, ranks
-        self._staging: Future[Any] | None = getattr(response, "staging_completion", None)
         upload: Future[Any] = getattr(response, "upload_completion", response)
         self._done: Future[tuple[Metadata, tuple[ShardFile, ...]]] = Future()
         upload.add_done_callback(self._checksum)
@@ -213,11 +217,6 @@ class PendingShardedWrite:
             self._done.set_result((metadata, _table(self._directory, self._writer, self._ranks)))
         except BaseException as exc:  # CheckpointException included: result() raises it
             self._done.set_exception(exc)
-
-    def staged(self, timeout: float | None = None) -> None:
-        """Wait until the state is copied to host buffers (then the model may change)."""
-        if self._staging is not None:
-            self._staging.result(timeout)
 
     def done(self) -> bool:
         """Whether this rank's files are written, fsynced and in its table (or failed)."""
@@ -250,6 +249,72 @@ class PendingShardedWrite:
             self._done.result(timeout)
 
 
+@attrs.frozen
+class StagedShards:
+    """This rank's sharded state, copied to host buffers by :func:`stage_sharded` and not yet
+    handed to DCP: no collective has run for it, so a rank that failed to stage leaves
+    nothing for the others to wait on."""
+
+    state: dict[str, Any]
+
+
+class _Handed(AsyncStager):
+    """A stager that stages nothing: it hands DCP the state :func:`stage_sharded` staged."""
+
+    _synchronize_after_execute = False  # staged already: nothing to wait for
+
+    def __init__(self, staged: StagedShards) -> None:
+        self._staged = staged
+
+    def stage(self, state_dict: Any) -> Any:
+        """What was staged already (``state_dict`` is DCP's view of an empty one)."""
+        return self._staged.state
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: staged already."""
+        return
+
+    def close(self) -> None:
+        """Nothing to release: the stager that staged keeps its buffers."""
+        return
+
+
+def stage_sharded(
+    model: nn.Module,
+    optimizers: Optimizers,
+    stager: DefaultStager,
+    timeout: float | None = None,
+) -> StagedShards:
+    """This rank alone: copy the model's and ``optimizers``' local shards into ``stager``'s
+    host buffers, and return once the copy is done (with CUDA it runs on the stager's stream;
+    ``timeout`` s at most), so the live tensors may change. Raises what the copy raises,
+    before any collective: agree on the outcome, then :func:`start_sharded` on every rank or
+    on none."""
+    staged = stager.stage(dcp_state(model, optimizers))
+    if isinstance(staged, Future):
+        staged = staged.result(timeout)
+    return StagedShards(staged)
+
+
+def start_sharded(
+    directory: str | os.PathLike[str],
+    staged: StagedShards,
+    *,
+    ranks: Ranks,
+    group: Any,
+    created: bool = False,
+) -> PendingShardedWrite:
+    """Every rank, once every rank staged: DCP's ``async_save`` of ``staged`` into
+    ``directory`` on ``group`` (a gloo process group nothing else uses while the write runs:
+    DCP runs its collectives on its own thread). ``created``: rank 0 made ``directory``
+    already."""
+    root = Path(directory)
+    writer = _fresh(root, ranks, created=created)
+    handed = _Handed(staged)
+    response = async_save({}, storage_writer=writer, async_stager=handed, process_group=group)
+    return PendingShardedWrite(root, writer, ranks, response)
+
+
 def async_write_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -260,15 +325,11 @@ def async_write_sharded(
     stager: DefaultStager,
     created: bool = False,
 ) -> PendingShardedWrite:
-    """Every rank: :func:`write_sharded` through ``dcp.async_save`` with ``stager``.
-
-    ``group``: a gloo process group nothing else uses while the write runs (DCP runs its
-    collectives on its own thread). Returns once the state is staged on the CPU; with CUDA,
-    once staging began (wait for :meth:`PendingShardedWrite.staged` before the next step).
-    ``created``: rank 0 made ``directory`` already.
+    """Every rank: :func:`write_sharded` through ``dcp.async_save`` with ``stager``:
+    :func:`stage_sharded`, then :func:`start_sharded`, with no agreement in between (a rank
+    that fails to stage leaves the others' DCP write waiting for its collectives; the
+    Checkpointer agrees first). Returns once the state is staged (the model may change).
+    ``group`` and ``created``: as for :func:`start_sharded`.
     """
-    root = Path(directory)
-    writer = _fresh(root, ranks, created=created)
-    state = dcp_state(model, optimizers)
-    response = async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
-    return PendingShardedWrite(root, writer, ranks, response)
+    staged = stage_sharded(model, optimizers, stager)
+    return start_sharded(directory, staged, ranks=ranks, group=group, created=created)
