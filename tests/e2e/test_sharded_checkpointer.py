@@ -13,7 +13,8 @@ load_weights, verify, info, load and the CLI read a checkpoint directory. In the
 (``--async``): a run killed while the shards are written resumes from the previous checkpoint,
 bitwise (its shards were written only after the next step changed the model), every record
 pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
-undone; a staging or a part failing on rank 1 raises on both ranks before any DCP write began; a Checkpointer dropped with a save in flight publishes nothing. Every job is a
+undone; a staging or a part failing on rank 1 raises on both ranks before any DCP write
+began; a Checkpointer dropped with a save in flight publishes nothing. Every job is a
 tests/multirank.py Job (bounded waits; every process ended when the test ends).
 """
 
