@@ -44,3 +44,10 @@ def test_the_plot_extra_is_matplotlib_and_no_other_extra_needs_it() -> None:
     for name, requirements in extras.items():
         if name != "plot":
             assert not any(req.startswith("matplotlib") for req in requirements), name
+
+
+def test_make_test_runs_the_test_files_side_by_side_one_file_per_worker() -> None:
+    commands = _dry_run("test")
+    pytest_line = next(line for line in commands.splitlines() if " -m pytest" in line)
+    assert " -n " in pytest_line
+    assert "--dist loadfile" in pytest_line  # a file's module fixtures are computed once
