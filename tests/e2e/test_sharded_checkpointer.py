@@ -252,6 +252,22 @@ def test_a_background_save_failing_on_one_rank_raises_on_every_rank_and_is_undon
     assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
 
 
+def assert_step_4_failed(run: Run, what: str, *, wrote: bool) -> None:
+    """Rank 1's injected ``what`` failure of the step-4 save was raised once on both ranks, at
+    that call; DCP's write of it had begun and ended (``wrote``) or never begun; nothing of
+    step 4 is left and the saves of steps 2 and 6 were published."""
+    for rank in range(2):
+        lines = run.finished.lines(rank)
+        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
+        assert len(errors) == 1, run.finished.describe()
+        assert f"{what} injected on rank 1" in errors[0]
+        assert f"write began {wrote} ended {wrote}" in lines, run.finished.describe()
+        assert not [line for line in lines if line.startswith("saved 4")]
+        assert {"status 2 published", "status 6 published"} <= set(lines)
+    assert names(run.directory) == [sharded_name(2), sharded_name(6)]
+    assert not [p for p in run.directory.iterdir() if p.name.startswith(".tmp-")]
+
+
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
     tmp_path: Path, mode: str
@@ -262,18 +278,8 @@ def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
     write began —, nothing of step 4 left, and the next saves go on over the same groups."""
     directory = tmp_path / "checkpoints"
     options = ["--fail-part-at", "4"] + (["--async"] if mode == "async" else [])
-    run = train(directory, tmp_path / "failed", *options)
-    for rank in range(2):
-        lines = run.finished.lines(rank)
-        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
-        assert len(errors) == 1, run.finished.describe()
-        assert "part injected on rank 1" in errors[0]
-        wrote = "True" if mode == "sync" else "False"
-        assert f"write began {wrote} ended {wrote}" in lines, run.finished.describe()
-        assert not [line for line in lines if line.startswith("saved 4")]
-        assert {"status 2 published", "status 6 published"} <= set(lines)
-    assert names(directory) == [sharded_name(2), sharded_name(6)]
-    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+    wrote = mode == "sync"
+    assert_step_4_failed(train(directory, tmp_path / "failed", *options), "part", wrote=wrote)
 
 
 def test_a_staging_that_fails_on_one_rank_starts_no_rank_s_background_write(
@@ -286,17 +292,7 @@ def test_a_staging_that_fails_on_one_rank_starts_no_rank_s_background_write(
     collectives' timeout is longer than the job's: a wait for it fails the test."""
     directory = tmp_path / "checkpoints"
     options = ["--async", "--fail-stage-at", "4", "--pg-timeout", "600"]
-    run = train(directory, tmp_path / "failed", *options)
-    for rank in range(2):
-        lines = run.finished.lines(rank)
-        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
-        assert len(errors) == 1, run.finished.describe()
-        assert "staging injected on rank 1" in errors[0]
-        assert "write began False ended False" in lines, run.finished.describe()
-        assert not [line for line in lines if line.startswith("saved 4")]
-        assert {"status 2 published", "status 6 published"} <= set(lines)
-    assert names(directory) == [sharded_name(2), sharded_name(6)]
-    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+    assert_step_4_failed(train(directory, tmp_path / "failed", *options), "staging", wrote=False)
 
 
 def test_a_checkpointer_dropped_with_a_background_save_in_flight_publishes_nothing(
