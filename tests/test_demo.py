@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -61,26 +60,22 @@ def test_the_demo_says_what_it_is_doing_before_the_slow_imports(tmp_path: Path) 
         "from pitstop.cli import main\n"
         "sys.exit(main())\n"
     )
-    started = time.monotonic()
     with subprocess.Popen(
         [sys.executable, "-c", child], cwd=tmp_path, stdout=subprocess.PIPE, text=True
     ) as process:
         try:
             assert process.stdout is not None
             first = process.stdout.readline()
-            elapsed = time.monotonic() - started
             second = process.stdout.readline()
         finally:
             process.kill()
     assert first.startswith("1. training straight through to step 40"), first
     assert second == "<importing torch>\n", second
-    assert elapsed < 2.0, elapsed  # about 0.3 s here; torch alone takes longer
 
 
 def test_the_multirank_demo_stops_one_rank_by_sigterm_and_resumes_bitwise(tmp_path: Path) -> None:
     """`pitstop demo --ranks 2`: two gloo ranks; a SIGTERM to rank 1 alone stops both at one
     step with one stop checkpoint; the resumed run equals the straight one bit for bit."""
-    started = time.monotonic()
     with subprocess.Popen(
         [sys.executable, "-m", "pitstop", "demo", "--ranks", "2"],
         cwd=tmp_path,
@@ -91,7 +86,6 @@ def test_the_multirank_demo_stops_one_rank_by_sigterm_and_resumes_bitwise(tmp_pa
         try:
             assert process.stdout is not None
             first = process.stdout.readline()
-            elapsed = time.monotonic() - started
             rest, _ = process.communicate(timeout=300)  # a bound on a hang, not a timing
         finally:
             if process.poll() is None:
@@ -100,7 +94,6 @@ def test_the_multirank_demo_stops_one_rank_by_sigterm_and_resumes_bitwise(tmp_pa
     out = first + rest
     assert process.returncode == 0, out
     assert first.startswith("1. training 2 ranks (gloo, one process each) straight"), out
-    assert elapsed < 2.0, elapsed  # said before the ranks start (they import torch)
     assert "sending SIGTERM to rank 1 (pid " in out, out
     stopped = re.findall(r"rank (\d): stopped at step (\d+) \((.*)\)", out)
     assert sorted(rank for rank, _, _ in stopped) == ["0", "1"], out
