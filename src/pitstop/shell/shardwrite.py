@@ -241,13 +241,6 @@ class PendingShardedWrite:
             outcomes = self._ranks.all_gather_each(wait)
         return WrittenShards(metadata=outcomes[0][0], tables=tuple(t for _, t in outcomes))
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait for DCP's write to end, whatever its outcome (its collectives done), before
-        the group it runs on is used again; its failure, or a timeout, is not raised (an
-        interrupt is)."""
-        with contextlib.suppress(Exception, CheckpointException):  # the latter: BaseException
-            self._done.result(timeout)
-
 
 @attrs.frozen
 class StagedShards:
