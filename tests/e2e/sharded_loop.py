@@ -10,11 +10,14 @@ is AdamW. Two commands:
         D/async/step_<steps>; each published as pitstop publishes it (manifest last, rename).
     python sharded_loop.py load --ckpt C --out OUT
         builds the model with another seed and the optimizer with another learning rate (so a
-        load that did nothing shows) and restores C.
+        load that did nothing shows) and restores C. ``--refuse-apply-on-rank R``: rank R's
+        optimizer refuses the state every rank's DCP read brought (set_optimizer_state_dict
+        raises CheckpointCorrupt).
 
 Each rank writes ``<OUT>.rank<R>.pitstop`` (a pitstop file: reading it never unpickles): its
 local shards (``local``), the full tensors (``full``, gathered with full_tensor()), and for
-``load`` whether its state was left as initialised when the load failed (``untouched``). A
+``load`` whether its state was left as initialised when the load failed (``untouched``: the
+model's local shards as built, the optimizer without state). A
 PitstopError prints ``error <Type> <message as JSON>`` and exits 3. Every collective has a
 timeout (the process groups' ``--pg-timeout``).
 """
@@ -39,7 +42,7 @@ from torch.distributed.tensor import DTensor
 import pitstop
 from pitstop.core.naming import temp_name
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import fileformat
+from pitstop.shell import fileformat, sharded
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.sharded import (
     async_write_sharded,
@@ -130,16 +133,27 @@ def save(args: argparse.Namespace, ranks: Ranks, timeout: datetime.timedelta) ->
     return snapshot(model, optimizer)
 
 
+def refuse_apply(rank: int) -> None:
+    """This rank's optimizer refuses the state DCP has read into it."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise pitstop.CheckpointCorrupt(f"optimizer refused its state on rank {rank}")
+
+    sharded.set_optimizer_state_dict = refuse  # type: ignore[assignment]
+
+
 def load(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     model, optimizer = build(seed=1234, lr=5e-3)  # the restore brings lr back to 1e-2
     before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     by_optimizer = is_sharded(nn.Linear(1, 1), {"optimizer": optimizer})
     print(f"is_sharded {is_sharded(model)} {by_optimizer}", flush=True)
+    if args.refuse_apply_on_rank == ranks.rank:
+        refuse_apply(ranks.rank)
     try:
         read_sharded(args.ckpt, model, {"optimizer": optimizer}, ranks=ranks)
     except pitstop.PitstopError as exc:
         now = {k: v.to_local() for k, v in model.state_dict().items()}
-        untouched = all(torch.equal(before[k], now[k]) for k in before)
+        untouched = all(torch.equal(before[k], now[k]) for k in before) and not optimizer.state
         print(f"untouched {untouched}", flush=True)
         print(f"error {type(exc).__name__} {json.dumps(str(exc))}", flush=True)
         raise SystemExit(EXIT_PITSTOP_ERROR) from None
@@ -154,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", help="load: the sharded checkpoint to restore")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--refuse-apply-on-rank", type=int)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -9,7 +9,7 @@ seeded differently), each Linear and the root sharded with ``fully_shard``; the 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
         [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
-        [--fail-stage-at N]
+        [--fail-stage-at N] [--tear-at-resume --fail-rank R]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
@@ -33,6 +33,11 @@ itself, the others a SaveError naming it); each rank then prints ``write began <
 before the error came.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
+``--tear-at-resume --fail-rank R``: the shard files rank R's DCP read of the resume opens lose
+their second half just before (they verified when the checkpoint was chosen: a disk failing
+between the check and the read); when the resume raises, each rank prints
+``untouched model <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its local
+shards, its optimizer (no state), its schedule and its RNG are as they were before.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
@@ -178,6 +183,40 @@ def note_write(step: int, began: list[bool], ended: list[bool]) -> None:
     dcpio.Writer.write_data = write_data  # type: ignore[method-assign]
 
 
+def tear_at_resume() -> None:
+    """The shard files DCP's read of a resume opens on this rank lose their second half first
+    (each has verified by then)."""
+    real = dcpio._Reader.read_data
+
+    def read_data(self: Any, plan: Any, planner: Any) -> Any:
+        for name in {self.storage_data[item.storage_index].relative_path for item in plan.items}:
+            path = Path(self.path) / name
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return real(self, plan, planner)
+
+    dcpio._Reader.read_data = read_data  # type: ignore[method-assign]
+
+
+def as_before(model: nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]:
+    """What a failed resume must leave as it was (no collective: the optimizer stays as is)."""
+    return {
+        "model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+        "optimizer": len(optimizer.state),
+        "schedule": {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def untouched(before: dict[str, Any], now: dict[str, Any]) -> str:
+    same = {
+        "model": all(torch.equal(before["model"][k], now["model"][k]) for k in before["model"]),
+        "optimizer": before["optimizer"] == now["optimizer"],
+        "schedule": before["schedule"] == now["schedule"],
+        "rng": torch.equal(before["rng"], now["rng"]),
+    }
+    return "untouched " + " ".join(f"{k} {v}" for k, v in same.items())
+
+
 def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | None:
     model, optimizer, schedule = build()
     torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
@@ -215,7 +254,14 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
             ckpt.resume()
         except pitstop.IncompatibleCheckpoint as exc:
             print(f"strict error {json.dumps(str(exc))}", flush=True)
-    progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
+    if args.tear_at_resume and rank == args.fail_rank:
+        tear_at_resume()
+    before = as_before(model, optimizer, schedule)
+    try:
+        progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
+    except pitstop.PitstopError:
+        print(untouched(before, as_before(model, optimizer, schedule)), flush=True)
+        raise
     print(f"resumed {progress.step}", flush=True)
     resumed = progress.step
     saves: list[pitstop.Checkpoint] = []
@@ -276,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-shards-at", type=int)
     parser.add_argument("--fail-part-at", type=int)
     parser.add_argument("--fail-stage-at", type=int)
+    parser.add_argument("--tear-at-resume", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)

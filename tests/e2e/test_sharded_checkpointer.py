@@ -7,7 +7,8 @@ manifest). Checked here against one uninterrupted run: a run SIGKILLed after a s
 resumed in fresh processes ends bitwise equal (local shards, optimizer, schedule, RNG); one
 rank reshards a two-rank checkpoint (strict=True names the per-rank RNG that cannot continue;
 strict=False loads the full tensors); a flipped byte in the newest checkpoint's shard makes
-every rank fall back to the previous one; a save killed between the shards and the manifest
+every rank fall back to the previous one; a read that fails on one rank after the checks leaves
+every rank as it was; a save killed between the shards and the manifest
 is never listed; retention deletes old directories and keeps the pointer targets; export,
 load_weights, verify, info, load and the CLI read a checkpoint directory. In the background
 (``--async``): a run killed while the shards are written resumes from the previous checkpoint,
@@ -165,6 +166,34 @@ def test_a_flipped_byte_in_a_shard_falls_back_on_every_rank(
         assert again.ranks[rank]["resumed"] == 4  # on every rank
         assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
     pitstop.verify(directory / sharded_name(6))  # the run saved step 6 again, whole
+
+
+def test_a_read_that_fails_on_one_rank_after_the_checks_leaves_every_rank_as_it_was(
+    straight: Run, tmp_path: Path
+) -> None:
+    """Rank 1's shard file of step 6 is cut in half after it verified, as DCP's read begins
+    (rank 0 reads its own file whole). Both ranks raise CheckpointCorrupt naming rank 1 and
+    the file, with the model, the optimizer (no state), the schedule and the RNG as before the
+    resume on both. The next resume finds the torn file and falls back to step 4."""
+    directory = copy_run(straight, tmp_path)
+    failed = train(directory, tmp_path / "failed", "--tear-at-resume", code=3)
+    for rank in range(2):
+        lines = failed.finished.lines(rank)
+        assert "untouched model True optimizer True schedule True rng True" in lines, (
+            failed.finished.describe()
+        )
+        (error,) = [line for line in lines if line.startswith("error ")]
+        assert error.startswith("error CheckpointCorrupt "), error
+        message = json.loads(error.split(" ", 2)[2])
+        assert f"{sharded_name(6)}: DCP could not read it: " in message, message
+        assert "rank 1: __1_0.distcp could not be read: " in message, message
+    again = train(directory, tmp_path / "again")
+    warned = [line for line in again.finished.lines(0) if "does not verify" in line]
+    assert len(warned) == 1, again.finished.describe()
+    assert f"{sharded_name(6)}: __1_0.distcp is " in warned[0]  # its size: cut in half
+    for rank in range(2):
+        assert again.ranks[rank]["resumed"] == 4
+        assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
 
 
 def test_a_save_killed_between_the_shards_and_the_manifest_is_never_listed(

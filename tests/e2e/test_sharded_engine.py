@@ -171,6 +171,106 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_is_loaded(saved: S
     assert_same(dict(model.state_dict()), before)
 
 
+# --- a failure while DCP reads: every tensor put back --------------------------------------------
+
+
+def trained(lr: float = 5e-3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A plain model and an AdamW with state of its own (one step taken)."""
+    torch.manual_seed(7)
+    model = plain_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Copies of everything a restore may change: weights, optimizer state and groups."""
+    state = optimizer.state_dict()
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": {k: {n: t.clone() for n, t in v.items()} for k, v in state["state"].items()},
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+    }
+
+
+def tear_after_verify(monkeypatch: pytest.MonkeyPatch, victim: str) -> None:
+    """The checkpoint's ``victim`` file loses its second half once every file has verified,
+    before DCP reads it (as a disk failing, or a file cut, between the check and the read)."""
+    from pitstop.shell import sharded
+
+    real = sharded.verify_sharded
+
+    def verify_then_tear(root: Path, *args: Any, **kwargs: Any) -> None:
+        real(root, *args, **kwargs)
+        path = Path(root) / victim
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    monkeypatch.setattr(sharded, "verify_sharded", verify_then_tear)
+
+
+def test_a_read_that_fails_halfway_leaves_the_model_and_optimizer_as_they_were(
+    saved: Saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torn = tmp_path / NAME
+    shutil.copytree(saved.sync, torn)
+    tear_after_verify(monkeypatch, "__1_0.distcp")  # DCP has read __0_0 into the model by then
+    model, optimizer = trained()
+    before = held(model, optimizer)
+    with pytest.raises(CheckpointCorrupt) as raised:
+        read_sharded(torn, model, {"optimizer": optimizer}, ranks=Ranks(0, 1))
+    assert f"{torn}: DCP could not read it: rank 0: __1_0.distcp could not be read: " in str(
+        raised.value
+    )
+    assert "Traceback" not in str(raised.value)
+    assert_same(held(model, optimizer), before)
+
+
+def test_a_fresh_optimizer_has_no_state_after_a_failed_read(
+    saved: Saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torn = tmp_path / NAME
+    shutil.copytree(saved.sync, torn)
+    tear_after_verify(monkeypatch, "__1_0.distcp")
+    model = plain_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    with pytest.raises(CheckpointCorrupt):
+        read_sharded(torn, model, {"optimizer": optimizer}, ranks=Ranks(0, 1))
+    assert not optimizer.state  # not DCP's zeroed state: its first step is still step 1
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_failure_while_the_state_is_applied_puts_back_what_dcp_read(
+    saved: Saved, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pitstop.shell import sharded
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("optimizer refused its state")
+
+    monkeypatch.setattr(sharded, "set_optimizer_state_dict", refuse)
+    model, optimizer = trained()
+    before = held(model, optimizer)
+    with pytest.raises(RuntimeError, match="optimizer refused"):
+        read_sharded(saved.sync, model, {"optimizer": optimizer}, ranks=Ranks(0, 1))
+    assert_same(held(model, optimizer), before)
+
+
+def test_an_apply_refused_on_one_rank_puts_every_rank_back(saved: Saved, tmp_path: Path) -> None:
+    """Every rank's DCP read succeeds, then rank 1's optimizer refuses its state: rank 0, whose
+    apply went through, raises the same error and is put back too."""
+    out = tmp_path / "out"
+    finished = run(2, "load", "--ckpt", saved.sync, "--out", out, "--refuse-apply-on-rank", "1")
+    assert finished.codes == {0: 3, 1: 3}, finished.describe()
+    found = errors(finished)
+    assert sorted(found) == [0, 1], finished.describe()
+    for rank, (kind, message) in found.items():
+        assert kind == "CheckpointCorrupt", (rank, message)
+        assert "optimizer refused its state on rank 1" in message, (rank, message)
+        assert "untouched True" in finished.lines(rank), finished.describe()
+
+
 # --- corruption ---------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import warnings
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -165,6 +172,23 @@ class _Reader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's ``read_data``, one file at a time, so that an error names the file."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:  # DCP gathers it to every rank (it must pickle)
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise CheckpointCorrupt(f"{name} could not be read: {first}") from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's load planner, but non-tensor values are loaded with ``weights_only=True``."""
@@ -191,4 +215,5 @@ def load_checked(
             warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
             load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
     except CheckpointException as exc:  # a BaseException, raised on every rank
-        raise CheckpointCorrupt(f"{directory}: DCP could not read it: {exc}") from exc
+        why = "; ".join(f"rank {rank}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
+        raise CheckpointCorrupt(f"{directory}: DCP could not read it: {why}") from exc

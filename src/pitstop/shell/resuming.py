@@ -74,6 +74,40 @@ def resume_from(
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
     """
+    resume = partial(
+        _resume,
+        source,
+        strict=strict,
+        live=live,
+        ranks=ranks,
+        directory=directory,
+        may_change=may_change,
+    )
+    if not sharded:
+        return resume(sharded=False)
+    from pitstop.shell.sharded import FreshOptimizers
+
+    fresh = FreshOptimizers(sharded_components(live))  # DCP's choice gives them zeroed state
+    try:
+        path, entry = resume(sharded=True)
+    except BaseException:
+        fresh.forget()
+        raise
+    if path is None:
+        fresh.forget()
+    return path, entry
+
+
+def _resume(
+    source: str | os.PathLike[str],
+    *,
+    strict: bool,
+    live: LiveState,
+    ranks: Ranks,
+    directory: CheckpointDirectory,
+    may_change: tuple[str, ...],
+    sharded: bool,
+) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
     pointer = own_pointer(directory, source)
     if sharded and pointer is not None:

@@ -9,7 +9,12 @@
 # A load: the layout comes from the manifest (DCP's pickled `.metadata` is never read: see
 # pitstop.shell.dcpio), the live state is compared with it (IncompatibleCheckpoint listing every
 # difference), each rank verifies the files DCP's own local read plan names for it, the outcome
-# is agreed, and only then does DCP read, resharding to this world size. DCP's collectives run
+# is agreed, and only then does DCP read, resharding to this world size. DCP reads into the
+# live tensors, so each rank first keeps a host copy of every tensor it reads into; when the
+# read or the apply that follows fails on any rank (DCP's errors reach every rank, the apply's
+# are agreed), every rank copies its tensors back and hands each optimizer its own state and
+# groups again — and an optimizer that had no state (DCP gives it zeroed state to read into)
+# has none again. DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its
 # own); pitstop's agreement runs on `ranks`, from the calling thread only.
 # How: DCP does the tensor I/O and the resharding; pitstop.shell.sharddir the files around it.
@@ -19,11 +24,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint._traverse import traverse_state_dict
 from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -60,6 +67,7 @@ from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
     "MODEL",
+    "FreshOptimizers",
     "PendingShardedWrite",
     "WrittenShards",
     "async_write_sharded",
@@ -137,6 +145,58 @@ def files_to_verify(
         return layout, tuple(names[rank::world_size])
 
 
+class FreshOptimizers:
+    """The optimizers that have no state yet, to be left so when nothing is restored.
+
+    DCP's ``get_optimizer_state_dict`` gives an optimizer without state zeroed state to read
+    into (one step at learning rate 0), so a sharded resume that restores nothing must take it
+    away again: :meth:`forget`."""
+
+    def __init__(self, optimizers: Optimizers) -> None:
+        self._fresh = [o for o in optimizers.values() if not o.state]
+
+    def forget(self) -> None:
+        """Take away the state those optimizers were given since."""
+        for optimizer in self._fresh:
+            optimizer.state.clear()
+
+
+class _Kept:
+    """This rank's sharded state before DCP reads into it: a host copy of every tensor of
+    ``state`` (a DTensor's local shard) and each optimizer's own state and groups."""
+
+    def __init__(self, state: dict[str, Any], optimizers: Optimizers) -> None:
+        self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._optimizers = [(o, o.state, o.param_groups) for o in optimizers.values()]
+
+        def keep(_path: object, value: object) -> None:
+            if isinstance(value, torch.Tensor):
+                local = _local(value)
+                self._tensors.append((local, local.detach().to("cpu", copy=True)))
+
+        traverse_state_dict(state, keep)
+
+    def put_back(self) -> None:
+        """Everything as it was when kept."""
+        with torch.no_grad():
+            for live, kept in self._tensors:
+                live.copy_(kept)
+        for optimizer, own, groups in self._optimizers:
+            optimizer.state, optimizer.param_groups = own, groups
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """The tensor DCP writes into for ``value``: a DTensor's local shard (its storage)."""
+    to_local = getattr(value, "to_local", None)
+    return value if to_local is None else to_local()
+
+
+def _apply(model: nn.Module, optimizers: Optimizers, state: Mapping[str, Any]) -> None:
+    set_model_state_dict(model, state[MODEL])
+    for name, optimizer in optimizers.items():
+        set_optimizer_state_dict(model, optimizer, state[name])
+
+
 def read_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -146,25 +206,37 @@ def read_sharded(
     group: Any = None,
     verify: bool = True,
 ) -> ShardedLayout:
-    """Every rank: restore the model and ``optimizers`` from a sharded checkpoint directory.
+    """Every rank: restore the model and ``optimizers`` from a sharded checkpoint directory,
+    all or nothing.
 
     Before any tensor is touched, the manifest is read, the live state is checked against it
     (:class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference) and each rank
     verifies the files DCP will read for it (:class:`~pitstop.errors.CheckpointCorrupt`
     naming the file); every rank raises the same error. Then DCP reads, resharding to this
-    world size, and ``set_*_state_dict`` applies the state. Returns the layout.
-    ``verify=False``: the files were verified already (a resume's choice checks them).
+    world size, and ``set_*_state_dict`` applies the state. A failure there on any rank (DCP
+    could not read a file: :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's
+    state back as it was, from a host copy of this rank's tensors kept while DCP reads.
+    Returns the layout. ``verify=False``: the files were verified already (a resume's choice
+    checks them).
     """
     root = Path(directory)
-    layout = ranks.each(lambda: read_layout(root)[0])
-    state = dcp_state(model, optimizers)
-    names = ranks.each(lambda: _planned_files(root, layout, state, ranks.rank))
-    if verify:
-        ranks.each(lambda: verify_sharded(root, layout, names))
-    load_checked(root, state, layout, process_group=group)
-    set_model_state_dict(model, state[MODEL])
-    for name, optimizer in optimizers.items():
-        set_optimizer_state_dict(model, optimizer, state[name])
+    fresh = FreshOptimizers(optimizers)
+    try:
+        layout = ranks.each(lambda: read_layout(root)[0])
+        state = dcp_state(model, optimizers)
+        names = ranks.each(lambda: _planned_files(root, layout, state, ranks.rank))
+        if verify:
+            ranks.each(lambda: verify_sharded(root, layout, names))
+        kept = _Kept(state, optimizers)
+        try:
+            load_checked(root, state, layout, process_group=group)
+            ranks.each(lambda: _apply(model, optimizers, state))
+        except BaseException:
+            kept.put_back()
+            raise
+    except BaseException:
+        fresh.forget()
+        raise
     return layout
 
 
