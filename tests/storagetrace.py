@@ -240,15 +240,19 @@ def phases(ops: Sequence[Op]) -> list[tuple[str, str]]:
 
 
 class OsSpy:
-    """Records, below every Storage, each ``os.fsync`` (the inode it synced) and each
-    ``os.replace`` (the inode renamed, and where to), through ``monkeypatch``."""
+    """Records, below every Storage, each ``os.fsync`` (the inode it synced, and its size then)
+    and each ``os.replace`` (the inode renamed, and where to), through ``monkeypatch``; from
+    any thread (DCP's writer threads, pitstop's fsync helper)."""
 
     def __init__(self, monkeypatch: Any) -> None:
         self.calls: list[tuple[Any, ...]] = []
+        self.synced_size: dict[int, int] = {}  # inode -> its size at its last fsync
         real_fsync, real_replace = os.fsync, os.replace
 
         def fsync(fd: int) -> None:
-            self.calls.append(("fsync", os.fstat(fd).st_ino))
+            status = os.fstat(fd)
+            self.calls.append(("fsync", status.st_ino))
+            self.synced_size[status.st_ino] = status.st_size
             real_fsync(fd)
 
         def replace(source: Any, target: Any, **options: Any) -> None:

@@ -3,7 +3,9 @@
 A small FSDP2 model (DTensor parameters, AdamW state: tensors and byte values) is saved in
 one process on a 1-rank gloo group, with write_sharded and with async_write_sharded. Checked:
 every file the table lists — DCP's `.metadata` included — has the size and CRC-32 of its bytes
-on disk, and the table was made without reading any file back. The streams themselves: a
+on disk, and the table was made without reading any file back; a save through the
+Checkpointer fsyncs every file whole, the directory before its rename and the parent after,
+before a pointer moves. The streams themselves: a
 seek, an unknown call or a failed write leaves a file unnoted (and the table re-reads it), a
 rename moves a note, a removal drops it.
 """
@@ -11,6 +13,7 @@ rename moves a note, a removal drops it.
 from __future__ import annotations
 
 import array
+import os
 import socket
 import zlib
 from collections.abc import Iterator
@@ -22,12 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pitstop.core.sharded import ShardedLayout
+import pitstop
+from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.shell import sharddir
 from pitstop.shell.dcpio import DCP_METADATA, Writer
 from pitstop.shell.dcpwrite import CrcFileSystem
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.sharded import async_write_sharded, make_stager, write_sharded
+from storagetrace import OsSpy
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -100,6 +105,36 @@ def test_the_table_holds_each_files_size_and_crc_on_disk_without_a_reread(
     assert {f.rank for f in layout.files} == {0}
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_checkpointer_save_makes_every_file_and_name_durable_before_a_pointer_moves(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Through the public Checkpointer (in the background too, published by ``ckpt.wait()``):
+    every file of the published directory (DCP's and the manifest) was fsynced with all its
+    bytes; the directory itself was fsynced (the names of its files) before it was renamed
+    into place, and its parent after, before ``last`` moved."""
+    spy = OsSpy(monkeypatch)
+    model, optimizer = sharded_model()
+    root = tmp_path / "checkpoints"
+    state = {"optimizer": optimizer}
+    with pitstop.Checkpointer(root, model=model, state=state, async_save=async_save) as ckpt:
+        ckpt.save(pitstop.Progress(step=1))
+        ckpt.wait()
+    published = root / sharded_name(1)
+    files = sorted(published.iterdir())
+    assert {f.name for f in files} >= {MANIFEST_NAME, DCP_METADATA, "__0_0.distcp"}
+    for file in files:
+        status = file.stat()
+        assert spy.synced_size.get(status.st_ino) == status.st_size, file.name
+    assert spy.problems(published) == []  # fsynced before its rename, the parent after
+    renamed = [i for i, c in enumerate(spy.calls) if c[0] == "replace" and c[2] == published]
+    parent = os.stat(root).st_ino
+    synced = next(i for i, c in enumerate(spy.calls) if i > renamed[-1] and c == ("fsync", parent))
+    moved = [i for i, c in enumerate(spy.calls) if c[0] == "replace" and c[2] == root / "last"]
+    assert moved, spy.calls
+    assert moved[0] > synced  # the pointer moved once the rename was durable
+
+
 def test_the_writer_notes_every_file_dcp_wrote(group: Any, tmp_path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -128,8 +163,9 @@ def test_a_stream_notes_what_was_written(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("call", ["seek", "writelines", "truncate"])
 def test_a_stream_that_did_anything_else_is_not_noted_and_is_reread(
-    tmp_path: Path, call: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
+    spy = OsSpy(monkeypatch)
     fs = CrcFileSystem()
     with fs.create_stream(tmp_path / "a", "wb") as stream:
         stream.write(b"0123456789")
@@ -146,6 +182,9 @@ def test_a_stream_that_did_anything_else_is_not_noted_and_is_reread(
     assert fs.written(tmp_path) == {}
     (entry,) = sharddir.file_table(tmp_path, ["a"], 0, fs.written(tmp_path))
     assert (entry.size, entry.crc32) == on_disk(tmp_path)["a"]
+    status = (tmp_path / "a").stat()
+    assert spy.synced_size[status.st_ino] == status.st_size  # fsynced whole all the same,
+    assert spy.calls.count(("fsync", status.st_ino)) == 1  # once: by the table, as it reads
 
 
 def test_a_failed_write_leaves_no_note(tmp_path: Path) -> None:

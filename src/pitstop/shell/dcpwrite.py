@@ -13,11 +13,12 @@
 # was flushed and fsynced. On a clean close the fsync runs on a helper thread while this one
 # computes the CRC-32 of the file's pages (a read-only map of what the page cache holds, which
 # is what the fsync writes), so the checksum costs no time beside the disk's. A file left
-# unnoted is re-read by the file table, as before. The streams flush before they fsync (DCP's
-# own fsync of `.metadata` comes before its buffer is flushed), which is why the writer turns
-# DCP's sync_files off — one fsync per file, not two. Names become durable with the manifest's
-# directory fsync (pitstop.shell.sharddir). The notes are shared by DCP's writer threads and
-# read from the thread that builds the table: a lock guards them.
+# unnoted is closed unsynced, and fsynced and re-read by the file table instead. The streams
+# flush before they fsync (DCP's own fsync of `.metadata` comes before its buffer is flushed),
+# which is why the writer turns DCP's sync_files off — one fsync per file, not two. Names
+# become durable with the manifest's directory fsync (pitstop.shell.sharddir). The notes are
+# shared by DCP's writer threads and read from the thread that builds the table: a lock guards
+# them.
 # How: a FileSystem subclass whose write streams wrap the real file.
 
 """DCP's file system for pitstop's writer: write streams that note each file's size and CRC."""
@@ -50,7 +51,8 @@ class _CrcStream:
     ``size`` holds only while :attr:`tracked`: any call that could move the file's position or
     write past this stream (a seek, ``writelines``, anything unknown) clears it. :meth:`close`
     flushes and checks the file, fsyncs it while it computes its CRC-32 (``crc``), then hands
-    ``done`` its note (``None``: the file cannot be vouched for).
+    ``done`` its note (``None``: the file cannot be vouched for, and is left to the file table
+    to fsync and re-read).
     """
 
     def __init__(self, file: BinaryIO, done: Callable[[Note | None], None]) -> None:
@@ -96,7 +98,8 @@ class _CrcStream:
 
     def close(self) -> None:
         """Flush and check the file, fsync it while its CRC-32 is computed, close it, and hand
-        ``done`` its note (once)."""
+        ``done`` its note (once); a file that cannot be noted is closed unsynced (the file
+        table fsyncs it)."""
         if self._file.closed:
             return
         with self._file:
@@ -106,8 +109,7 @@ class _CrcStream:
             clean = self.tracked and position == self.size == on_disk
             if clean:
                 self.crc = _crc_while_syncing(fd, on_disk)
-            else:
-                os.fsync(fd)
+            # Else no fsync here: the file table fsyncs an unnoted file as it reads it back.
         self._done((self.size, self.crc) if clean else None)
 
     def abandon(self) -> None:
