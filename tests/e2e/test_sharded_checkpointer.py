@@ -7,8 +7,9 @@ manifest). Checked here against one uninterrupted run: a run SIGKILLed after a s
 resumed in fresh processes ends bitwise equal (local shards, optimizer, schedule, RNG); one
 rank reshards a two-rank checkpoint (strict=True names the per-rank RNG that cannot continue;
 strict=False loads the full tensors); a flipped byte in the newest checkpoint's shard makes
-every rank fall back to the previous one; a read that fails on one rank after the checks leaves
-every rank as it was; a save killed between the shards and the manifest
+every rank fall back to the previous one, and with every checkpoint torn the run starts fresh as
+the straight run did; a read that fails on one rank after the checks leaves every rank as it
+was; a save killed between the shards and the manifest
 is never listed; retention deletes old directories and keeps the pointer targets; export,
 load_weights, verify, info, load and the CLI read a checkpoint directory. In the background
 (``--async``): a run killed while the shards are written resumes from the previous checkpoint,
@@ -166,6 +167,23 @@ def test_a_flipped_byte_in_a_shard_falls_back_on_every_rank(
         assert again.ranks[rank]["resumed"] == 4  # on every rank
         assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
     pitstop.verify(directory / sharded_name(6))  # the run saved step 6 again, whole
+
+
+def test_a_run_whose_every_checkpoint_is_torn_starts_fresh_as_the_straight_run_did(
+    straight: Run, tmp_path: Path
+) -> None:
+    """Nothing verifies, so the resume restores nothing: the optimizer DCP's checks gave zeroed
+    state to read into has none again, and the run ends bitwise equal to the straight one (with
+    that state left, AdamW's first step would have been its step 2)."""
+    directory = copy_run(straight, tmp_path)
+    for step in (4, 6):
+        flip_byte(directory / sharded_name(step) / "__0_0.distcp")
+    again = train(directory, tmp_path / "again")
+    warned = [line for line in again.finished.lines(0) if "does not verify" in line]
+    assert len(warned) == 2, again.finished.describe()
+    for rank in range(2):
+        assert again.ranks[rank]["resumed"] == 0
+        assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
 
 
 def test_a_read_that_fails_on_one_rank_after_the_checks_leaves_every_rank_as_it_was(
