@@ -22,6 +22,20 @@ a new directory under one root:
   last round — and
   ``wait()``, which for ``async`` is the later call that finishes DCP's save and publishes.
 
+With ``--resume``, the candidates read back one checkpoint that the Checkpointer saved (sync)
+instead, from a cold page cache (rank 0 drops every file's pages with
+``posix_fadvise(DONTNEED)`` before each round), into the live model and optimizer:
+
+* ``dcp load``: ``dcp.load`` of ``get_model_state_dict`` / ``get_optimizer_state_dict`` (DCP's
+  own reader, its pickled ``.metadata`` included), then ``set_model_state_dict`` /
+  ``set_optimizer_state_dict``;
+* ``pitstop read_sharded``: the engine's restore — the manifest, the live state checked
+  against its layout, every file this rank reads verified (size, CRC-32), a host copy of the
+  rank's tensors kept for a failure, DCP's read, the apply;
+* ``Checkpointer.resume``: the public path, ``pitstop.Checkpointer(...).resume()`` and
+  ``close()`` — the lock, the scan, the choice (every rank verifies its files), the checks,
+  the replicated state, the same restore.
+
 Figures, in seconds from the call (the ranks leave a barrier just before it), the worse rank's:
 *blocking* — until the call returns and the state is staged; *durable* — until the checkpoint
 is on disk: DCP's call or future returned everywhere and rank 0 fsynced the directory and its
@@ -33,6 +47,7 @@ directories at the end).
 
     .venv/bin/python benchmarks/sharded_save.py --mib 1 --repeats 1      # a smoke run
     .venv/bin/python benchmarks/sharded_save.py --mib 256 --repeats 5 --json rows.json
+    .venv/bin/python benchmarks/sharded_save.py --mib 256 --repeats 5 --resume
 
 Every worker is ended: each wait has ``--timeout``, after which the workers' process groups
 are killed.
@@ -65,6 +80,7 @@ CANDIDATES = (
     "Checkpointer.save sync",
     "Checkpointer.save async",
 )
+RESUME_CANDIDATES = ("dcp load", "pitstop read_sharded", "Checkpointer.resume")
 RESULT = "@@result "  # rank 0's line with the figures, on its stdout
 
 
@@ -114,8 +130,14 @@ def worker(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, width)).sum().backward()
     optimizer.step()
-    stager = make_stager()
     root = Path(args.dir)
+    if args.resume:
+        rows = _resume_rounds(args, ranks, model, optimizer, root)
+        if rank == 0:
+            print(RESULT + json.dumps(rows), flush=True)
+        dist.destroy_process_group()
+        return 0
+    stager = make_stager()
     policy = pitstop.Policy(keep_last=None)  # retention deletes nothing while timed
     checkpointers = {
         mode: pitstop.Checkpointer(
@@ -213,6 +235,76 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drop_cache(directory: Path) -> None:
+    """Every file of ``directory`` out of the page cache (its pages are clean: fsynced)."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _resume_rounds(
+    args: argparse.Namespace, ranks: Any, model: Any, optimizer: Any, root: Path
+) -> list[dict[str, Any]]:
+    """Every rank: read one saved checkpoint back, each candidate in turn, from a cold cache;
+    rank 0's rows (the others': [])."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    import pitstop
+    from pitstop.shell.sharded import read_sharded
+
+    directory = root / "resume"
+    state = {"optimizer": optimizer}
+    with pitstop.Checkpointer(directory, model=model, state=state, timeout_s=args.timeout) as ckpt:
+        saved = ckpt.save(pitstop.Progress(step=1))
+    assert saved is not None
+    checkpoint = saved.path
+
+    def run(candidate: str) -> float:
+        if ranks.leader:
+            _drop_cache(checkpoint)
+        dist.barrier()
+        start = time.perf_counter()
+        if candidate == "dcp load":
+            loaded = {
+                "model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer),
+            }
+            load(loaded, checkpoint_id=checkpoint)
+            set_model_state_dict(model, loaded["model"])
+            set_optimizer_state_dict(model, optimizer, loaded["optimizer"])
+        elif candidate == "pitstop read_sharded":
+            read_sharded(checkpoint, model, state, ranks=ranks)
+        else:
+            with pitstop.Checkpointer(
+                directory, model=model, state=state, timeout_s=args.timeout
+            ) as again:
+                assert again.resume().step == 1
+        return time.perf_counter() - start
+
+    figures: dict[str, list[float]] = {c: [] for c in RESUME_CANDIDATES}
+    for round_ in range(args.repeats + 1):  # round 0 warms up
+        for i in range(len(RESUME_CANDIDATES)):
+            candidate = RESUME_CANDIDATES[(i + round_) % len(RESUME_CANDIDATES)]
+            worst = max(ranks.all_gather(run(candidate)))
+            if round_:
+                figures[candidate].append(worst)
+    dist.barrier()
+    if not ranks.leader:
+        return []
+    shutil.rmtree(directory)
+    return [{"candidate": c, "resume_s": statistics.median(r)} for c, r in figures.items()]
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -248,6 +340,7 @@ def _launch(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
                 str(args.repeats),
                 "--timeout",
                 str(args.timeout),
+                *(["--resume"] if args.resume else []),
             ]
             procs.append(
                 subprocess.Popen(
@@ -284,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds, every wait")
     parser.add_argument("--dir", help="where to write (default: a temp directory, removed)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--resume", action="store_true", help="read back instead of saving")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -297,6 +391,15 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     reference = {r["candidate"]: r for r in rows}
     print(f"{args.ranks} ranks, FSDP2, ~{args.mib:g} MiB of state, median of {args.repeats}")
+    if args.resume:
+        print("| candidate | resume s (cold cache) | / dcp load |")
+        print("|---|---:|---:|")
+        for row in rows:
+            ratio = row["resume_s"] / reference["dcp load"]["resume_s"]
+            print(f"| {row['candidate']} | {row['resume_s']:.4f} | {ratio:.2f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
     print("| candidate | blocking s | durable s | durable / dcp save | blocking / dcp async |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:

@@ -24,6 +24,7 @@ from pitstop.core.sharded import (
     layout_to_wire,
     parse_sharded_name,
     sharded_name,
+    share_checks,
 )
 from pitstop.errors import CheckpointCorrupt
 
@@ -130,6 +131,52 @@ def test_files_for_names_the_files_of_the_chunks_read() -> None:
     assert files_for(layout(), both) == ("__0_0.distcp", "__1_0.distcp")
     with pytest.raises(CheckpointCorrupt, match=r"model\.w"):
         files_for(layout(), [("model.w", (1, 0))])
+
+
+def test_each_file_read_is_checked_once_by_its_writer_when_it_reads_it() -> None:
+    # rank 0 reads a bit of rank 1's file (the lr): rank 1 checks it, rank 0 its own
+    assert share_checks(layout(), [["__0_0.distcp", "__1_0.distcp"], ["__1_0.distcp"]]) == (
+        ("__0_0.distcp",),
+        ("__1_0.distcp",),
+    )
+    # one rank reads everything (2 -> 1): it checks every file it reads, and nothing else
+    assert share_checks(layout(), [["__1_0.distcp", "__0_0.distcp"]]) == (
+        ("__0_0.distcp", "__1_0.distcp"),
+    )
+    with pytest.raises(CheckpointCorrupt, match="__9_0"):
+        share_checks(layout(), [["__9_0.distcp"]])
+
+
+@given(st.data())
+def test_every_file_read_is_checked_by_exactly_one_of_its_readers(data: st.DataObject) -> None:
+    world = data.draw(st.integers(1, 6), label="ranks")
+    sizes = data.draw(st.lists(st.integers(0, 1000), min_size=1, max_size=8), label="sizes")
+    files = tuple(
+        ShardFile(name=f"__{i}_0.distcp", size=n, crc32=0, rank=data.draw(st.integers(0, 7)))
+        for i, n in enumerate(sizes)
+    )
+    names = [f.name for f in files]
+    reads = [data.draw(st.lists(st.sampled_from(names)), label=f"rank {r}") for r in range(world)]
+    saved = ShardedLayout(world_size=8, dcp_version="x", files=files, values=())
+    shares = share_checks(saved, reads)
+    assert len(shares) == world
+    checked = [name for share in shares for name in share]
+    assert sorted(checked) == sorted({n for names in reads for n in names})  # each once
+    for rank, share in enumerate(shares):
+        assert set(share) <= set(reads[rank])  # only files it reads (their pages are its own)
+        assert list(share) == sorted(share)
+    for file in files:  # a writer that reads its own file, alone with it, checks it
+        readers = [r for r in range(world) if file.name in reads[r]]
+        if readers == [file.rank]:
+            assert file.name in shares[file.rank]
+
+
+def test_the_checks_are_spread_when_every_rank_reads_every_file() -> None:
+    files = tuple(ShardFile(name=f"__{r}_0.distcp", size=100, crc32=0, rank=r) for r in range(4))
+    everything = [f.name for f in files]
+    saved = ShardedLayout(world_size=4, dcp_version="x", files=files, values=())
+    shares = share_checks(saved, [everything] * 4)
+    assert shares == tuple((f"__{r}_0.distcp",) for r in range(4))  # each its own, once
 
 
 def test_file_problems_name_the_file() -> None:

@@ -9,7 +9,7 @@ seeded differently), each Linear and the root sharded with ``fully_shard``; the 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
         [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
-        [--fail-stage-at N] [--tear-at-resume --fail-rank R]
+        [--fail-stage-at N] [--tear-at-resume --fail-rank R] [--note-checks]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
@@ -38,6 +38,8 @@ their second half just before (they verified when the checkpoint was chosen: a d
 between the check and the read); when the resume raises, each rank prints
 ``untouched model <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its local
 shards, its optimizer (no state), its schedule and its RNG are as they were before.
+``--note-checks``: each verification of shard files in the resume's choice prints ``checked
+<the files, as JSON>``.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
@@ -70,7 +72,7 @@ from torch.distributed.fsdp import fully_shard
 
 import pitstop
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import dcpio, sharddir, shardsave
+from pitstop.shell import dcpio, resuming, sharddir, shardsave
 
 EXIT_PITSTOP_ERROR = 3
 
@@ -197,6 +199,17 @@ def tear_at_resume() -> None:
     dcpio._Reader.read_data = read_data  # type: ignore[method-assign]
 
 
+def note_checks() -> None:
+    """Each verification of shard files in the resume's choice prints the files it checks."""
+    real = resuming.verify_sharded
+
+    def verify_sharded(root: Path, layout: Any, names: Any = None) -> None:
+        print(f"checked {json.dumps(sorted(names))}", flush=True)
+        real(root, layout, names)
+
+    resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
+
+
 def as_before(model: nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]:
     """What a failed resume must leave as it was (no collective: the optimizer stays as is)."""
     return {
@@ -256,6 +269,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
             print(f"strict error {json.dumps(str(exc))}", flush=True)
     if args.tear_at_resume and rank == args.fail_rank:
         tear_at_resume()
+    if args.note_checks:
+        note_checks()
     before = as_before(model, optimizer, schedule)
     try:
         progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
@@ -323,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-part-at", type=int)
     parser.add_argument("--fail-stage-at", type=int)
     parser.add_argument("--tear-at-resume", action="store_true")
+    parser.add_argument("--note-checks", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)

@@ -9,8 +9,11 @@
 # `.metadata`: it is checksummed like the rest, never read. A layout read back is untrusted:
 # every field is type-checked and cross-checked (chunks inside their value and inside a listed
 # file, file names plain and unique), each problem a CheckpointCorrupt naming the key path.
-# Which files a rank must verify are the files its chunks lie in; what is live is compared with
-# what is stored before any tensor is touched, every difference listed.
+# The files a rank reads are the files its chunks lie in; before any rank reads, each of them is
+# verified once, by one of the ranks that read it (share_checks: ranks read bits of many files —
+# replicated values are stored once — so each checking all it reads would read the checkpoint
+# about once per rank). What is live is compared with what is stored before any tensor is
+# touched, every difference listed.
 # How: frozen records and pure functions; the shell turns DCP's objects into these and back.
 
 """Sharded (DCP) checkpoint directories: their names, layout records and pure checks."""
@@ -40,6 +43,7 @@ __all__ = [
     "layout_to_wire",
     "parse_sharded_name",
     "sharded_name",
+    "share_checks",
 ]
 
 MANIFEST_NAME: Final = "manifest.pitstop"
@@ -191,6 +195,31 @@ def files_for(
             raise CheckpointCorrupt(f"sharded layout has no chunk {fqn} at {offsets}")
         names.add(where[key])
     return tuple(sorted(names))
+
+
+def share_checks(
+    layout: ShardedLayout, reads: Sequence[Iterable[str]]
+) -> tuple[tuple[str, ...], ...]:
+    """Which rank verifies which file, sorted per rank: ``reads[r]`` names the files rank
+    ``r`` will read. Each file some rank reads is verified by exactly one rank that reads it
+    — the one with the fewest bytes to verify so far, its writer on a tie, then the lowest
+    rank; the largest files are given out first. A file no rank reads is verified by none."""
+    sizes = {f.name: f.size for f in layout.files}
+    writers = {f.name: f.rank for f in layout.files}
+    readers: dict[str, list[int]] = {}
+    for rank, names in enumerate(reads):
+        for name in names:
+            if name not in sizes:
+                raise CheckpointCorrupt(f"sharded layout lists no file {name!r}")
+            if rank not in readers.setdefault(name, []):
+                readers[name].append(rank)
+    load = [0] * len(reads)
+    shares: list[list[str]] = [[] for _ in reads]
+    for name in sorted(readers, key=lambda n: (-sizes[n], n)):
+        rank = min(readers[name], key=lambda r: (load[r], r != writers[name], r))
+        load[rank] += sizes[name]
+        shares[rank].append(name)
+    return tuple(tuple(sorted(share)) for share in shares)
 
 
 def file_problem(expected: ShardFile, size: int | None, crc32: int | None) -> str | None:

@@ -205,28 +205,63 @@ def _candidates(
     return wires, bool(found.catalog)
 
 
-def _problem(path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks) -> str | None:
+Planned = tuple[Any, tuple[str, ...], str | None]
+"""A candidate's layout on this rank (``None``: unreadable), the files its DCP read plan names
+(or, when its state does not fit the layout, an equal share of all), and what went wrong."""
+
+
+def _planned(path: Path, live: LiveState, ranks: Ranks) -> Planned:
+    """This rank's files of candidate ``path`` (a directory: empty for a file checkpoint)."""
+    if not is_sharded_path(path):
+        return None, (), None
+    from pitstop.shell.sharded import files_to_verify
+
+    try:
+        layout, names = files_to_verify(
+            path, live.model, sharded_components(live), rank=ranks.rank, world_size=ranks.world_size
+        )
+    except (CheckpointCorrupt, OSError) as exc:
+        return None, (), str(exc)
+    return layout, names, None
+
+
+def _shares(planned: Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
+    """Which rank verifies which file (``None``: this rank could not read the layout)."""
+    layout = planned[0]
+    if layout is None:
+        return None
+    from pitstop.core.sharded import share_checks
+
+    try:
+        return share_checks(layout, reads)
+    except CheckpointCorrupt:  # another rank's plan names a file this layout lacks
+        return None
+
+
+def _problem(
+    path: Path,
+    reading: ResumeRead,
+    planned: Planned,
+    shares: tuple[tuple[str, ...], ...] | None,
+    ranks: Ranks,
+) -> str | None:
     """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
 
     Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
-    rank checks the DCP files it will read, in parallel with the others."""
+    file some rank's DCP read plan names is checked by one of those ranks, in parallel."""
+    layout, names, problem = planned
+    if problem is not None:
+        return problem
     try:
         if ranks.leader:
             reading.verify(path, shards=False)
-        if is_sharded_path(path):
+        if layout is not None:
             from pitstop.shell.dcpio import DCP_METADATA
-            from pitstop.shell.sharded import files_to_verify
 
-            layout, names = files_to_verify(
-                path,
-                live.model,
-                sharded_components(live),
-                rank=ranks.rank,
-                world_size=ranks.world_size,
-            )
+            mine = shares[ranks.rank] if shares is not None else names
             if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
-                names += tuple(f.name for f in layout.files if f.name == DCP_METADATA)
-            verify_sharded(path, layout, names)
+                mine += tuple(f.name for f in layout.files if f.name == DCP_METADATA)
+            verify_sharded(path, layout, mine)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None
@@ -243,7 +278,9 @@ def _choose_sharded(
     ranks move on together, rank 0 warning about each one skipped and why (and where)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     for path, wire in candidates:
-        problems = ranks.all_gather(_problem(path, reading, live, ranks))
+        planned = _planned(path, live, ranks)
+        shares = _shares(planned, ranks.all_gather(planned[1]))
+        problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:

@@ -8,8 +8,9 @@
 # rank's files durable too), renames the temp directory into place and fsyncs the parent.
 # A load: the layout comes from the manifest (DCP's pickled `.metadata` is never read: see
 # pitstop.shell.dcpio), the live state is compared with it (IncompatibleCheckpoint listing every
-# difference), each rank verifies the files DCP's own local read plan names for it, the outcome
-# is agreed, and only then does DCP read, resharding to this world size. DCP reads into the
+# difference), every file DCP's local read plans name is verified once, by one of the ranks
+# that read it (the plans are gathered: pitstop.core.sharded.share_checks), the outcome is
+# agreed, and only then does DCP read, resharding to this world size. DCP reads into the
 # live tensors, so each rank first keeps a host copy of every tensor it reads into; when the
 # read or the apply that follows fails on any rank (DCP's errors reach every rank, the apply's
 # are agreed), every rank copies its tensors back and hands each optimizer its own state and
@@ -36,7 +37,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pitstop.core.sharded import LiveValue, ShardedLayout, files_for, layout_differences
+from pitstop.core.sharded import (
+    LiveValue,
+    ShardedLayout,
+    files_for,
+    layout_differences,
+    share_checks,
+)
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.dcpio import (
     SafePlanner,
@@ -210,9 +217,10 @@ def read_sharded(
     all or nothing.
 
     Before any tensor is touched, the manifest is read, the live state is checked against it
-    (:class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference) and each rank
-    verifies the files DCP will read for it (:class:`~pitstop.errors.CheckpointCorrupt`
-    naming the file); every rank raises the same error. Then DCP reads, resharding to this
+    (:class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference) and every file
+    DCP will read is verified, once, by one of the ranks that read it
+    (:class:`~pitstop.errors.CheckpointCorrupt` naming the file); every rank raises the same
+    error. Then DCP reads, resharding to this
     world size, and ``set_*_state_dict`` applies the state. A failure there on any rank (DCP
     could not read a file: :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's
     state back as it was, from a host copy of this rank's tensors kept while DCP reads.
@@ -224,9 +232,10 @@ def read_sharded(
     try:
         layout = ranks.each(lambda: read_layout(root)[0])
         state = dcp_state(model, optimizers)
-        names = ranks.each(lambda: _planned_files(root, layout, state, ranks.rank))
-        if verify:
-            ranks.each(lambda: verify_sharded(root, layout, names))
+        reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
+        if verify:  # every file read, once, by one of its readers
+            mine = share_checks(layout, reads)[ranks.rank]
+            ranks.each(lambda: verify_sharded(root, layout, mine))
         kept = _Kept(state, optimizers)
         try:
             load_checked(root, state, layout, process_group=group)
