@@ -19,6 +19,7 @@ from pitstop.core.sharded import (
     StoredValue,
     file_problem,
     files_for,
+    fresh_optimizers,
     layout_differences,
     layout_from_wire,
     layout_to_wire,
@@ -177,6 +178,17 @@ def test_the_checks_are_spread_when_every_rank_reads_every_file() -> None:
     saved = ShardedLayout(world_size=4, dcp_version="x", files=files, values=())
     shares = share_checks(saved, [everything] * 4)
     assert shares == tuple((f"__{r}_0.distcp",) for r in range(4))  # each its own, once
+
+
+def test_the_fresh_optimizers_of_a_manifest_are_a_list_of_names() -> None:
+    assert fresh_optimizers({}) == ()
+    assert fresh_optimizers({"fresh_optimizers": ["optimizer", "ema_opt"]}) == (
+        "optimizer",
+        "ema_opt",
+    )
+    for bad in ("optimizer", [1], {"optimizer": 1}, None):
+        with pytest.raises(CheckpointCorrupt, match="fresh_optimizers"):
+            fresh_optimizers({"fresh_optimizers": bad})
 
 
 def test_file_problems_name_the_file() -> None:

@@ -33,9 +33,9 @@ itself, the others a SaveError naming it); each rank then prints ``write began <
 before the error came.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
-``--tear-at-resume --fail-rank R``: the shard files rank R's DCP read of the resume opens lose
-their second half just before (they verified when the checkpoint was chosen: a disk failing
-between the check and the read); when the resume raises, each rank prints
+``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
+read of the resume sets up, before any rank reads (it verified when the checkpoint was chosen:
+a disk failing between the check and the read); when the resume raises, each rank prints
 ``untouched model <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its local
 shards, its optimizer (no state), its schedule and its RNG are as they were before.
 ``--note-checks``: each verification of shard files in the resume's choice prints ``checked
@@ -185,18 +185,18 @@ def note_write(step: int, began: list[bool], ended: list[bool]) -> None:
     dcpio.Writer.write_data = write_data  # type: ignore[method-assign]
 
 
-def tear_at_resume() -> None:
-    """The shard files DCP's read of a resume opens on this rank lose their second half first
-    (each has verified by then)."""
-    real = dcpio._Reader.read_data
+def tear_at_resume(rank: int) -> None:
+    """This rank's own shard file loses its second half as DCP's read of the resume sets up
+    (it verified when the checkpoint was chosen), before DCP's first collective of the read:
+    so no rank has begun reading it yet."""
+    real = dcpio._Reader.set_up_storage_reader
 
-    def read_data(self: Any, plan: Any, planner: Any) -> Any:
-        for name in {self.storage_data[item.storage_index].relative_path for item in plan.items}:
-            path = Path(self.path) / name
-            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        return real(self, plan, planner)
+    def set_up_storage_reader(self: Any, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / f"__{rank}_0.distcp"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return real(self, *args, **kwargs)
 
-    dcpio._Reader.read_data = read_data  # type: ignore[method-assign]
+    dcpio._Reader.set_up_storage_reader = set_up_storage_reader  # type: ignore[method-assign]
 
 
 def note_checks() -> None:
@@ -268,7 +268,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         except pitstop.IncompatibleCheckpoint as exc:
             print(f"strict error {json.dumps(str(exc))}", flush=True)
     if args.tear_at_resume and rank == args.fail_rank:
-        tear_at_resume()
+        tear_at_resume(rank)
     if args.note_checks:
         note_checks()
     before = as_before(model, optimizer, schedule)

@@ -199,10 +199,11 @@ def test_a_run_whose_every_checkpoint_is_torn_starts_fresh_as_the_straight_run_d
 def test_a_read_that_fails_on_one_rank_after_the_checks_leaves_every_rank_as_it_was(
     straight: Run, tmp_path: Path
 ) -> None:
-    """Rank 1's shard file of step 6 is cut in half after it verified, as DCP's read begins
-    (rank 0 reads its own file whole). Both ranks raise CheckpointCorrupt naming rank 1 and
-    the file, with the model, the optimizer (no state), the schedule and the RNG as before the
-    resume on both. The next resume finds the torn file and falls back to step 4."""
+    """Rank 1's shard file of step 6 is cut in half after it verified, as DCP's read sets up
+    (rank 0 reads its own file whole, and a few values from rank 1's). Both ranks raise
+    CheckpointCorrupt naming rank 1 and the file, with the model, the optimizer (no state),
+    the schedule and the RNG as before the resume on both. The next resume finds the torn
+    file and falls back to step 4."""
     directory = copy_run(straight, tmp_path)
     failed = train(directory, tmp_path / "failed", "--tear-at-resume", code=3)
     for rank in range(2):

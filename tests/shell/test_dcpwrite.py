@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import array
 import os
-import socket
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
-from torch import nn
 
 import pitstop
+from onerank import one_rank_group, sharded_model
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.shell import sharddir
 from pitstop.shell.dcpio import DCP_METADATA, Writer
@@ -43,29 +41,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def group() -> Iterator[Any]:
     """A 1-rank gloo default group, and a group of its own for DCP's async collectives."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
-
-
-def sharded_model() -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 5))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
-    optimizer.step()
-    return model, optimizer
+    with one_rank_group() as own:
+        yield own
 
 
 def on_disk(directory: Path) -> dict[str, tuple[int, int]]:

@@ -29,6 +29,7 @@ from pitstop.core.naming import parse_sharded_name, sharded_name
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [
+    "FRESH_OPTIMIZERS",
     "LAYOUT_FORMAT",
     "MANIFEST_NAME",
     "LiveValue",
@@ -38,6 +39,7 @@ __all__ = [
     "StoredValue",
     "file_problem",
     "files_for",
+    "fresh_optimizers",
     "layout_differences",
     "layout_from_wire",
     "layout_to_wire",
@@ -50,6 +52,9 @@ MANIFEST_NAME: Final = "manifest.pitstop"
 """pitstop's manifest inside a sharded checkpoint directory (a pitstop file; written last)."""
 LAYOUT_FORMAT: Final = 1
 """The version of the layout's wire form (the manifest's ``sharded`` key)."""
+FRESH_OPTIMIZERS: Final = "fresh_optimizers"
+"""The manifest meta key naming the optimizers that had no state when the save began: DCP
+stored the zeroed state it gave them to save, which a resume takes away again."""
 
 
 def _plain(name: object) -> bool:
@@ -220,6 +225,16 @@ def share_checks(
         load[rank] += sizes[name]
         shares[rank].append(name)
     return tuple(tuple(sorted(share)) for share in shares)
+
+
+def fresh_optimizers(meta: Mapping[str, object]) -> tuple[str, ...]:
+    """The names under :data:`FRESH_OPTIMIZERS` in a manifest's (untrusted) meta; none when
+    it has no such key. Raises :class:`~pitstop.errors.CheckpointCorrupt` for anything but a
+    list of names."""
+    value = meta.get(FRESH_OPTIMIZERS, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise CheckpointCorrupt(f"manifest {FRESH_OPTIMIZERS}: a list of names, not {value!r}")
+    return tuple(value)
 
 
 def file_problem(expected: ShardFile, size: int | None, crc32: int | None) -> str | None:

@@ -46,7 +46,7 @@ from pitstop.core.records import (
 )
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
 from pitstop.core.session import Event, Request
-from pitstop.core.sharded import ShardedLayout
+from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.capture import LiveState, capture, deferrable, with_parts
@@ -67,6 +67,11 @@ class _Handed:
     decided: ScheduleState
     tree: dict[str, Any]
     meta: dict[str, Any]
+
+
+def _with_fresh(meta: dict[str, Any], fresh: tuple[str, ...]) -> dict[str, Any]:
+    """``meta`` naming the optimizers that had no state when a sharded save began."""
+    return {**meta, FRESH_OPTIMIZERS: list(fresh)} if fresh else meta
 
 
 class Saver:
@@ -246,12 +251,20 @@ class Saver:
         """Rank 0: the shards could not be written (every rank raises the same error)."""
         self._session.event(Event.ABORTED)
 
-    def publish_sharded(self, layout: ShardedLayout, parts: list[dict[str, Any]] | None) -> int:
+    def publish_sharded(
+        self,
+        layout: ShardedLayout,
+        parts: list[dict[str, Any]] | None,
+        *,
+        fresh: tuple[str, ...] = (),
+    ) -> int:
         """Rank 0: every rank's shards are durable in the temp directory: capture the
-        replicated state, write the manifest last, publish, then pointers and retention."""
+        replicated state, write the manifest last, publish, then pointers and retention.
+        ``fresh``: the optimizers that had no state when the save began."""
         plan, entry = self._planned_save()
         try:
             tree, meta = capture(self._live, parts, sharded=True)
+            meta = _with_fresh(meta, fresh)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta)
         except BaseException:
@@ -278,13 +291,16 @@ class Saver:
             raise
         self._handed = _Handed(plan=plan, entry=entry, decided=self._decided, tree=tree, meta=meta)
 
-    def handed_over(self, parts: Sequence[Mapping[str, Any]]) -> int:
+    def handed_over(
+        self, parts: Sequence[Mapping[str, Any]], *, fresh: tuple[str, ...] = ()
+    ) -> int:
         """Rank 0: every rank's shards are staged and being written, and ``parts`` is every
         rank's own part, copied: the schedule and the pointers move now (put back if the save
-        fails); returns the save's ticket."""
+        fails); returns the save's ticket. ``fresh``: as for :meth:`publish_sharded`."""
         handed = self._handed
         assert handed is not None
         tree, meta = with_parts(handed.tree, handed.meta, parts)
+        meta = _with_fresh(meta, fresh)
         self._handed = attrs.evolve(handed, tree=tree, meta=meta)
         self._session.event(Event.CAPTURED)
         self.schedule, self.pointers = handed.decided, handed.plan.pointers

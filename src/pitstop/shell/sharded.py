@@ -41,6 +41,7 @@ from pitstop.core.sharded import (
     LiveValue,
     ShardedLayout,
     files_for,
+    fresh_optimizers,
     layout_differences,
     share_checks,
 )
@@ -153,18 +154,21 @@ def files_to_verify(
 
 
 class FreshOptimizers:
-    """The optimizers that have no state yet, to be left so when nothing is restored.
+    """The optimizers that have no state yet, to be left so by a save or a resume.
 
-    DCP's ``get_optimizer_state_dict`` gives an optimizer without state zeroed state to read
-    into (one step at learning rate 0), so a sharded resume that restores nothing must take it
-    away again: :meth:`forget`."""
+    DCP's ``get_optimizer_state_dict`` gives an optimizer without state zeroed state to save
+    or read into (one step at learning rate 0): a sharded save takes it away again once the
+    shards are written or staged (the manifest names them), and so does a resume that
+    restores nothing (:meth:`forget`)."""
 
     def __init__(self, optimizers: Optimizers) -> None:
-        self._fresh = [o for o in optimizers.values() if not o.state]
+        self._fresh = {n: o for n, o in optimizers.items() if not o.state}
+        self.names = tuple(sorted(self._fresh))
+        """Their names, sorted."""
 
     def forget(self) -> None:
         """Take away the state those optimizers were given since."""
-        for optimizer in self._fresh:
+        for optimizer in self._fresh.values():
             optimizer.state.clear()
 
 
@@ -198,10 +202,20 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value if to_local is None else to_local()
 
 
-def _apply(model: nn.Module, optimizers: Optimizers, state: Mapping[str, Any]) -> None:
+def _apply(
+    model: nn.Module, optimizers: Optimizers, state: Mapping[str, Any], fresh: tuple[str, ...]
+) -> None:
+    """Load what DCP read; the optimizers that had no state when it was saved get none."""
     set_model_state_dict(model, state[MODEL])
     for name, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, state[name])
+        if name in fresh:
+            optimizer.state.clear()
+
+
+def _layout_and_fresh(root: Path) -> tuple[ShardedLayout, tuple[str, ...]]:
+    layout, meta = read_layout(root)
+    return layout, fresh_optimizers(meta)
 
 
 def read_sharded(
@@ -221,7 +235,8 @@ def read_sharded(
     DCP will read is verified, once, by one of the ranks that read it
     (:class:`~pitstop.errors.CheckpointCorrupt` naming the file); every rank raises the same
     error. Then DCP reads, resharding to this
-    world size, and ``set_*_state_dict`` applies the state. A failure there on any rank (DCP
+    world size, and ``set_*_state_dict`` applies the state (an optimizer that had no state
+    when the checkpoint was saved is left without). A failure there on any rank (DCP
     could not read a file: :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's
     state back as it was, from a host copy of this rank's tensors kept while DCP reads.
     Returns the layout. ``verify=False``: the files were verified already (a resume's choice
@@ -230,7 +245,7 @@ def read_sharded(
     root = Path(directory)
     fresh = FreshOptimizers(optimizers)
     try:
-        layout = ranks.each(lambda: read_layout(root)[0])
+        layout, stored_fresh = ranks.each(lambda: _layout_and_fresh(root))
         state = dcp_state(model, optimizers)
         reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
         if verify:  # every file read, once, by one of its readers
@@ -239,7 +254,7 @@ def read_sharded(
         kept = _Kept(state, optimizers)
         try:
             load_checked(root, state, layout, process_group=group)
-            ranks.each(lambda: _apply(model, optimizers, state))
+            ranks.each(lambda: _apply(model, optimizers, state, stored_fresh))
         except BaseException:
             kept.put_back()
             raise

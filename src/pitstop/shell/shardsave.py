@@ -139,9 +139,18 @@ class ShardedSaves:
         (synchronous) rank 0 publishes it, or (background) DCP goes on writing. Every rank's
         own part (RNG, per-rank components) reaches rank 0 with the round that ends the
         write (synchronous) or the staging (background). The save's ticket (on rank 0)."""
-        if self._stager is None:
-            return self._write(temp)
-        return self._start(temp)
+        from pitstop.shell.sharded import FreshOptimizers
+
+        # DCP gives an optimizer without state zeroed state to save (one step at learning rate
+        # 0); it is taken away again once saved (or staged), and the manifest names it, so
+        # that neither this run nor one resumed from it goes on from that state.
+        fresh = FreshOptimizers(sharded_components(self._live))
+        try:
+            if self._stager is None:
+                return self._write(temp, fresh.names)
+            return self._start(temp, fresh.names)
+        finally:
+            fresh.forget()
 
     def done(self) -> bool | None:
         """This rank's part of the save in flight is written (``None``: none in flight)."""
@@ -151,7 +160,7 @@ class ShardedSaves:
         """This rank's own part of the save, packed (rank 0 unpacks a copy of each)."""
         return pack_state(rank_state(self._live))
 
-    def _write(self, temp: str) -> int:
+    def _write(self, temp: str, fresh: tuple[str, ...]) -> int:
         from pitstop.shell.shardwrite import write_shards
 
         saver, ranks = self._saver, self._ranks
@@ -172,12 +181,12 @@ class ShardedSaves:
 
         def publish() -> int:
             parts = [unpack_state(packed) for packed in written.riders]
-            return saver.publish_sharded(written.layout(ranks.world_size), parts)
+            return saver.publish_sharded(written.layout(ranks.world_size), parts, fresh=fresh)
 
         ticket: int = ranks.lead(publish)
         return ticket
 
-    def _start(self, temp: str) -> int:
+    def _start(self, temp: str, fresh: tuple[str, ...]) -> int:
         from pitstop.shell.shardwrite import StagedShards, stage_sharded, start_sharded
 
         saver, ranks = self._saver, self._ranks
@@ -204,7 +213,8 @@ class ShardedSaves:
         self.ticket = RemoteTicket(sharded=True)
         if not ranks.leader:
             return 0
-        return saver.handed_over([unpack_state(p) for p in packed])  # what every rank packed
+        parts = [unpack_state(p) for p in packed]  # what every rank packed
+        return saver.handed_over(parts, fresh=fresh)
 
     def settle(self, *, block: bool, done: Sequence[bool | None] | None = None) -> None:
         """Every rank: publish the save in flight once every rank's shards are durable —
