@@ -7,9 +7,16 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+
+NEEDS_GLOO = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with gloo is unavailable",
+)
+"""A module's ``pytestmark`` when its tests need a gloo group."""
 
 
 @contextlib.contextmanager

@@ -15,15 +15,13 @@ from __future__ import annotations
 import array
 import os
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 import pitstop
-from onerank import one_rank_group, sharded_model
+from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.shell import sharddir
 from pitstop.shell.dcpio import DCP_METADATA, Writer
@@ -32,17 +30,7 @@ from pitstop.shell.distributed import Ranks
 from pitstop.shell.sharded import async_write_sharded, make_stager, write_sharded
 from storagetrace import OsSpy
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with gloo is unavailable",
-)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    """A 1-rank gloo default group, and a group of its own for DCP's async collectives."""
-    with one_rank_group() as own:
-        yield own
+pytestmark = NEEDS_GLOO
 
 
 def on_disk(directory: Path) -> dict[str, tuple[int, int]]:

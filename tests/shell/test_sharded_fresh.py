@@ -9,30 +9,19 @@ without state too; both then train bitwise equal to a run that never saved.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import pitstop
-from onerank import one_rank_group, sharded_model
+from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import FRESH_OPTIMIZERS, MANIFEST_NAME, sharded_name
 from pitstop.shell import fileformat
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with gloo is unavailable",
-)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    with one_rank_group() as own:
-        yield own
+pytestmark = NEEDS_GLOO
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from pitstop.shell.capture import (
 )
 from pitstop.shell.directory import CheckpointDirectory, is_sharded_path, scan
 from pitstop.shell.distributed import Ranks
+from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.resolve import find_resume, own_pointer
 from pitstop.shell.restore import Restore, differences
 from pitstop.shell.resumeread import ResumeRead
@@ -74,88 +75,57 @@ def resume_from(
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
     """
-    resume = partial(
-        _resume,
-        source,
-        strict=strict,
-        live=live,
-        ranks=ranks,
-        directory=directory,
-        may_change=may_change,
-    )
-    if not sharded:
-        return resume(sharded=False)
-    from pitstop.shell.sharded import FreshOptimizers
+    # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
+    with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
+        reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
+        pointer = own_pointer(directory, source)
+        if sharded and pointer is not None:
+            path, wire = _choose_sharded(directory, pointer, reading, live, ranks)
+        else:
+            path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
+        entry = entry_from_wire(wire)
+        if path is None:
+            return None, NO_CHECKPOINT
+        is_directory = ranks.each(partial(is_sharded_path, path))
+        if is_directory != sharded:
+            held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
+            run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
+            raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
+        target = _replicated(live) if sharded else live
+        loaded = ranks.each(partial(_load, path, reading, target, ranks, may_change))
+        tree, meta, found, deferred = loaded
+        if sharded:
+            found = found + ranks.each(partial(_layout_differences, path, live, ranks.rank))
+        found = _union(ranks.all_gather(found))
+        if judge(found, strict=strict):
+            raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
+        for difference in found:
+            log.warning("resume from %s: %s", path.name, difference)
+        same_world = stored_world_size(meta) == ranks.world_size
+        restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
+        try:
+            ranks.each(restore.prepare)
+            if sharded:  # checked and verified on every rank before DCP touches a tensor
+                from pitstop.shell.sharded import read_sharded
 
-    fresh = FreshOptimizers(sharded_components(live))  # DCP's choice gives them zeroed state
-    try:
-        path, entry = resume(sharded=True)
-    except BaseException:
-        fresh.forget()
-        raise
-    if path is None:
-        fresh.forget()
-    return path, entry
-
-
-def _resume(
-    source: str | os.PathLike[str],
-    *,
-    strict: bool,
-    live: LiveState,
-    ranks: Ranks,
-    directory: CheckpointDirectory,
-    may_change: tuple[str, ...],
-    sharded: bool,
-) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
-    reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
-    pointer = own_pointer(directory, source)
-    if sharded and pointer is not None:
-        path, wire = _choose_sharded(directory, pointer, reading, live, ranks)
-    else:
-        path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
-    entry = entry_from_wire(wire)
-    if path is None:
-        return None, NO_CHECKPOINT
-    is_directory = ranks.each(partial(is_sharded_path, path))
-    if is_directory != sharded:
-        held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
-        run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
-        raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
-    target = _replicated(live) if sharded else live
-    loaded = ranks.each(partial(_load, path, reading, target, ranks, may_change))
-    tree, meta, found, deferred = loaded
-    if sharded:
-        found = found + ranks.each(partial(_layout_differences, path, live, ranks.rank))
-    found = _union(ranks.all_gather(found))
-    if judge(found, strict=strict):
-        raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
-    for difference in found:
-        log.warning("resume from %s: %s", path.name, difference)
-    same_world = stored_world_size(meta) == ranks.world_size
-    restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
-    try:
-        ranks.each(restore.prepare)
-        if sharded:  # checked and verified on every rank before DCP touches a tensor
-            from pitstop.shell.sharded import read_sharded
-
-            # every file was verified when the checkpoint was chosen
-            read_sharded(path, live.model, sharded_components(live), ranks=ranks, verify=False)
-    except BaseException:
-        restore.undo()  # another rank failed: put this one back too
-        raise
-    restore.commit()
-    ranked = ranked_state(tree, ranks.rank) if same_world else {}
-    live.pending = {n: ranked[n] if n in ranked else tree[STATE][n] for n in deferred}
-    live.pending_per_rank = {n for n in deferred if n in ranked}
-    live.pending_groups = stored_groups(meta)
-    if deferred:
-        log.info(
-            "%s holds %s, not registered yet: register() will restore them",
-            path.name,
-            ", ".join(sorted(deferred)),
-        )
-    return path, entry
+                # every file was verified when the checkpoint was chosen
+                read_sharded(path, live.model, sharded_components(live), ranks=ranks, verify=False)
+        except BaseException:
+            restore.undo()  # another rank failed: put this one back too
+            raise
+        restore.commit()
+        fresh.keep()
+        ranked = ranked_state(tree, ranks.rank) if same_world else {}
+        live.pending = {n: ranked[n] if n in ranked else tree[STATE][n] for n in deferred}
+        live.pending_per_rank = {n for n in deferred if n in ranked}
+        live.pending_groups = stored_groups(meta)
+        if deferred:
+            log.info(
+                "%s holds %s, not registered yet: register() will restore them",
+                path.name,
+                ", ".join(sorted(deferred)),
+            )
+        return path, entry
 
 
 def _load(

@@ -52,6 +52,7 @@ from pitstop.shell.dcpio import (
     metadata_of,
 )
 from pitstop.shell.distributed import Ranks
+from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.sharddir import (
     delete_sharded,
     publish_sharded,
@@ -75,7 +76,6 @@ from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
     "MODEL",
-    "FreshOptimizers",
     "PendingShardedWrite",
     "WrittenShards",
     "async_write_sharded",
@@ -153,25 +153,6 @@ def files_to_verify(
         return layout, tuple(names[rank::world_size])
 
 
-class FreshOptimizers:
-    """The optimizers that have no state yet, to be left so by a save or a resume.
-
-    DCP's ``get_optimizer_state_dict`` gives an optimizer without state zeroed state to save
-    or read into (one step at learning rate 0): a sharded save takes it away again once the
-    shards are written or staged (the manifest names them), and so does a resume that
-    restores nothing (:meth:`forget`)."""
-
-    def __init__(self, optimizers: Optimizers) -> None:
-        self._fresh = {n: o for n, o in optimizers.items() if not o.state}
-        self.names = tuple(sorted(self._fresh))
-        """Their names, sorted."""
-
-    def forget(self) -> None:
-        """Take away the state those optimizers were given since."""
-        for optimizer in self._fresh.values():
-            optimizer.state.clear()
-
-
 class _Kept:
     """This rank's sharded state before DCP reads into it: a host copy of every tensor of
     ``state`` (a DTensor's local shard) and each optimizer's own state and groups."""
@@ -243,8 +224,7 @@ def read_sharded(
     checks them).
     """
     root = Path(directory)
-    fresh = FreshOptimizers(optimizers)
-    try:
+    with FreshOptimizers(optimizers) as fresh:
         layout, stored_fresh = ranks.each(lambda: _layout_and_fresh(root))
         state = dcp_state(model, optimizers)
         reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
@@ -258,9 +238,7 @@ def read_sharded(
         except BaseException:
             kept.put_back()
             raise
-    except BaseException:
-        fresh.forget()
-        raise
+        fresh.keep()
     return layout
 
 

@@ -43,6 +43,7 @@ from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.distributed import PART_BOX, Packed, Ranks, pack_state, unpack_state
+from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
@@ -139,18 +140,12 @@ class ShardedSaves:
         (synchronous) rank 0 publishes it, or (background) DCP goes on writing. Every rank's
         own part (RNG, per-rank components) reaches rank 0 with the round that ends the
         write (synchronous) or the staging (background). The save's ticket (on rank 0)."""
-        from pitstop.shell.sharded import FreshOptimizers
-
-        # DCP gives an optimizer without state zeroed state to save (one step at learning rate
-        # 0); it is taken away again once saved (or staged), and the manifest names it, so
-        # that neither this run nor one resumed from it goes on from that state.
-        fresh = FreshOptimizers(sharded_components(self._live))
-        try:
+        # DCP gives an optimizer without state zeroed state to save; it is taken away again
+        # once saved (or staged), and the manifest names it (pitstop.shell.freshopt).
+        with FreshOptimizers(sharded_components(self._live)) as fresh:
             if self._stager is None:
                 return self._write(temp, fresh.names)
             return self._start(temp, fresh.names)
-        finally:
-            fresh.forget()
 
     def done(self) -> bool | None:
         """This rank's part of the save in flight is written (``None``: none in flight)."""
