@@ -176,9 +176,8 @@ class _Reader(FileSystemReader):
         """DCP's ``read_data``, one file at a time, so that an error names the file."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                item
-            )
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()

@@ -36,7 +36,7 @@ from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.sharded import MANIFEST_NAME, share_checks
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, IncompatibleCheckpoint
 from pitstop.shell import fileformat
 from pitstop.shell.capture import (
@@ -175,12 +175,12 @@ def _candidates(
     return wires, bool(found.catalog)
 
 
-Planned = tuple[Any, tuple[str, ...], str | None]
+_Planned = tuple[Any, tuple[str, ...], str | None]
 """A candidate's layout on this rank (``None``: unreadable), the files its DCP read plan names
 (or, when its state does not fit the layout, an equal share of all), and what went wrong."""
 
 
-def _planned(path: Path, live: LiveState, ranks: Ranks) -> Planned:
+def _planned(path: Path, live: LiveState, ranks: Ranks) -> _Planned:
     """This rank's files of candidate ``path`` (a directory: empty for a file checkpoint)."""
     if not is_sharded_path(path):
         return None, (), None
@@ -195,13 +195,11 @@ def _planned(path: Path, live: LiveState, ranks: Ranks) -> Planned:
     return layout, names, None
 
 
-def _shares(planned: Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
+def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
     """Which rank verifies which file (``None``: this rank could not read the layout)."""
     layout = planned[0]
     if layout is None:
         return None
-    from pitstop.core.sharded import share_checks
-
     try:
         return share_checks(layout, reads)
     except CheckpointCorrupt:  # another rank's plan names a file this layout lacks
@@ -211,7 +209,7 @@ def _shares(planned: Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, 
 def _problem(
     path: Path,
     reading: ResumeRead,
-    planned: Planned,
+    planned: _Planned,
     shares: tuple[tuple[str, ...], ...] | None,
     ranks: Ranks,
 ) -> str | None:

@@ -215,13 +215,12 @@ def read_sharded(
     (:class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference) and every file
     DCP will read is verified, once, by one of the ranks that read it
     (:class:`~pitstop.errors.CheckpointCorrupt` naming the file); every rank raises the same
-    error. Then DCP reads, resharding to this
-    world size, and ``set_*_state_dict`` applies the state (an optimizer that had no state
-    when the checkpoint was saved is left without). A failure there on any rank (DCP
-    could not read a file: :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's
-    state back as it was, from a host copy of this rank's tensors kept while DCP reads.
-    Returns the layout. ``verify=False``: the files were verified already (a resume's choice
-    checks them).
+    error. Then DCP reads, resharding to this world size, and ``set_*_state_dict`` applies
+    the state (an optimizer that had no state when the checkpoint was saved is left without).
+    A failure there on any rank (DCP could not read a file:
+    :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's state back as it was, from
+    a host copy of this rank's tensors kept while DCP reads. Returns the layout.
+    ``verify=False``: the files were verified already (a resume's choice checks them).
     """
     root = Path(directory)
     with FreshOptimizers(optimizers) as fresh:
