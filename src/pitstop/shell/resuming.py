@@ -10,10 +10,12 @@
 # rank failed. Components the checkpoint holds but the run has not registered are kept in the
 # live state (deferred) for register() to apply; per-rank state is handed back only when the
 # world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
-# every rank together: rank 0 sends the resume order, each rank verifies the files it will
-# read, and all move to the next candidate when any rank found a problem; its replicated tree
-# is checked and restored as above, and its layout checked on every rank in the same pass,
-# before DCP reads (resharding) the model and the optimizers.
+# every rank together: rank 0 sends the resume order, the ranks gather the files their read
+# plans name, each file read is verified once, by one of its readers (pitstop.core.sharded.
+# share_checks), and all move to the next candidate when any rank found a problem; its
+# replicated tree is checked and restored as above, and its layout checked on every rank in
+# the same pass, before DCP reads (resharding) the model and the optimizers. An optimizer
+# that had no state has none again unless the resume restored it (pitstop.shell.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
