@@ -5,6 +5,8 @@ Measures, on one in-memory buffer of random bytes:
 * the stdlib checksum candidates: ``zlib.crc32`` (whole buffer and 2 MiB chunks),
   ``zlib.adler32``, and ``hashlib`` md5 / sha1 / sha256 / blake2b for scale;
 * ``zlib.crc32`` over 2 MiB chunks in 2 and 4 threads (it releases the GIL on large buffers);
+* pitstop's own CRC-32 (``pitstop.shell.checksums``: ISA-L's where the ``isal`` package is
+  installed, else zlib's), in one call and on its pool;
 * writing the buffer to a file in 2 MiB chunks (no fsync, so page-cache speed): without a
   checksum, with the CRC computed before each write, with the CRC computed in a helper
   thread beside each write (what ``pitstop.shell.fileformat.write`` did at first), and with
@@ -127,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             "zlib.crc32 (2 MiB chunks)": lambda: _crc_chunks(view),
             "zlib.crc32 (2 MiB chunks, 2 threads)": lambda: _crc_threads(view, 2),
             "zlib.crc32 (2 MiB chunks, 4 threads)": lambda: _crc_threads(view, 4),
+            f"pitstop crc32_update ({checksums.ENGINE}, one call)": lambda: (
+                checksums.crc32_update(view)
+            ),
+            f"pitstop crc32 ({checksums.ENGINE}, the pool)": lambda: checksums.crc32(view),
             "zlib.adler32": lambda: zlib.adler32(view),
             "hashlib.md5": lambda: hashlib.md5(view).digest(),
             "hashlib.sha1": lambda: hashlib.sha1(view).digest(),
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"# {args.mib} MiB, best of {args.repeats}; zlib {zlib.ZLIB_RUNTIME_VERSION}, "
+        f"pitstop's CRC-32: {checksums.ENGINE}, "
         f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
     )
     width = max(map(len, results))

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
+import platform
+import subprocess
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -18,7 +22,7 @@ from dirtools import save, snapshot
 from pitstop.core.records import Policy
 from pitstop.errors import SaveError
 from pitstop.shell import checksums, fileformat, filewrite
-from pitstop.shell.checksums import PIECE, Checksummer, crc32, crc32_combine
+from pitstop.shell.checksums import PIECE, Checksummer, crc32, crc32_combine, crc32_update
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.storage import LocalStorage
 
@@ -35,6 +39,51 @@ def test_combine_is_associative_over_long_lengths(n: int, c1: int, c2: int) -> N
     left = crc32_combine(crc32_combine(c1, c2, n), zero, 1000)
     right = crc32_combine(c1, crc32_combine(c2, zero, 1000), n + 1000)
     assert left == right
+
+
+@given(st.binary(max_size=5000), st.integers(0, 0xFFFFFFFF), st.integers(0, 64))
+def test_the_fast_crc_is_zlibs(data: bytes, start: int, skip: int) -> None:
+    view = memoryview(data)[skip:]
+    assert crc32_update(view, start) == zlib.crc32(view, start)
+    assert crc32_update(view) == zlib.crc32(view)
+
+
+def test_the_fast_crc_is_used_where_isal_is_installed() -> None:
+    # pitstop depends on it on x86-64 and arm64; elsewhere the standard library's zlib is used.
+    wheels = platform.machine() in {"x86_64", "AMD64", "aarch64", "arm64"}
+    expected = "isal" if wheels or importlib.util.find_spec("isal") is not None else "zlib"
+    assert expected == checksums.ENGINE
+
+
+def test_files_written_with_one_crc_engine_verify_with_the_other(tmp_path: Path) -> None:
+    # Without isal (its import blocked), a process falls back on zlib: its files verify here,
+    # and this process's files verify there.
+    state = {"w": torch.arange(3 * PIECE // 4 + 5, dtype=torch.float32)}
+    here = tmp_path / "here.pitstop"
+    with here.open("wb") as file:
+        fileformat.write(file, fileformat.prepare(state), {})
+    there = tmp_path / "there.pitstop"
+    script = (
+        "import sys; sys.modules['isal'] = None\n"
+        "import torch\n"
+        "from pitstop.shell import checksums, fileformat\n"
+        "assert checksums.ENGINE == 'zlib', checksums.ENGINE\n"
+        f"fileformat.verify({str(here)!r})\n"
+        f"w = torch.arange({3 * PIECE // 4 + 5}, dtype=torch.float32)\n"
+        f"with open({str(there)!r}, 'wb') as f:\n"
+        "    fileformat.write(f, fileformat.prepare({'w': w}), {})\n"
+        "print('zlib ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "zlib ok"
+    fileformat.verify(there)
+    loaded = fileformat.load(there)
+    assert isinstance(loaded, dict)
+    assert torch.equal(loaded["w"], state["w"])
+    assert there.read_bytes() == here.read_bytes()
 
 
 def test_combine_rejects_a_negative_length() -> None:

@@ -31,7 +31,6 @@ import collections
 import ctypes
 import os
 import threading
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -40,7 +39,13 @@ import torch
 
 from pitstop.core.manifest import HEADER_SIZE, Manifest
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell.checksums import Checksummer, CrcJob, crc32_combine, default_threads
+from pitstop.shell.checksums import (
+    Checksummer,
+    CrcJob,
+    crc32_combine,
+    crc32_update,
+    default_threads,
+)
 
 __all__ = ["BOUNCE", "CHUNK", "CPU", "blob_corrupt", "read_blobs"]
 
@@ -346,7 +351,7 @@ def _read_in_parallel(
                     else place[chunk.start : chunk.start + chunk.nbytes]
                 )
                 reader.read_into(view, manifest.blobs[chunk.blob].offset + chunk.start)
-                crcs[turn] = zlib.crc32(view)
+                crcs[turn] = crc32_update(view)
                 if advance is not None:
                     with lock:
                         advance(chunk.nbytes)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import BinaryIO, Final, Literal
@@ -45,6 +44,7 @@ from pitstop.core.manifest import (
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint
 from pitstop.shell import progress
 from pitstop.shell.blobread import read_blobs
+from pitstop.shell.checksums import crc32_update
 from pitstop.shell.treecodec import (
     TENSOR_DTYPES,
     TensorRef,
@@ -230,7 +230,7 @@ def _check_large_manifest(file: BinaryIO, footer: Footer, name: str) -> None:
         piece = file.read(min(left, _PIECE))
         if not piece:
             break
-        crc = zlib.crc32(piece, crc)
+        crc = crc32_update(piece, crc)
         left -= len(piece)
     stop = footer.manifest_offset + footer.manifest_length
     if left or crc != footer.manifest_crc32:

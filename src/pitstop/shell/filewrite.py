@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import BinaryIO, Final
 
@@ -44,7 +43,7 @@ from pitstop.core.manifest import (
 )
 from pitstop.errors import SaveError
 from pitstop.shell import progress
-from pitstop.shell.checksums import Checksummer, crc32_combine, default_threads
+from pitstop.shell.checksums import Checksummer, crc32_combine, crc32_update, default_threads
 from pitstop.shell.treecodec import dtype_name, encode_tree
 from pitstop.shell.treewalk import storage_of
 
@@ -260,7 +259,7 @@ def _write(
     )
     manifest_offset = sink.position
     sink.put(manifest)
-    sink.put(pack_footer(manifest_offset, len(manifest), zlib.crc32(manifest)))
+    sink.put(pack_footer(manifest_offset, len(manifest), crc32_update(manifest)))
     return sink.position
 
 
