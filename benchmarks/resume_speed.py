@@ -345,7 +345,7 @@ def check_pass(candidate: str, root: Path) -> Callable[[], None]:
 
         return inline
     if candidate == READ_THREADS:
-        import zlib
+        from pitstop.shell.checksums import crc32_update
 
         def two_threads() -> None:
             chunk = blobread.CHUNK
@@ -364,7 +364,7 @@ def check_pass(candidate: str, root: Path) -> Callable[[], None]:
                     blob = manifest.blobs[i]
                     n = min(chunk, blob.length - start)
                     os.preadv(fd, [view[:n]], blob.offset + start)
-                    crcs[i, start] = zlib.crc32(view[:n])
+                    crcs[i, start] = crc32_update(view[:n])
 
             threads = [threading.Thread(target=run, args=(pieces[k::2],)) for k in range(2)]
             for thread in threads:
@@ -678,10 +678,13 @@ def main(argv: list[str] | None = None) -> int:
     if SAFETENSORS in candidates and not have_safetensors():
         candidates.remove(SAFETENSORS)
 
+    from pitstop.shell.checksums import ENGINE
+
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-        f"{args.tensors} tensors; median of {args.repeats} after {args.warmups} warm-up "
-        "round(s), a fresh process per run, cold page cache, every live page written after"
+        f"pitstop's CRC-32: {ENGINE}, {args.tensors} tensors; median of {args.repeats} after "
+        f"{args.warmups} warm-up round(s), a fresh process per run, cold page cache, "
+        "every live page written after"
     )
     if not have_safetensors():
         print("safetensors is not installed: no safetensors row")

@@ -32,7 +32,7 @@ import torch
 
 from pitstop.core.metadata import entry_meta
 from pitstop.core.records import CheckpointEntry, Progress, SaveReason
-from pitstop.shell import fileformat
+from pitstop.shell import checksums, fileformat
 from pitstop.shell.publish import publish_file
 from pitstop.shell.storage import LocalStorage
 
@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     gib = nbytes / (1 << 30)
     print(f"state: {args.tensors} float32 tensors, {nbytes / (1 << 20):.0f} MiB; dir {root}")
-    print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"pitstop's CRC-32: {checksums.ENGINE}"
+    )
     print()
     print("| operation | seconds | GiB/s | x limit |")
     print("|---|---:|---:|---:|")
