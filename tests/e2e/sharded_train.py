@@ -28,9 +28,10 @@ the live tensors changed).
 a SaveError from ``maybe_save`` prints ``save error <message as JSON>`` and training goes on.
 ``--fail-part-at N --fail-rank R``: rank R's own part of the step-N save (its RNG and per-rank
 state, taken after its shards are written or staged) raises OSError (rank R raises it as
-itself, the others a SaveError naming it); each rank then prints ``write began <bool> ended
-<bool>``: whether DCP had set up its write of those shards, and whether that write had ended,
-before the error came.
+itself, the others a SaveError naming it; in the background, every rank a SaveError naming
+it, at a later call); with each save error, each rank then prints ``write began <bool> ended
+<bool>``: whether DCP had set up its write of the step-N shards, and whether that write had
+ended, before the error came.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
 ``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
@@ -293,7 +294,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
             saved = ckpt.maybe_save(progress)
         except (pitstop.SaveError, OSError) as exc:  # a rank's own OSError is raised as itself
             print(f"save error {json.dumps(str(exc))}", flush=True)
-            if at[0] == failing:  # whether DCP's write of it began, and had ended
+            if failing is not None:  # whether DCP's write of that save began, and had ended
                 print(f"write began {began[0]} ended {ended[0]}", flush=True)
             saved = None
         if saved is not None:

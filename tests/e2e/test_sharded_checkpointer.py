@@ -15,9 +15,10 @@ load_weights, verify, info, load and the CLI read a checkpoint directory. In the
 (``--async``): a run killed while the shards are written resumes from the previous checkpoint,
 bitwise (its shards were written only after the next step changed the model), every record
 pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
-undone; a staging or a part failing on rank 1 raises on both ranks before any DCP write
-began; a Checkpointer dropped with a save in flight publishes nothing. Every job is a
-tests/multirank.py Job (bounded waits; every process ended when the test ends).
+undone; a staging or a part failing on rank 1 is raised on both ranks at a later call, and
+no rank's DCP write of it began; a Checkpointer dropped with a save in flight publishes
+nothing. Every job is a tests/multirank.py Job (bounded waits; every process ended when the
+test ends).
 """
 
 from __future__ import annotations
@@ -310,47 +311,59 @@ def test_a_background_save_failing_on_one_rank_raises_on_every_rank_and_is_undon
     assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
 
 
-def assert_step_4_failed(run: Run, what: str, *, wrote: bool) -> None:
-    """Rank 1's injected ``what`` failure of the step-4 save was raised once on both ranks, at
-    that call; DCP's write of it had begun and ended (``wrote``) or never begun; nothing of
-    step 4 is left and the saves of steps 2 and 6 were published."""
+def assert_step_4_failed(run: Run, what: str, *, wrote: bool, later: bool) -> None:
+    """Rank 1's injected ``what`` failure of the step-4 save was raised once on both ranks:
+    at that call, or (``later``, a background save) at a later call, after the step-4 call had
+    returned its pending record, whose status then says failed; DCP's write of it had begun and
+    ended (``wrote``) or never begun on any rank; nothing of step 4 is left and the saves of
+    steps 2 and 6 were published."""
     for rank in range(2):
         lines = run.finished.lines(rank)
         errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
         assert len(errors) == 1, run.finished.describe()
         assert f"{what} injected on rank 1" in errors[0]
         assert f"write began {wrote} ended {wrote}" in lines, run.finished.describe()
-        assert not [line for line in lines if line.startswith("saved 4")]
+        if later:
+            assert "background save of step 4" in errors[0]
+            assert {"saved 4 pending", "status 4 failed"} <= set(lines)
+            saved_4 = lines.index("saved 4 pending")
+            assert saved_4 < lines.index(f"save error {json.dumps(errors[0])}")
+        else:
+            assert not [line for line in lines if line.startswith("saved 4")]
         assert {"status 2 published", "status 6 published"} <= set(lines)
     assert names(run.directory) == [sharded_name(2), sharded_name(6)]
     assert not [p for p in run.directory.iterdir() if p.name.startswith(".tmp-")]
 
 
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
-def test_a_part_that_fails_on_one_rank_after_its_shards_raises_on_every_rank(
-    tmp_path: Path, mode: str
-) -> None:
-    """Rank 1's own part (RNG, per-rank state) of the step-4 save fails after its shards are
-    written (sync) or staged (async): the same error on both ranks at that call (rank 1 raises
-    its own OSError) — sync: only once DCP's write had ended; async: before any rank's DCP
-    write began —, nothing of step 4 left, and the next saves go on over the same groups."""
+def test_a_part_that_fails_on_one_rank_raises_on_every_rank(tmp_path: Path, mode: str) -> None:
+    """Rank 1's own part (RNG, per-rank state) of the step-4 save fails, after its shards are
+    written (sync) or staged (async): sync: the same error on both ranks at that call (rank 1
+    raises its own OSError), once DCP's write had ended; async: the call returns on both ranks
+    and the failure is raised on both at a later call, as a failed background save — no rank's
+    DCP write of step 4 ever began —; nothing of step 4 left, and the next saves go on over the
+    same groups."""
     directory = tmp_path / "checkpoints"
     options = ["--fail-part-at", "4"] + (["--async"] if mode == "async" else [])
-    wrote = mode == "sync"
-    assert_step_4_failed(train(directory, tmp_path / "failed", *options), "part", wrote=wrote)
+    wrote, later = mode == "sync", mode == "async"
+    run = train(directory, tmp_path / "failed", *options)
+    assert_step_4_failed(run, "part", wrote=wrote, later=later)
 
 
 def test_a_staging_that_fails_on_one_rank_starts_no_rank_s_background_write(
     tmp_path: Path,
 ) -> None:
     """Rank 1's staging of the step-4 save (the copy DCP's background write starts from)
-    raises: every rank raises at that call (rank 0 a SaveError naming rank 1's error), no
-    rank's DCP write of step 4 began (so no rank waits on DCP's collectives until their
-    timeout), nothing of step 4 is left, and the next saves go on over the same groups. The
-    collectives' timeout is longer than the job's: a wait for it fails the test."""
+    raises: the call returns on both ranks (the round that agrees every rank staged runs in the
+    background), and the failure is raised on both at a later call, as a failed background
+    save naming rank 1's error; no rank's DCP write of step 4 began (so no rank waits on DCP's
+    collectives until their timeout), nothing of step 4 is left, and the next saves go on over
+    the same groups. The collectives' timeout is longer than the job's: a wait for it fails
+    the test."""
     directory = tmp_path / "checkpoints"
     options = ["--async", "--fail-stage-at", "4", "--pg-timeout", "600"]
-    assert_step_4_failed(train(directory, tmp_path / "failed", *options), "staging", wrote=False)
+    run = train(directory, tmp_path / "failed", *options)
+    assert_step_4_failed(run, "staging", wrote=False, later=True)
 
 
 def test_a_checkpointer_dropped_with_a_background_save_in_flight_publishes_nothing(

@@ -257,6 +257,23 @@ class Ranks:
             trees.append(unpack_state(other))
         return trees
 
+    def any_failed_later(self, failed: bool) -> Callable[[float], bool]:
+        """Start, without waiting for it, the round that tells every rank whether any rank
+        ``failed``; the callable it returns waits for that round (``timeout`` s at most; from
+        any thread: the collective itself was started here, on the calling thread) and says
+        whether any rank did."""
+        if not self.many:
+            return lambda timeout: failed
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        dist = torch.distributed
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
+        def wait(timeout: float) -> bool:
+            work.wait(datetime.timedelta(seconds=timeout))
+            return bool(flag.item())
+
+        return wait
+
     def _attempt(self, work: Callable[[], T]) -> tuple[Any, Outcome, BaseException | None]:
         """``work()``'s result and outcome here (its own exception kept to raise as itself)."""
         try:

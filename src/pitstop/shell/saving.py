@@ -13,9 +13,9 @@
 # rank 0 creates the temp directory, every rank writes its shards into it (the Checkpointer
 # drives that collective), then rank 0 captures the replicated state with every rank's part and
 # publishes. In the background (capture_sharded, handed_over; later publish_handed or
-# fail_handed): rank 0 copies the replicated state before DCP's write starts, every rank's part
-# and the moves of the schedule and pointers come once every rank's shards are staged, and the
-# publish — or the failure, undone — comes at a later call.
+# fail_handed): rank 0 copies the replicated state before DCP's write starts, the schedule and
+# pointers move once its own shards are staged, and the publish with every rank's part — or the
+# failure, undone — comes at a later call.
 # How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
 # carry_out() is a function over the live state, the directory, the session and the pool.
 
@@ -275,33 +275,29 @@ class Saver:
         self.schedule, self.pointers = self._decided, plan.pointers
         return self._ticket
 
-    # A background sharded save: capture_sharded, (every rank starts DCP's write), handed_over;
-    # later, once every rank's shards are durable, publish_handed — or fail_handed.
+    # A background sharded save: capture_sharded, (every rank stages), handed_over; later, once
+    # every rank's shards are durable, publish_handed with every rank's part — or fail_handed.
 
     def capture_sharded(self) -> None:
         """Rank 0: copy the replicated state of the planned save now (training goes on while
         the shards are written); an error aborts the save before any shard is written. Every
-        rank's own part (RNG, per-rank components) comes with :meth:`handed_over`."""
+        rank's own part (RNG, per-rank components) comes with :meth:`publish_handed`."""
         plan, entry = self._planned_save()
         try:
-            tree, meta = capture(self._live, [], sharded=True)  # the parts: handed_over's
+            tree, meta = capture(self._live, [], sharded=True)  # the parts: publish_handed's
             tree = deepcopy(tree)  # small: the model and optimizers go through DCP
         except BaseException:
             self.abort_sharded()
             raise
         self._handed = _Handed(plan=plan, entry=entry, decided=self._decided, tree=tree, meta=meta)
 
-    def handed_over(
-        self, parts: Sequence[Mapping[str, Any]], *, fresh: tuple[str, ...] = ()
-    ) -> int:
-        """Rank 0: every rank's shards are staged and being written, and ``parts`` is every
-        rank's own part, copied: the schedule and the pointers move now (put back if the save
-        fails); returns the save's ticket. ``fresh``: as for :meth:`publish_sharded`."""
+    def handed_over(self, *, fresh: tuple[str, ...] = ()) -> int:
+        """Rank 0: its shards are staged and every rank's write is on its way: the schedule and
+        the pointers move now (put back if the save fails); returns the save's ticket.
+        ``fresh``: as for :meth:`publish_sharded`."""
         handed = self._handed
         assert handed is not None
-        tree, meta = with_parts(handed.tree, handed.meta, parts)
-        meta = _with_fresh(meta, fresh)
-        self._handed = attrs.evolve(handed, tree=tree, meta=meta)
+        self._handed = attrs.evolve(handed, meta=_with_fresh(handed.meta, fresh))
         self._session.event(Event.CAPTURED)
         self.schedule, self.pointers = handed.decided, handed.plan.pointers
         return self._ticket
@@ -311,12 +307,15 @@ class Saver:
         self._handed = None
         self.abort_sharded()
 
-    def publish_handed(self, layout: ShardedLayout) -> None:
-        """Rank 0: every rank's shards of the handed-over save are durable: write the manifest
-        last, publish, then pointers and retention (a failure: see :meth:`fail_handed`)."""
+    def publish_handed(self, layout: ShardedLayout, parts: Sequence[Mapping[str, Any]]) -> None:
+        """Rank 0: every rank's shards of the handed-over save are durable, and ``parts`` is
+        every rank's own part (RNG, per-rank components, taken when the save was called):
+        write the manifest last, publish, then pointers and retention (a failure: see
+        :meth:`fail_handed`)."""
         handed = self._handed
         assert handed is not None
-        self._directory.publish_sharded(handed.plan, handed.entry, layout, handed.tree, handed.meta)
+        tree, meta = with_parts(handed.tree, handed.meta, parts)
+        self._directory.publish_sharded(handed.plan, handed.entry, layout, tree, meta)
         self._handed = None
         self._session.event(Event.PUBLISHED)
 

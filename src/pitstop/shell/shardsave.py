@@ -9,18 +9,22 @@
 # collective: rank 0 plans it and creates the temp directory (its name goes with the plan),
 # every rank writes its shards there, and only then does rank 0 write the manifest last and
 # publish; every rank's own part (RNG, per-rank components) reaches rank 0 with the round that
-# ends the write, or the staging in the background. A failure while writing shards is raised
-# on every rank and leaves no temp directory; one after DCP's background write started is
-# raised only once every rank's DCP write has ended (its collectives never meet the next's).
-# In the background (async_save=True): rank 0 copies the replicated state, every rank starts
-# DCP's async_save (on a gloo group of its own, with one kept stager) and the call returns once
-# the shards are staged; the schedule and pointers move then. DCP's completion is a collective,
-# so it is finished on the loop's thread, by a later call on every rank: each call asks every
-# rank whether its part is done and, when all are, publishes; a call that must see the save
-# settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised
-# there on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put
-# back. A Checkpointer dropped without close() cannot run a collective: its save in flight is
-# not published (its temp directory is removed when the directory is next opened).
+# ends the write (in the background: taken at the call, sent with the round that ends DCP's
+# write). A failure while writing shards is raised on every rank and leaves no temp directory;
+# one after DCP's background write started is raised only once every rank's DCP write has ended
+# (its collectives never meet the next's). In the background (async_save=True): rank 0 copies
+# the replicated state, every rank stages its shards (with one kept stager) and takes its part,
+# starts the round that agrees every rank staged without waiting for it, and returns; a thread
+# then starts DCP's async_save (on a gloo group of its own) once that round says every rank
+# staged — else no rank starts it, and a rank's staging or part that failed is its write's
+# failure, heard by every rank as below. The schedule and pointers move at the call. DCP's
+# completion is a collective, so it is finished on the loop's thread, by a later call on every
+# rank: each call asks every rank whether its part is done and, when all are, publishes; a call
+# that must see the save settled (a save that writes, wait, finish, resume, close) waits for it.
+# A failure is raised there on every rank, as rank 0's SaveError naming the step, with the
+# schedule and pointers put back. A Checkpointer dropped without close() cannot run a
+# collective: its save in flight is not published (its temp directory is removed when the
+# directory is next opened).
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
@@ -42,7 +46,7 @@ from pitstop.core.records import Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
-from pitstop.shell.distributed import PART_BOX, Packed, Ranks, pack_state, unpack_state
+from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
@@ -139,7 +143,8 @@ class ShardedSaves:
         """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
         (synchronous) rank 0 publishes it, or (background) DCP goes on writing. Every rank's
         own part (RNG, per-rank components) reaches rank 0 with the round that ends the
-        write (synchronous) or the staging (background). The save's ticket (on rank 0)."""
+        write (synchronous) or, taken at this call, with the one that ends DCP's write
+        (background). The save's ticket (on rank 0)."""
         # DCP gives an optimizer without state zeroed state to save; it is taken away again
         # once saved (or staged), and the manifest names it (pitstop.shell.freshopt).
         with FreshOptimizers(sharded_components(self._live)) as fresh:
@@ -182,34 +187,31 @@ class ShardedSaves:
         return ticket
 
     def _start(self, temp: str, fresh: tuple[str, ...]) -> int:
-        from pitstop.shell.shardwrite import StagedShards, stage_sharded, start_sharded
+        from pitstop.shell.shardwrite import StagedShards, stage_sharded, start_once_agreed
 
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
-        components = sharded_components(self._live)
-        staged: list[StagedShards] = []
-
-        def stage() -> Packed:  # this rank alone: DCP has run no collective for it yet
-            staged.append(
-                stage_sharded(self._live.model, components, self._stager, self._timeout_s)
-            )
-            return self._part()
-
-        try:  # one round: every rank staged its shards and packed its part, or none starts DCP
-            packed = ranks.all_gather_each(stage, box=PART_BOX)
-        except BaseException:  # the same error on every rank; no rank's DCP write began
+        staged: StagedShards | Exception
+        try:  # this rank alone: copy its shards and take its part (RNG, per-rank components)
+            components = sharded_components(self._live)
+            staged = stage_sharded(self._live.model, components, self._stager, self._timeout_s)
+            part: Packed | None = self._part()
+        except Exception as exc:  # this rank's write failure, heard by every rank at a settle
+            staged, part = exc, None
+        except BaseException:  # KeyboardInterrupt: the others' writes fail at their timeout
             if ranks.leader:
                 saver.abort_handed()
                 shutil.rmtree(root, ignore_errors=True)
             raise
-        # Every rank starts, or (a fault nothing here can foresee) the others' DCP write ends at
-        # its collectives' timeout and fails there, as a write that failed in the background.
-        self._pending = start_sharded(root, staged[0], ranks=ranks, group=self._group, created=True)
+        # No round here: the one that agrees every rank staged runs while the call returns, and
+        # DCP starts once it has (no rank starts it when any could not stage).
+        self._pending = start_once_agreed(
+            root, staged, ranks=ranks, group=self._group, timeout=self._timeout_s, rider=part
+        )
         self.ticket = RemoteTicket(sharded=True)
         if not ranks.leader:
             return 0
-        parts = [unpack_state(p) for p in packed]  # what every rank packed
-        return saver.handed_over(parts, fresh=fresh)
+        return saver.handed_over(fresh=fresh)
 
     def settle(self, *, block: bool, done: Sequence[bool | None] | None = None) -> None:
         """Every rank: publish the save in flight once every rank's shards are durable —
@@ -227,7 +229,12 @@ class ShardedSaves:
         saver, ranks = self._saver, self._ranks
         try:
             written = pending.written(self._timeout_s)  # every rank, or the same error on each
-            ranks.lead(lambda: saver.publish_handed(written.layout(ranks.world_size)))
+
+            def publish() -> None:
+                parts = [unpack_state(packed) for packed in written.riders]  # every rank's part
+                saver.publish_handed(written.layout(ranks.world_size), parts)
+
+            ranks.lead(publish)
         except Exception as exc:
             if ticket is not None:
                 ticket.settle(SaveStatus.FAILED)

@@ -8,10 +8,12 @@
 # rank sends along) and rank 0 builds the layout (pitstop.core.sharded). A failure on any rank
 # is the same SaveError on every rank, and the temp directory is removed. DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its
-# own); pitstop's agreement runs on `ranks`, from the calling thread only. In the background,
-# each rank stages first, on its own (stage_sharded), and DCP starts (start_sharded) only once
-# the caller has agreed that every rank staged: a rank that could not stage leaves no DCP
-# collective waiting on the others. Publishing is pitstop.shell.sharddir's.
+# own); pitstop's agreement runs on `ranks`, started from the calling thread only. In the
+# background, each rank stages first, on its own (stage_sharded); then either DCP starts at once
+# (start_sharded: the caller agreed already) or the round that agrees every rank staged is
+# started and not waited for, and a thread starts DCP once it is over (start_once_agreed): a
+# rank that could not stage leaves no DCP collective waiting on the others, and no rank waits
+# for that round in the call. Publishing is pitstop.shell.sharddir's.
 # How: DCP does the tensor I/O; this module the directory, the tables and the agreement.
 
 """Write a checkpoint directory's shards through DCP, synchronously or in the background."""
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -53,6 +56,7 @@ __all__ = [
     "dcp_state",
     "make_stager",
     "stage_sharded",
+    "start_once_agreed",
     "start_sharded",
     "write_sharded",
     "write_shards",
@@ -205,15 +209,28 @@ class PendingShardedWrite:
     checksummed and fsynced as DCP closes it), and there this rank's table is made. :meth:`result`
     gathers (after a ``timeout`` there, DCP may still be writing: do not reuse the directory)."""
 
-    def __init__(self, directory: Path, writer: Writer, ranks: Ranks, response: Any) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        writer: Writer,
+        ranks: Ranks,
+        response: Any,
+        *,
+        rider: Any = None,
+        box: int = GATHER_BOX,
+    ) -> None:
         self._directory, self._writer, self._ranks = directory, writer, ranks
+        self._rider, self._box = rider, box  # the same box on every rank
         upload: Future[Any] = getattr(response, "upload_completion", response)
-        self._done: Future[tuple[Metadata, tuple[ShardFile, ...]]] = Future()
+        self._done: Future[tuple[Metadata | None, tuple[ShardFile, ...]]] = Future()
         upload.add_done_callback(self._checksum)
 
     def _checksum(self, upload: Future[Any]) -> None:  # DCP's upload thread: no collective here
         try:
             metadata = upload.result()
+            if metadata is _NOT_WRITTEN:  # another rank could not stage: nothing written here
+                self._done.set_result((None, ()))
+                return
             self._done.set_result((metadata, _table(self._directory, self._writer, self._ranks)))
         except BaseException as exc:  # CheckpointException included: result() raises it
             self._done.set_exception(exc)
@@ -228,18 +245,24 @@ class PendingShardedWrite:
         return _agreed(self.written(timeout), self._ranks)
 
     def written(self, timeout: float | None = None) -> WrittenShards:
-        """:meth:`result` without the round that hands rank 0's layout to every rank."""
+        """:meth:`result` without the round that hands rank 0's layout to every rank; each
+        rank's ``rider`` comes along (:attr:`WrittenShards.riders`)."""
 
-        def wait() -> tuple[Metadata | None, tuple[ShardFile, ...]]:
+        def wait() -> tuple[Metadata | None, tuple[ShardFile, ...], Any]:
             try:
                 metadata, table = self._done.result(timeout)
             except CheckpointException as exc:
                 raise SaveError(f"could not write the shards of {self._directory}: {exc}") from exc
-            return (metadata if self._ranks.leader else None), table  # rank 0 builds the layout
+            leaders = metadata if self._ranks.leader else None  # rank 0 builds the layout
+            return leaders, table, self._rider
 
         with _removed_on_error(self._directory, self._ranks):
-            outcomes = self._ranks.all_gather_each(wait)
-        return WrittenShards(metadata=outcomes[0][0], tables=tuple(t for _, t in outcomes))
+            outcomes = self._ranks.all_gather_each(wait, box=self._box)
+        return WrittenShards(
+            metadata=outcomes[0][0],
+            tables=tuple(t for _, t, _ in outcomes),
+            riders=tuple(r for _, _, r in outcomes),
+        )
 
 
 @attrs.frozen
@@ -306,6 +329,60 @@ def start_sharded(
     handed = _Handed(staged)
     response = async_save({}, storage_writer=writer, async_stager=handed, process_group=group)
     return PendingShardedWrite(root, writer, ranks, response)
+
+
+_NOT_WRITTEN = object()
+"""What a rank's write ends with when another rank could not stage (nothing was written)."""
+
+
+def start_once_agreed(
+    directory: str | os.PathLike[str],
+    staged: StagedShards | Exception,
+    *,
+    ranks: Ranks,
+    group: Any,
+    timeout: float,
+    rider: Any = None,
+) -> PendingShardedWrite:
+    """Every rank, right after its own staging: ``staged``, or the error that stopped it.
+    Starts the round that tells every rank whether every rank staged, and returns without
+    waiting for it; a thread waits, then starts DCP's ``async_save`` of ``staged`` into
+    ``directory`` (made by rank 0 already) on ``group`` — or, when any rank could not stage,
+    no rank does: a rank that could not stage ends with its error, the others with nothing
+    written. Both come out of :meth:`PendingShardedWrite.written` (the same error on every
+    rank), which also carries each rank's ``rider``."""
+    root = Path(directory)
+    writer = Writer(root)
+    agreed = ranks.any_failed_later(isinstance(staged, Exception))
+    started: Future[Any] = Future()
+
+    def start() -> None:  # no collective of pitstop's here: it waits for the one started above
+        try:
+            anyone_failed = agreed(timeout)
+            if isinstance(staged, Exception):
+                raise staged
+            if anyone_failed:
+                started.set_result(_NOT_WRITTEN)
+                return
+            handed = _Handed(staged)
+            response: Any = async_save(
+                {}, storage_writer=writer, async_stager=handed, process_group=group
+            )
+            upload: Future[Any] = getattr(response, "upload_completion", response)
+            upload.add_done_callback(partial(_forward, started))
+        except BaseException as exc:
+            started.set_exception(exc)
+
+    threading.Thread(target=start, name="pitstop-dcp-start", daemon=True).start()
+    return PendingShardedWrite(root, writer, ranks, started, rider=rider, box=PART_BOX)
+
+
+def _forward(to: Future[Any], done: Future[Any]) -> None:
+    """Hand ``done``'s outcome to ``to``."""
+    try:
+        to.set_result(done.result())
+    except BaseException as exc:
+        to.set_exception(exc)
 
 
 def async_write_sharded(
