@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +118,12 @@ def live_objects(size_mib: int, count: int) -> tuple[Model, torch.optim.AdamW]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def make_files(root: Path, size_mib: int, count: int) -> dict[str, list[Path]]:
-    """Save one trained state in every candidate's format; return the files each one reads."""
+def make_files(
+    root: Path, size_mib: int, count: int, candidates: Sequence[str] = ()
+) -> dict[str, list[Path]]:
+    """Save one trained state in the format of every one of ``candidates`` (all of them when
+    empty; pitstop's file, which the floor reads, always); return the files each one reads."""
+    wanted = set(candidates or CANDIDATES)
     import pitstop
 
     per = (size_mib * MIB) // 4 // count
@@ -141,21 +145,24 @@ def make_files(root: Path, size_mib: int, count: int) -> dict[str, list[Path]]:
     files[PITSTOP] = sorted(p for p in ckpt_dir.iterdir() if p.is_file())
     files[FLOOR] = [saved.path]
 
-    torch_file = root / "state.pt"
-    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, torch_file)
-    files[TORCH] = [torch_file]
+    if TORCH in wanted:
+        torch_file = root / "state.pt"
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, torch_file)
+        files[TORCH] = [torch_file]
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    if DCP in wanted:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    dcp_dir = root / "dcp"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(dcp_dir), no_dist=True)
-    files[DCP] = sorted(p for p in dcp_dir.rglob("*") if p.is_file())
+        dcp_dir = root / "dcp"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.save(state, checkpoint_id=str(dcp_dir), no_dist=True)
+        files[DCP] = sorted(p for p in dcp_dir.rglob("*") if p.is_file())
 
-    if have_safetensors():
+    if SAFETENSORS in wanted and have_safetensors():
         from safetensors.torch import save_file
 
         flat = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
@@ -691,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for size_mib in args.sizes_mib:
         with bench_root(args.dir) as root:
-            files = make_files(root, size_mib, args.tensors)
+            files = make_files(root, size_mib, args.tensors, candidates)
             (root / "files.json").write_text(
                 json.dumps({k: [str(p) for p in v] for k, v in files.items()})
             )
