@@ -318,8 +318,12 @@ def resume_with(
     if candidate in (PITSTOP, BASELINE):
         import pitstop
 
+        # pitstop's shell is imported at its first use, as torch's modules are with torch:
+        # before the clock (a run with --phases imports it there anyway, to clock it).
+        checkpointer = pitstop.Checkpointer
+
         def pitstop_resume() -> None:
-            with pitstop.Checkpointer(
+            with checkpointer(
                 root / "pitstop",
                 model=model,
                 state={"optimizer": optimizer},
