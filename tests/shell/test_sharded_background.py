@@ -5,13 +5,16 @@ once this rank's shards are staged, without waiting for the round that agrees ev
 nor for DCP's ``async_save`` — a thread of pitstop's starts that once the round is over — and
 the save is published by a later call. A staging that fails is this rank's write failure: the
 call returns a pending record, the next call that settles the save raises it as a failed
-background save naming the step, and nothing of it is left. The 2-rank versions (a staging or
-a part failing on one rank) are in tests/e2e/test_sharded_checkpointer.py.
+background save naming the step, and nothing of it is left. Where pitstop's thread cannot
+start (at interpreter exit) the call starts DCP's write itself; a fault in starting it at all
+is raised by the call, and closing does not wait for that save. The 2-rank versions (a staging
+or a part failing on one rank) are in tests/e2e/test_sharded_checkpointer.py.
 """
 
 from __future__ import annotations
 
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +88,68 @@ def test_a_staging_that_fails_is_raised_by_the_next_call_and_leaves_nothing(
         ckpt.wait()
         assert again.status is pitstop.SaveStatus.PUBLISHED
     assert [c.path.name for c in ckpt.checkpoints()] == [sharded_name(4)]
+
+
+def test_with_no_new_thread_the_call_starts_dcp_s_write_itself(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When pitstop's thread cannot start (as at interpreter exit), the call waits for the round
+    and calls DCP's ``async_save`` on its own thread, and the save is published as usual."""
+    real = shardwrite.async_save
+    callers = []
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        callers.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    class NoThread:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(shardwrite, "async_save", watched)
+    model, optimizer = sharded_model()
+    root = tmp_path / "checkpoints"
+    state = {"optimizer": optimizer}
+    with pitstop.Checkpointer(root, model=model, state=state, async_save=True) as ckpt:
+        with monkeypatch.context() as patched:  # pitstop's thread only: DCP starts its own
+            patched.setattr(shardwrite, "threading", types.SimpleNamespace(Thread=NoThread))
+            saved = ckpt.save(pitstop.Progress(step=5))
+        assert callers == [threading.current_thread()]
+        assert saved is not None
+        ckpt.wait()
+        assert saved.status is pitstop.SaveStatus.PUBLISHED
+    assert [c.path.name for c in ckpt.checkpoints()] == [sharded_name(5)]
+
+
+def test_a_fault_starting_the_write_is_raised_by_the_call_and_nothing_waits_for_it(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting the round and DCP's write fails in a way nothing foresees: the call raises it,
+    closing does not wait for that save (a bounded join, first: a wait for it would hang), no
+    temp directory is left, and the next Checkpointer saves there as usual."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the write could not start")
+
+    model, optimizer = sharded_model()
+    root = tmp_path / "checkpoints"
+    state = {"optimizer": optimizer}
+    ckpt = pitstop.Checkpointer(root, model=model, state=state, async_save=True)
+    with monkeypatch.context() as patched:
+        patched.setattr(shardwrite, "start_once_agreed", broken)
+        with pytest.raises(RuntimeError, match="the write could not start"):
+            ckpt.save(pitstop.Progress(step=6))
+    closing = threading.Thread(target=ckpt.close, daemon=True)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive(), "close() waited for the save that never started"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
+    with pitstop.Checkpointer(root, model=model, state=state, async_save=True) as again:
+        saved = again.save(pitstop.Progress(step=7))
+        assert saved is not None
+        again.wait()
+        assert saved.status is pitstop.SaveStatus.PUBLISHED
+    assert [c.path.name for c in again.checkpoints()] == [sharded_name(7)]

@@ -37,6 +37,7 @@ import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,19 +200,28 @@ class ShardedSaves:
         except Exception as exc:  # this rank's write failure, heard by every rank at a settle
             staged, part = exc, None
         except BaseException:  # KeyboardInterrupt: the others' writes fail at their timeout
-            if ranks.leader:
-                saver.abort_handed()
-                shutil.rmtree(root, ignore_errors=True)
+            self._abort(root)
             raise
         # No round here: the one that agrees every rank staged runs while the call returns, and
         # DCP starts once it has (no rank starts it when any could not stage).
-        self._pending = start_once_agreed(
-            root, staged, ranks=ranks, group=self._group, timeout=self._timeout_s, rider=part
-        )
+        try:
+            self._pending = start_once_agreed(
+                root, staged, ranks=ranks, group=self._group, timeout=self._timeout_s, rider=part
+            )
+        except BaseException:  # a fault nothing here foresees: as a KeyboardInterrupt above
+            self._abort(root)
+            raise
         self.ticket = RemoteTicket(sharded=True)
         if not ranks.leader:
             return 0
         return saver.handed_over(fresh=fresh)
+
+    def _abort(self, root: Path) -> None:
+        """This rank raises out of a background save's call: rank 0's session ends it (so that
+        nothing waits for it) and its temp directory ``root`` goes."""
+        if self._ranks.leader:
+            self._saver.abort_handed()
+            shutil.rmtree(root, ignore_errors=True)
 
     def settle(self, *, block: bool, done: Sequence[bool | None] | None = None) -> None:
         """Every rank: publish the save in flight once every rank's shards are durable —

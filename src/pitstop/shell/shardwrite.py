@@ -373,7 +373,10 @@ def start_once_agreed(
         except BaseException as exc:
             started.set_exception(exc)
 
-    threading.Thread(target=start, name="pitstop-dcp-start", daemon=True).start()
+    try:
+        threading.Thread(target=start, name="pitstop-dcp-start", daemon=True).start()
+    except RuntimeError:  # no new threads now (at interpreter exit): wait for the round here
+        start()
     return PendingShardedWrite(root, writer, ranks, started, rider=rider, box=PART_BOX)
 
 
