@@ -29,6 +29,21 @@ from pitstop.shell import shardwrite
 pytestmark = NEEDS_GLOO
 
 
+def background(root: Path) -> pitstop.Checkpointer:
+    """A Checkpointer of a new FSDP2 model and its AdamW, saving in the background in ``root``."""
+    model, optimizer = sharded_model()
+    return pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}, async_save=True)
+
+
+def published(ckpt: pitstop.Checkpointer, step: int) -> None:
+    """Save ``step`` in the background and wait: it is published, the only checkpoint there."""
+    saved = ckpt.save(pitstop.Progress(step=step))
+    assert saved is not None
+    ckpt.wait()
+    assert saved.status is pitstop.SaveStatus.PUBLISHED
+    assert [c.path.name for c in ckpt.checkpoints()] == [sharded_name(step)]
+
+
 def test_the_call_returns_before_dcp_s_async_save_is_called(
     group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -41,11 +56,8 @@ def test_the_call_returns_before_dcp_s_async_save_is_called(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(shardwrite, "async_save", held)
-    model, optimizer = sharded_model()
     root = tmp_path / "checkpoints"
-    with pitstop.Checkpointer(
-        root, model=model, state={"optimizer": optimizer}, async_save=True
-    ) as ckpt:
+    with background(root) as ckpt:
         saved = ckpt.save(pitstop.Progress(step=3))
         assert saved is not None
         assert saved.status is pitstop.SaveStatus.PENDING  # returned while async_save is held
@@ -69,11 +81,8 @@ def test_a_staging_that_fails_is_raised_by_the_next_call_and_leaves_nothing(
         return real(self, state_dict, **kwargs)
 
     monkeypatch.setattr(DefaultStager, "stage", stage)
-    model, optimizer = sharded_model()
     root = tmp_path / "checkpoints"
-    with pitstop.Checkpointer(
-        root, model=model, state={"optimizer": optimizer}, async_save=True
-    ) as ckpt:
+    with background(root) as ckpt:
         saved = ckpt.save(pitstop.Progress(step=3))
         assert saved is not None
         assert saved.status is pitstop.SaveStatus.PENDING
@@ -83,11 +92,7 @@ def test_a_staging_that_fails_is_raised_by_the_next_call_and_leaves_nothing(
         assert saved.status is pitstop.SaveStatus.FAILED
         assert ckpt.checkpoints() == []
         assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
-        again = ckpt.save(pitstop.Progress(step=4))  # the next save goes on as before
-        assert again is not None
-        ckpt.wait()
-        assert again.status is pitstop.SaveStatus.PUBLISHED
-    assert [c.path.name for c in ckpt.checkpoints()] == [sharded_name(4)]
+        published(ckpt, 4)  # the next save goes on as before
 
 
 def test_with_no_new_thread_the_call_starts_dcp_s_write_itself(
@@ -110,10 +115,8 @@ def test_with_no_new_thread_the_call_starts_dcp_s_write_itself(
             raise RuntimeError("can't create new thread at interpreter shutdown")
 
     monkeypatch.setattr(shardwrite, "async_save", watched)
-    model, optimizer = sharded_model()
     root = tmp_path / "checkpoints"
-    state = {"optimizer": optimizer}
-    with pitstop.Checkpointer(root, model=model, state=state, async_save=True) as ckpt:
+    with background(root) as ckpt:
         with monkeypatch.context() as patched:  # pitstop's thread only: DCP starts its own
             patched.setattr(shardwrite, "threading", types.SimpleNamespace(Thread=NoThread))
             saved = ckpt.save(pitstop.Progress(step=5))
@@ -134,10 +137,8 @@ def test_a_fault_starting_the_write_is_raised_by_the_call_and_nothing_waits_for_
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the write could not start")
 
-    model, optimizer = sharded_model()
     root = tmp_path / "checkpoints"
-    state = {"optimizer": optimizer}
-    ckpt = pitstop.Checkpointer(root, model=model, state=state, async_save=True)
+    ckpt = background(root)
     with monkeypatch.context() as patched:
         patched.setattr(shardwrite, "start_once_agreed", broken)
         with pytest.raises(RuntimeError, match="the write could not start"):
@@ -147,9 +148,5 @@ def test_a_fault_starting_the_write_is_raised_by_the_call_and_nothing_waits_for_
     closing.join(60)
     assert not closing.is_alive(), "close() waited for the save that never started"
     assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
-    with pitstop.Checkpointer(root, model=model, state=state, async_save=True) as again:
-        saved = again.save(pitstop.Progress(step=7))
-        assert saved is not None
-        again.wait()
-        assert saved.status is pitstop.SaveStatus.PUBLISHED
-    assert [c.path.name for c in again.checkpoints()] == [sharded_name(7)]
+    with background(root) as again:
+        published(again, 7)
