@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 import pitstop
 from pitstop.core.naming import temp_name
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import fileformat, sharded
+from pitstop.shell import dcpstate, fileformat
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.sharded import (
     async_write_sharded,
@@ -70,17 +70,23 @@ def build(seed: int, lr: float = 1e-2) -> tuple[nn.Module, torch.optim.Optimizer
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Local shards and full tensors of the model and the optimizer (a collective)."""
+def snapshot(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None = None
+) -> dict[str, Any]:
+    """Local shards and full tensors of the model, the optimizer and the ``ema`` (its own
+    state dict, ``n_averaged`` among it), a collective."""
     optim = get_optimizer_state_dict(model, optimizer)
     flat = {
         f"state.{key}.{name}": value
         for key, state in sorted(optim["state"].items())
         for name, value in sorted(state.items())
     }
-    local: dict[str, Any] = {"model": {}, "optimizer": {}}
-    full: dict[str, Any] = {"model": {}, "optimizer": {}}
-    for part, values in (("model", model.state_dict()), ("optimizer", flat)):
+    parts = [("model", model.state_dict()), ("optimizer", flat)]
+    if ema is not None:
+        parts.append(("ema", ema.state_dict()))
+    local: dict[str, Any] = {part: {} for part, _ in parts}
+    full: dict[str, Any] = {part: {} for part, _ in parts}
+    for part, values in parts:
         for key, value in sorted(values.items()):
             is_d = isinstance(value, DTensor)
             local[part][key] = (value.to_local() if is_d else value).detach().clone()
@@ -139,7 +145,7 @@ def refuse_apply(rank: int) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise pitstop.CheckpointCorrupt(f"optimizer refused its state on rank {rank}")
 
-    sharded.set_optimizer_state_dict = refuse  # type: ignore[assignment]
+    dcpstate.set_optimizer_state_dict = refuse  # type: ignore[assignment]
 
 
 def load(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:

@@ -4,10 +4,12 @@ One process per rank (tests/multirank.py sets RANK, WORLD_SIZE, MASTER_ADDR, MAS
 rank without WORLD_SIZE runs with a 1-process group all the same, as FSDP2 needs one). The
 model is a small MLP with dropout (each rank its own masks and data: the ranks' RNG streams are
 seeded differently), each Linear and the root sharded with ``fully_shard``; the state is AdamW
-(sharded, saved through DCP) and a LambdaLR schedule (replicated, in the manifest's tree).
+(sharded, saved through DCP) and a LambdaLR schedule (replicated, in the manifest's tree); the
+EMA (``ema=``) is an AveragedModel (decay 0.9) of the unsharded model whose module is then
+sharded the same way, updated after each step (``--no-ema``: none).
 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
-        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async]
+        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async] [--no-ema]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
         [--fail-stage-at N] [--tear-at-resume --fail-rank R] [--note-checks]
 
@@ -37,16 +39,17 @@ ended, before the error came.
 ``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
 read of the resume sets up, before any rank reads (it verified when the checkpoint was chosen:
 a disk failing between the check and the read); when the resume raises, each rank prints
-``untouched model <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its local
-shards, its optimizer (no state), its schedule and its RNG are as they were before.
+``untouched model <bool> ema <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its
+local shards (the model's, the EMA's), its optimizer (no state), its schedule and its RNG are
+as they were before.
 ``--note-checks``: each verification of shard files in the resume's choice prints ``checked
 <the files, as JSON>``.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
 Each rank writes ``<OUT>.rank<R>.pitstop`` (a pitstop file): its local shards and the full
-tensors of the model and the optimizer, the scheduler's state, the step it resumed from, and
-draws from its torch RNG after training. A PitstopError prints ``error <Type> <message as
+tensors of the model, the optimizer and the EMA, the scheduler's state, the step it resumed
+from, and draws from its torch RNG after training. A PitstopError prints ``error <Type> <message as
 JSON>`` and exits 3.
 """
 
@@ -70,6 +73,8 @@ from sharded_loop import snapshot, write_result  # this directory: the engine te
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
 from pitstop.core.sharded import sharded_name
@@ -78,16 +83,23 @@ from pitstop.shell import dcpio, resuming, sharddir, shardsave
 EXIT_PITSTOP_ERROR = 3
 
 
-def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    torch.manual_seed(0)  # the same initial weights on every rank, as fully_shard needs
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 5))
+def shard(model: nn.Sequential) -> None:
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
+
+
+def build(with_ema: bool) -> tuple[nn.Module, torch.optim.Optimizer, Any, AveragedModel | None]:
+    torch.manual_seed(0)  # the same initial weights on every rank, as fully_shard needs
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 5))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if with_ema else None
+    shard(model)
+    if ema is not None:  # FSDP2 modules cannot be copied: the EMA's module is sharded after
+        shard(ema.module)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    return model, optimizer, schedule
+    return model, optimizer, schedule, ema
 
 
 def kill_in_write(step: int, pids: list[int]) -> None:
@@ -211,10 +223,21 @@ def note_checks() -> None:
     resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
 
 
-def as_before(model: nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]:
+def local(module: nn.Module | None) -> dict[str, torch.Tensor]:
+    """Copies of ``module``'s local shards (and plain tensors), by name."""
+    if module is None:
+        return {}
+    return {
+        k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+        for k, v in module.state_dict().items()
+    }
+
+
+def as_before(model: nn.Module, optimizer: Any, schedule: Any, ema: Any) -> dict[str, Any]:
     """What a failed resume must leave as it was (no collective: the optimizer stays as is)."""
     return {
-        "model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+        "model": local(model),
+        "ema": local(ema),
         "optimizer": len(optimizer.state),
         "schedule": {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"},
         "rng": torch.get_rng_state(),
@@ -224,6 +247,7 @@ def as_before(model: nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]
 def untouched(before: dict[str, Any], now: dict[str, Any]) -> str:
     same = {
         "model": all(torch.equal(before["model"][k], now["model"][k]) for k in before["model"]),
+        "ema": all(torch.equal(before["ema"][k], now["ema"][k]) for k in before["ema"]),
         "optimizer": before["optimizer"] == now["optimizer"],
         "schedule": before["schedule"] == now["schedule"],
         "rng": torch.equal(before["rng"], now["rng"]),
@@ -232,7 +256,7 @@ def untouched(before: dict[str, Any], now: dict[str, Any]) -> str:
 
 
 def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | None:
-    model, optimizer, schedule = build()
+    model, optimizer, schedule, ema = build(not args.no_ema)
     torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
@@ -258,6 +282,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     ckpt = pitstop.Checkpointer(
         args.dir,
         model=model,
+        ema=ema,
         state={"optimizer": optimizer, "schedule": schedule},
         policy=policy,
         timeout_s=args.pg_timeout,
@@ -272,11 +297,11 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         tear_at_resume(rank)
     if args.note_checks:
         note_checks()
-    before = as_before(model, optimizer, schedule)
+    before = as_before(model, optimizer, schedule, ema)
     try:
         progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
     except pitstop.PitstopError:
-        print(untouched(before, as_before(model, optimizer, schedule)), flush=True)
+        print(untouched(before, as_before(model, optimizer, schedule, ema)), flush=True)
         raise
     print(f"resumed {progress.step}", flush=True)
     resumed = progress.step
@@ -284,6 +309,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     while progress.step < args.target:
         model(torch.randn(4, 8)).pow(2).mean().backward()
         optimizer.step()
+        if ema is not None:
+            ema.update_parameters(model)
         if args.hold_shards_at is not None and progress.step == args.hold_shards_at:
             stepped.set()  # the step after the held save
         optimizer.zero_grad()
@@ -313,7 +340,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         print(f"status {saved.step} {saved.status.value}", flush=True)
     ckpt.close()
     print(f"checkpoints {[c.path.name for c in ckpt.checkpoints()]}", flush=True)
-    out = snapshot(model, optimizer)
+    out = snapshot(model, optimizer, ema)
     out["schedule"] = {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"}
     out["resumed"] = resumed
     out["draws"] = torch.rand(4)
@@ -330,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--die-in-write-at", type=int)
     parser.add_argument("--no-strict", action="store_true")
+    parser.add_argument("--no-ema", action="store_true")
     parser.add_argument("--strict-first", action="store_true")
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--die-in-shards-at", type=int)

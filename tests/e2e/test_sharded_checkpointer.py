@@ -1,17 +1,20 @@
 """Sharded state through the public Checkpointer: FSDP2 on gloo, real processes, 2 ranks.
 
 tests/e2e/sharded_train.py trains an FSDP2 MLP (AdamW, a LambdaLR schedule, dropout, each
-rank its own data) with ``pitstop.Checkpointer`` and the same calls as an unsharded run;
+rank its own data, an EMA: an AveragedModel whose module is sharded too) with
+``pitstop.Checkpointer`` and the same calls as an unsharded run;
 every save is a checkpoint directory ``step_<12 digits>/`` (DCP's files and pitstop's
 manifest). Checked here against one uninterrupted run: a run SIGKILLed after a save and
-resumed in fresh processes ends bitwise equal (local shards, optimizer, schedule, RNG); one
+resumed in fresh processes ends bitwise equal (local shards, EMA, optimizer, schedule, RNG);
+a run without an EMA resumes such a checkpoint only with strict=False; one
 rank reshards a two-rank checkpoint (strict=True names the per-rank RNG that cannot continue;
 strict=False loads the full tensors); a flipped byte in the newest checkpoint's shard makes
 every rank fall back to the previous one, and with every checkpoint torn the run starts fresh as
 the straight run did; a read that fails on one rank after the checks leaves every rank as it
 was; a save killed between the shards and the manifest
 is never listed; retention deletes old directories and keeps the pointer targets; export,
-load_weights, verify, info, load and the CLI read a checkpoint directory. In the background
+load_weights (the model's weights and the EMA's), verify, info, load and the CLI read a
+checkpoint directory. In the background
 (``--async``): a run killed while the shards are written resumes from the previous checkpoint,
 bitwise (its shards were written only after the next step changed the model), every record
 pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
@@ -148,6 +151,26 @@ def test_one_rank_reshards_a_two_rank_checkpoint(straight: Run, tmp_path: Path) 
     assert_same(restored["schedule"], straight.ranks[0]["schedule"])
 
 
+def test_a_run_without_an_ema_resumes_an_ema_checkpoint_only_when_not_strict(
+    straight: Run, tmp_path: Path
+) -> None:
+    directory = copy_run(straight, tmp_path)
+    plain = train(directory, tmp_path / "plain", "--no-ema", "--strict-first")
+    for rank in range(2):
+        lines = plain.finished.lines(rank)
+        refused = [json.loads(m.group(1)) for line in lines if (m := _STRICT.match(line))]
+        assert refused == [
+            "checkpoint is incompatible (1 difference(s)):\n  - "
+            f"{sharded_name(6)}: ema: the checkpoint holds EMA weights, the run has no EMA"
+        ], plain.finished.describe()
+        restored = plain.ranks[rank]
+        assert restored["resumed"] == TARGET
+        without = {k: v for k, v in straight.ranks[rank]["full"].items() if k != "ema"}
+        assert_same(restored["full"], without)
+    warned = [line for line in plain.finished.lines(0) if "the run has no EMA" in line]
+    assert warned, plain.finished.describe()
+
+
 def checked(finished: Finished, rank: int) -> list[list[str]]:
     """The shard files ``rank`` verified, per candidate (``--note-checks``)."""
     lines = finished.lines(rank)
@@ -209,7 +232,7 @@ def test_a_read_that_fails_on_one_rank_after_the_checks_leaves_every_rank_as_it_
     failed = train(directory, tmp_path / "failed", "--tear-at-resume", code=3)
     for rank in range(2):
         lines = failed.finished.lines(rank)
-        assert "untouched model True optimizer True schedule True rng True" in lines, (
+        assert "untouched model True ema True optimizer True schedule True rng True" in lines, (
             failed.finished.describe()
         )
         (error,) = [line for line in lines if line.startswith("error ")]
@@ -415,6 +438,16 @@ def test_export_and_load_weights_give_an_unsharded_model_the_full_tensors(
     other = plain_model()
     pitstop.load_weights(other, straight.directory / "last", strict=True)
     assert_same(dict(other.state_dict()), full)
+    averaged = straight.ranks[0]["full"]["ema"]  # the AveragedModel's: module.*, n_averaged
+    ema = {k.removeprefix("module."): v for k, v in averaged.items() if k != "n_averaged"}
+    exported = pitstop.export_weights(straight.directory, tmp_path / "ema.pt", weights="ema")
+    model = plain_model()
+    model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
+    assert_same(dict(model.state_dict()), ema)
+    assert not torch.equal(ema["0.weight"], full["0.weight"])  # the EMA's, not the model's
+    other = plain_model()
+    pitstop.load_weights(other, straight.directory, weights="ema", strict=True)
+    assert_same(dict(other.state_dict()), ema)
 
 
 def test_verify_info_load_and_the_cli_read_a_checkpoint_directory(
@@ -449,15 +482,14 @@ def test_prune_deletes_old_directories_and_keeps_the_resume_point(
     assert (directory / "last" / MANIFEST_NAME).is_file()
 
 
-def test_a_sharded_model_refuses_overlap_and_an_ema_before_anything_runs(
+def test_a_sharded_model_refuses_overlap_before_anything_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pitstop.shell import shardsave
 
     monkeypatch.setattr(shardsave, "is_sharded", lambda model, components: True)
-    for options in ({"async_save": "overlap"}, {"ema": plain_model()}):
-        with pytest.raises(pitstop.ConfigError, match="sharded model"):
-            pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), **options)
+    with pytest.raises(pitstop.ConfigError, match="sharded model"):
+        pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), async_save="overlap")
     assert not (tmp_path / "checkpoints").exists()
 
 

@@ -244,12 +244,12 @@ def test_a_fresh_optimizer_has_no_state_after_a_failed_read(
 def test_a_failure_while_the_state_is_applied_puts_back_what_dcp_read(
     saved: Saved, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pitstop.shell import sharded
+    from pitstop.shell import dcpstate
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("optimizer refused its state")
 
-    monkeypatch.setattr(sharded, "set_optimizer_state_dict", refuse)
+    monkeypatch.setattr(dcpstate, "set_optimizer_state_dict", refuse)
     model, optimizer = trained()
     before = held(model, optimizer)
     with pytest.raises(RuntimeError, match="optimizer refused"):

@@ -117,8 +117,8 @@ def capture(
     """The checkpoint tree (referencing live tensors) and manifest meta of ``live``.
 
     ``parts``: every rank's :func:`rank_state`, in rank order (default: this rank's alone).
-    ``sharded``: the model and the :func:`sharded_components` are saved through DCP, so the
-    tree (the replicated state a sharded checkpoint's manifest holds) leaves them out.
+    ``sharded``: the model, the EMA and the :func:`sharded_components` are saved through DCP,
+    so the tree (the replicated state a sharded checkpoint's manifest holds) leaves them out.
     """
     parts = parts if parts is not None else [rank_state(live)]
     per_rank = live.per_rank_names()
@@ -137,9 +137,11 @@ def capture(
     }
     ema_buffers = "own"
     if live.ema is not None:
-        weights[EMA] = unwrap_model(live.ema).state_dict()
+        if not sharded:  # else saved through DCP with the model (pitstop.shell.dcpstate)
+            weights[EMA] = unwrap_model(live.ema).state_dict()
         if isinstance(live.ema, AveragedModel):
-            tree[EMA_COUNT] = {"n_averaged": live.ema.n_averaged}
+            if not sharded:
+                tree[EMA_COUNT] = {"n_averaged": live.ema.n_averaged}
             ema_buffers = "own" if live.ema.use_buffers else "raw"
     described = WeightsMeta(
         ema=live.ema is not None,

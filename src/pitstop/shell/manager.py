@@ -88,8 +88,9 @@ class Checkpointer:
     checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
     its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
     run's world size (see docs/distributed.md); ``async_save=True`` writes through DCP's
-    async_save and publishes at a later call on every rank; ``"overlap"`` and ``ema`` are
-    refused then.
+    async_save and publishes at a later call on every rank; ``"overlap"`` is refused then.
+    Its ``ema`` (a sharded copy of the model, or an ``AveragedModel`` whose module is one)
+    is saved through DCP with it.
     """
 
     def __init__(
@@ -134,7 +135,7 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
-        sharded = holds_sharded(self._live, async_save=async_save, ema=ema)
+        sharded = holds_sharded(self._live, async_save=async_save)
         self._ranks = Ranks.current(timeout_s)
         if not isinstance(overwrite, bool):
             raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from pitstop.core.compat import Difference, Kind, judge
+from pitstop.core.compat import Difference, judge
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.resume import resume_order
@@ -111,7 +111,8 @@ def resume_from(
                 from pitstop.shell.sharded import read_sharded
 
                 # every file was verified when the checkpoint was chosen
-                read_sharded(path, live.model, sharded_components(live), ranks=ranks, verify=False)
+                components = sharded_components(live)
+                read_sharded(path, live.model, components, ranks=ranks, verify=False, ema=live.ema)
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
             raise
@@ -149,19 +150,19 @@ def _load(
 
 
 def _replicated(live: LiveState) -> LiveState:
-    """What a sharded checkpoint's manifest holds of ``live``: every component but the model
-    and the optimizers DCP saves (an empty module stands in for the model)."""
+    """What a sharded checkpoint's manifest holds of ``live``: every component but the model,
+    its EMA and the optimizers DCP saves (an empty module stands in for the model)."""
     through_dcp = sharded_components(live)
     components = {n: o for n, o in live.components.items() if n not in through_dcp}
-    return attrs.evolve(live, model=nn.Module(), components=components)
+    return attrs.evolve(live, model=nn.Module(), ema=None, components=components)
 
 
 def _layout_differences(path: Path, live: LiveState, rank: int) -> list[Difference]:
-    """This rank's differences between its sharded state and the directory's layout."""
+    """This rank's differences between its sharded state and the directory's layout, and an
+    EMA on one side only (as for a file checkpoint)."""
     from pitstop.shell.sharded import sharded_differences
 
-    problems = sharded_differences(path, live.model, sharded_components(live), rank)
-    return [Difference(kind=Kind.SHAPE, message=p) for p in problems]
+    return sharded_differences(path, live.model, sharded_components(live), rank, ema=live.ema)
 
 
 def _candidates(
@@ -190,7 +191,12 @@ def _planned(path: Path, live: LiveState, ranks: Ranks) -> _Planned:
 
     try:
         layout, names = files_to_verify(
-            path, live.model, sharded_components(live), rank=ranks.rank, world_size=ranks.world_size
+            path,
+            live.model,
+            sharded_components(live),
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            ema=live.ema,
         )
     except (CheckpointCorrupt, OSError) as exc:
         return None, (), str(exc)

@@ -1,5 +1,6 @@
 # Sharded state (FSDP2, DTensor) through torch.distributed.checkpoint (DCP), published like a
-# file.
+# file. What DCP saves and fills — the model, its EMA, the optimizers — is
+# pitstop.shell.dcpstate's.
 #
 # Rules: every rank makes the same calls. A save: every rank writes its shards into a temp
 # directory and the tables of its files are gathered (pitstop.shell.shardwrite, whose names are
@@ -25,18 +26,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint._traverse import traverse_state_dict
-from torch.distributed.checkpoint.state_dict import (
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
+from pitstop.core.compat import Difference, Kind, diff_ema
 from pitstop.core.sharded import (
     LiveValue,
     ShardedLayout,
@@ -51,6 +49,7 @@ from pitstop.shell.dcpio import (
     load_checked,
     metadata_of,
 )
+from pitstop.shell.dcpstate import EMA, MODEL, Optimizers, apply_state, dcp_state
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.sharddir import (
@@ -62,12 +61,9 @@ from pitstop.shell.sharddir import (
 )
 from pitstop.shell.shardsave import is_sharded
 from pitstop.shell.shardwrite import (
-    MODEL,
-    Optimizers,
     PendingShardedWrite,
     WrittenShards,
     async_write_sharded,
-    dcp_state,
     make_stager,
     write_sharded,
     write_shards,
@@ -75,6 +71,7 @@ from pitstop.shell.shardwrite import (
 from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
+    "EMA",
     "MODEL",
     "PendingShardedWrite",
     "WrittenShards",
@@ -82,6 +79,7 @@ __all__ = [
     "delete_sharded",
     "files_to_verify",
     "full_state_dict",
+    "holds_ema",
     "is_sharded",
     "make_stager",
     "publish_sharded",
@@ -119,18 +117,38 @@ def _planned_files(
     )
 
 
+def holds_ema(layout: ShardedLayout) -> bool:
+    """Whether the checkpoint ``layout`` describes holds an EMA's weights."""
+    return any(v.path[:1] == (EMA,) for v in layout.values)
+
+
+def _state(
+    layout: ShardedLayout, model: nn.Module, optimizers: Optimizers, ema: nn.Module | None
+) -> dict[str, Any]:
+    """What a load of ``layout`` fills: the EMA's only when it holds one (a run's EMA that
+    the checkpoint lacks is a difference of its own, pitstop.core.compat.diff_ema)."""
+    return dcp_state(model, optimizers, ema if holds_ema(layout) else None)
+
+
 def sharded_differences(
-    directory: str | os.PathLike[str], model: nn.Module, optimizers: Optimizers, rank: int
-) -> list[str]:
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizers: Optimizers,
+    rank: int,
+    *,
+    ema: nn.Module | None = None,
+) -> list[Difference]:
     """Every difference between this rank's live sharded state and the directory's layout
-    (empty when it fits); reads the manifest only."""
+    (empty when it fits), an EMA on one side only judged as for a file checkpoint; reads the
+    manifest only."""
     root = Path(directory)
     layout, _ = read_layout(root)
+    found = diff_ema(stored=holds_ema(layout), live=ema is not None)
     try:
-        _planned_files(root, layout, dcp_state(model, optimizers), rank)
+        _planned_files(root, layout, _state(layout, model, optimizers, ema), rank)
     except IncompatibleCheckpoint as exc:
-        return list(exc.differences)
-    return []
+        found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
+    return found
 
 
 def files_to_verify(
@@ -140,6 +158,7 @@ def files_to_verify(
     *,
     rank: int,
     world_size: int,
+    ema: nn.Module | None = None,
 ) -> tuple[ShardedLayout, tuple[str, ...]]:
     """The layout, and the files this rank checks when a resume considers ``directory``:
     those DCP's read plan names for it — or, when its state does not fit the layout (the
@@ -147,7 +166,8 @@ def files_to_verify(
     root = Path(directory)
     layout, _ = read_layout(root)
     try:
-        return layout, _planned_files(root, layout, dcp_state(model, optimizers), rank)
+        state = _state(layout, model, optimizers, ema)
+        return layout, _planned_files(root, layout, state, rank)
     except IncompatibleCheckpoint:
         names = [f.name for f in layout.files]
         return layout, tuple(names[rank::world_size])
@@ -183,17 +203,6 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value if to_local is None else to_local()
 
 
-def _apply(
-    model: nn.Module, optimizers: Optimizers, state: Mapping[str, Any], fresh: tuple[str, ...]
-) -> None:
-    """Load what DCP read; the optimizers that had no state when it was saved get none."""
-    set_model_state_dict(model, state[MODEL])
-    for name, optimizer in optimizers.items():
-        set_optimizer_state_dict(model, optimizer, state[name])
-        if name in fresh:
-            optimizer.state.clear()
-
-
 def _layout_and_fresh(root: Path) -> tuple[ShardedLayout, tuple[str, ...]]:
     layout, meta = read_layout(root)
     return layout, fresh_optimizers(meta)
@@ -207,9 +216,10 @@ def read_sharded(
     ranks: Ranks,
     group: Any = None,
     verify: bool = True,
+    ema: nn.Module | None = None,
 ) -> ShardedLayout:
-    """Every rank: restore the model and ``optimizers`` from a sharded checkpoint directory,
-    all or nothing.
+    """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
+    directory, all or nothing (the ``ema`` only when the checkpoint holds one).
 
     Before any tensor is touched, the manifest is read, the live state is checked against it
     (:class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference) and every file
@@ -225,7 +235,7 @@ def read_sharded(
     root = Path(directory)
     with FreshOptimizers(optimizers) as fresh:
         layout, stored_fresh = ranks.each(lambda: _layout_and_fresh(root))
-        state = dcp_state(model, optimizers)
+        state = _state(layout, model, optimizers, ema)
         reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
         if verify:  # every file read, once, by one of its readers
             mine = share_checks(layout, reads)[ranks.rank]
@@ -233,7 +243,8 @@ def read_sharded(
         kept = _Kept(state, optimizers)
         try:
             load_checked(root, state, layout, process_group=group)
-            ranks.each(lambda: _apply(model, optimizers, state, stored_fresh))
+            live_ema = ema if EMA in state else None
+            ranks.each(lambda: apply_state(model, optimizers, live_ema, state, stored_fresh))
         except BaseException:
             kept.put_back()
             raise
@@ -241,15 +252,26 @@ def read_sharded(
     return layout
 
 
-def full_state_dict(directory: str | os.PathLike[str], component: str = MODEL) -> dict[str, Any]:
-    """The full, unsharded state of ``component`` as plain CPU tensors, read in this process.
+def full_state_dict(
+    directory: str | os.PathLike[str],
+    component: str = MODEL,
+    *,
+    keys: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """The full, unsharded state of ``component`` as plain CPU tensors, read in this process
+    (only its entries ``keys``, when given).
 
-    Verifies the files that hold it first and never unpickles. The model's state loads into
-    an unsharded copy of the model with ``strict=True``.
+    Verifies the files that hold it first and never unpickles. The model's state (and the
+    EMA's) loads into an unsharded copy of the model with ``strict=True``.
     """
     root = Path(directory)
     layout, _ = read_layout(root)
-    wanted = [v for v in layout.values if v.path[:1] == (component,)]
+    chosen = None if keys is None else {(component, key) for key in keys}
+    wanted = [
+        v
+        for v in layout.values
+        if v.path[:1] == (component,) and (chosen is None or v.path[:2] in chosen)
+    ]
     if not wanted:
         raise IncompatibleCheckpoint([f"{root}: the checkpoint holds no {component!r} state"])
     verify_sharded(root, layout, {c.file for v in wanted for c in v.chunks})

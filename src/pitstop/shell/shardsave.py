@@ -4,8 +4,9 @@
 # when the Checkpointer is built; then every save is a checkpoint directory written through
 # torch.distributed.checkpoint. DCP is imported only when the state is sharded (its import costs
 # a tenth of a second or more, and torch's optimizers import DTensor's module in every run).
-# Refused with sharded state, when the Checkpointer is built: an EMA, and async_save="overlap"
-# (async_save=True is DCP's own background write). A sharded save is a
+# Refused with sharded state, when the Checkpointer is built: async_save="overlap"
+# (async_save=True is DCP's own background write); an EMA is saved through DCP with the model
+# (pitstop.shell.dcpstate). A sharded save is a
 # collective: rank 0 plans it and creates the temp directory (its name goes with the plan),
 # every rank writes its shards there, and only then does rank 0 write the manifest last and
 # publish; every rank's own part (RNG, per-rank components) reaches rank 0 with the round that
@@ -81,10 +82,10 @@ def is_sharded(model: nn.Module, components: Mapping[str, object] | None = None)
     )
 
 
-def holds_sharded(live: LiveState, *, async_save: object, ema: nn.Module | None) -> bool:
+def holds_sharded(live: LiveState, *, async_save: object) -> bool:
     """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
-    save is a checkpoint directory written through DCP. Raises ConfigError for what sharded
-    state does not support (``async_save="overlap"``, an ``ema``)."""
+    save is a checkpoint directory written through DCP (with the EMA, if any). Raises
+    ConfigError for what sharded state does not support (``async_save="overlap"``)."""
     if not is_sharded(live.model, live.components):
         return False
     if async_save == "overlap":
@@ -92,8 +93,6 @@ def holds_sharded(live: LiveState, *, async_save: object, ema: nn.Module | None)
             "Checkpointer async_save='overlap': a sharded model (FSDP2, DTensor) saves in the "
             "background through DCP's own async_save; pass async_save=True"
         )
-    if ema is not None:
-        raise ConfigError("Checkpointer ema: not supported with a sharded model (FSDP2, DTensor)")
     return True
 
 
@@ -174,6 +173,7 @@ class ShardedSaves:
                 ranks=ranks,
                 created=True,
                 gather=self._part,
+                ema=self._live.ema,
             )
         except BaseException:  # raised on every rank: the temp directory is gone
             if ranks.leader:
@@ -195,7 +195,9 @@ class ShardedSaves:
         staged: StagedShards | Exception
         try:  # this rank alone: copy its shards and take its part (RNG, per-rank components)
             components = sharded_components(self._live)
-            staged = stage_sharded(self._live.model, components, self._stager, self._timeout_s)
+            staged = stage_sharded(
+                self._live.model, components, self._stager, self._timeout_s, ema=self._live.ema
+            )
             part: Packed | None = self._part()
         except Exception as exc:  # this rank's write failure, heard by every rank at a settle
             staged, part = exc, None

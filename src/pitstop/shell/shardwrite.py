@@ -25,7 +25,7 @@ import os
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -37,12 +37,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from pitstop.core.sharded import ShardedLayout, ShardFile
-from pitstop.errors import ConfigError, SaveError
+from pitstop.errors import SaveError
 from pitstop.shell.dcpio import DCP_METADATA, NO_DIST_WARNING, Writer, layout_of
+from pitstop.shell.dcpstate import MODEL, Optimizers, dcp_state
 from pitstop.shell.distributed import GATHER_BOX, PART_BOX, Ranks
 from pitstop.shell.sharddir import file_table
 
@@ -61,24 +61,6 @@ __all__ = [
     "write_sharded",
     "write_shards",
 ]
-
-MODEL = "model"
-"""The top-level key the model's state is saved under (optimizers go under their own names)."""
-
-Optimizers = Mapping[str, torch.optim.Optimizer]
-
-
-def dcp_state(model: nn.Module, optimizers: Optimizers) -> dict[str, Any]:
-    """What DCP saves or fills: the model's state under ``model``, each optimizer's under its
-    name (keyed by parameter names, as ``get_optimizer_state_dict`` makes them)."""
-    for name in optimizers:
-        if name == MODEL or not name or "." in name:
-            raise ConfigError(f"sharded component {name!r}: a name without '.', not {MODEL!r}")
-    state: dict[str, Any] = {MODEL: get_model_state_dict(model)}
-    for name, optimizer in optimizers.items():
-        state[name] = get_optimizer_state_dict(model, optimizer)
-    return state
-
 
 # --- writing ----------------------------------------------------------------------------------
 
@@ -143,15 +125,18 @@ def write_sharded(
     *,
     ranks: Ranks,
     group: Any = None,
+    ema: nn.Module | None = None,
 ) -> ShardedLayout:
-    """Every rank: save the model's and ``optimizers``' state into the new ``directory``.
+    """Every rank: save the model's, the ``ema``'s and ``optimizers``' state into the new
+    ``directory`` (under :func:`~pitstop.shell.dcpstate.dcp_state`'s keys).
 
     Each rank writes its shards through DCP (on ``group``; ``None``: the default group), each
     file checksummed as written and fsynced; every rank returns the same layout. Nothing is
     published yet (:func:`write_manifest`, :func:`publish_sharded`). Raises
     :class:`~pitstop.errors.SaveError` on every rank when any rank fails.
     """
-    return _agreed(write_shards(directory, model, optimizers, ranks=ranks, group=group), ranks)
+    written = write_shards(directory, model, optimizers, ranks=ranks, group=group, ema=ema)
+    return _agreed(written, ranks)
 
 
 def write_shards(
@@ -163,6 +148,7 @@ def write_shards(
     group: Any = None,
     created: bool = False,
     gather: Callable[[], Any] | None = None,
+    ema: nn.Module | None = None,
 ) -> WrittenShards:
     """Every rank: :func:`write_sharded`, without the round that hands rank 0's layout to
     every rank (rank 0 builds it from the result, :meth:`WrittenShards.layout`, with what it
@@ -174,7 +160,7 @@ def write_shards(
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
-                state = dcp_state(model, optimizers)
+                state = dcp_state(model, optimizers, ema)
                 metadata = save(state, storage_writer=writer, process_group=group)
         except CheckpointException as exc:  # a BaseException, raised on every rank
             raise SaveError(f"could not write the shards of {root}: {exc}") from exc
@@ -300,13 +286,15 @@ def stage_sharded(
     optimizers: Optimizers,
     stager: DefaultStager,
     timeout: float | None = None,
+    *,
+    ema: nn.Module | None = None,
 ) -> StagedShards:
-    """This rank alone: copy the model's and ``optimizers``' local shards into ``stager``'s
-    host buffers, and return once the copy is done (with CUDA it runs on the stager's stream;
-    ``timeout`` s at most), so the live tensors may change. Raises what the copy raises,
-    before any collective: agree on the outcome, then :func:`start_sharded` on every rank or
-    on none."""
-    staged = stager.stage(dcp_state(model, optimizers))
+    """This rank alone: copy the model's, the ``ema``'s and ``optimizers``' local shards into
+    ``stager``'s host buffers, and return once the copy is done (with CUDA it runs on the
+    stager's stream; ``timeout`` s at most), so the live tensors may change. Raises what the
+    copy raises, before any collective: agree on the outcome, then :func:`start_sharded` on
+    every rank or on none."""
+    staged = stager.stage(dcp_state(model, optimizers, ema))
     if isinstance(staged, Future):
         staged = staged.result(timeout)
     return StagedShards(staged)
@@ -397,6 +385,7 @@ def async_write_sharded(
     group: Any,
     stager: DefaultStager,
     created: bool = False,
+    ema: nn.Module | None = None,
 ) -> PendingShardedWrite:
     """Every rank: :func:`write_sharded` through ``dcp.async_save`` with ``stager``:
     :func:`stage_sharded`, then :func:`start_sharded`, with no agreement in between (a rank
@@ -404,5 +393,5 @@ def async_write_sharded(
     Checkpointer agrees first). Returns once the state is staged (the model may change).
     ``group`` and ``created``: as for :func:`start_sharded`.
     """
-    staged = stage_sharded(model, optimizers, stager)
+    staged = stage_sharded(model, optimizers, stager, ema=ema)
     return start_sharded(directory, staged, ranks=ranks, group=group, created=created)

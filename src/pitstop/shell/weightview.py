@@ -115,27 +115,16 @@ def weights_view(
 def read_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
     """The parameter set ``kind`` of the checkpoint file ``path`` (see :func:`weights_view`).
 
-    A sharded checkpoint directory: the model's full, unsharded state, gathered from its DCP
-    files in this process (verified first; nothing is unpickled). It holds no EMA.
+    A sharded checkpoint directory: the model's (or the EMA's) full, unsharded state,
+    gathered from its DCP files in this process (verified first; nothing is unpickled).
     """
     if is_sharded_path(path):
-        if kind == "ema":
-            raise IncompatibleCheckpoint(
-                [f"{path} holds no EMA weights (a sharded checkpoint); load weights='raw'"]
-            )
-        from pitstop.shell.sharded import full_state_dict
-
-        return _tensor_dict(full_state_dict(path), f"{path} weights.raw")
+        return _sharded_view(path, kind)
     manifest = fileformat.read_manifest(path)
     stored = _stored(manifest, kind)
     if stored is None:
         if kind == "ema":
-            raise IncompatibleCheckpoint(
-                [
-                    f"{path} holds no EMA weights (it was saved without an EMA); "
-                    f"load weights='raw' instead"
-                ]
-            )
+            raise _no_ema(path)
         raise IncompatibleCheckpoint(
             [f"{path} holds no model weights (no weights.raw): it is not a training checkpoint"]
         )
@@ -145,4 +134,27 @@ def read_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
         raw = _stored(manifest, "raw")
         if ema_buffers == "raw" and raw is not None:
             view.update(_raw_buffers(path, manifest, raw, buffers))
+    return view
+
+
+def _no_ema(path: Path) -> IncompatibleCheckpoint:
+    return IncompatibleCheckpoint(
+        [f"{path} holds no EMA weights (it was saved without an EMA); load weights='raw' instead"]
+    )
+
+
+def _sharded_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
+    """:func:`read_view` of a sharded checkpoint directory."""
+    from pitstop.shell.sharded import EMA, MODEL, full_state_dict, holds_ema, read_layout
+
+    if kind == "raw":
+        return _tensor_dict(full_state_dict(path), f"{path} weights.raw")
+    layout, meta = read_layout(path)
+    if not holds_ema(layout):
+        raise _no_ema(path)
+    view = _tensor_dict(full_state_dict(path, EMA), f"{path} weights.ema")
+    described = weights_meta(meta, str(path))
+    if described.ema_buffers == "raw" and described.buffers:
+        buffers = full_state_dict(path, MODEL, keys=described.buffers)
+        view.update(_tensor_dict(buffers, f"{path} weights.raw"))
     return view
