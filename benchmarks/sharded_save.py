@@ -16,11 +16,13 @@ a new directory under one root:
   parent fsync);
 * ``pitstop async``: ``async_write_sharded`` with that stager, then ``result()`` and the same
   publish;
-* ``Checkpointer.save sync`` / ``async``: the public path, ``pitstop.Checkpointer`` (one per
-  mode, ``async_save=False`` / ``True``, retention off while timed) ``.save(progress)`` —
-  the core's plan, the engine, every rank's RNG gathered with the write's (or the staging's)
-  last round — and
-  ``wait()``, which for ``async`` is the later call that finishes DCP's save and publishes.
+* ``Checkpointer.save sync`` / ``async`` / ``overlap``: the public path, ``pitstop.Checkpointer``
+  (one per mode, ``async_save=False`` / ``True`` / ``"overlap"``, retention off while timed)
+  ``.save(progress)`` — the core's plan, the engine, every rank's RNG gathered with the
+  write's (or the staging's) last round — and ``wait()``, which for ``async`` and ``overlap``
+  is the later call that finishes DCP's save and publishes. ``overlap``'s call copies only
+  what is not a parameter or optimizer state; no optimizer step follows here, so pitstop's
+  thread copies the rest (in a loop, the next step may).
 
 With ``--resume``, the candidates read back one checkpoint that the Checkpointer saved (sync)
 instead, from a cold page cache (rank 0 drops every file's pages with
@@ -79,6 +81,7 @@ CANDIDATES = (
     "pitstop async",
     "Checkpointer.save sync",
     "Checkpointer.save async",
+    "Checkpointer.save overlap",
 )
 RESUME_CANDIDATES = ("dcp load", "pitstop read_sharded", "Checkpointer.resume")
 RESULT = "@@result "  # rank 0's line with the figures, on its stdout
@@ -145,10 +148,10 @@ def worker(args: argparse.Namespace) -> int:
             model=model,
             state={"optimizer": optimizer},
             policy=policy,
-            async_save=mode == "async",
+            async_save={"sync": False, "async": True, "overlap": "overlap"}[mode],
             timeout_s=args.timeout,
         )
-        for mode in ("sync", "async")
+        for mode in ("sync", "async", "overlap")
     }
     steps = iter(range(1, 1 << 30))
 

@@ -9,13 +9,16 @@ EMA (``ema=``) is an AveragedModel (decay 0.9) of the unsharded model whose modu
 sharded the same way, updated after each step (``--no-ema``: none).
 
     python sharded_train.py --dir D --target T --out OUT [--every 2] [--keep-last 2]
-        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async] [--no-ema]
+        [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async | --overlap]
+        [--no-ema]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
         [--fail-stage-at N] [--tear-at-resume --fail-rank R] [--note-checks]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
 rank 0 SIGKILLs every rank (itself last) when the manifest write begins.
+``--overlap``: ``async_save="overlap"`` (as ``--async``, the parameters and optimizer state
+copied after the call: by pitstop's thread or the next optimizer step's pre-hook).
 ``--async``: ``async_save=True`` (DCP's async_save; published at a later call). Each save
 prints ``saved <step> <status>`` as it returns; after ``finish`` the records of every save
 print ``status <step> <status>``.
@@ -286,7 +289,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         state={"optimizer": optimizer, "schedule": schedule},
         policy=policy,
         timeout_s=args.pg_timeout,
-        async_save=args.async_save,
+        async_save="overlap" if args.overlap else args.async_save,
     )
     if args.strict_first:
         try:
@@ -360,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ema", action="store_true")
     parser.add_argument("--strict-first", action="store_true")
     parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--die-in-shards-at", type=int)
     parser.add_argument("--hold-shards-at", type=int)
     parser.add_argument("--drop-at", type=int)

@@ -20,7 +20,9 @@ bitwise (its shards were written only after the next step changed the model), ev
 pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
 undone; a staging or a part failing on rank 1 is raised on both ranks at a later call, and
 no rank's DCP write of it began; a Checkpointer dropped with a save in flight publishes
-nothing. Every job is a tests/multirank.py Job (bounded waits; every process ended when the
+nothing. With ``--overlap`` (the parameters and optimizer state copied after the call), a run
+killed after a save resumes bitwise, and its checkpoints hold what the synchronous run's hold.
+Every job is a tests/multirank.py Job (bounded waits; every process ended when the
 test ends).
 """
 
@@ -43,6 +45,7 @@ from pitstop.cli import main as cli
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, scan
+from pitstop.shell.sharded import MODEL, full_state_dict
 from pitstop.shell.storage import LocalStorage
 from trees import assert_same
 
@@ -482,15 +485,29 @@ def test_prune_deletes_old_directories_and_keeps_the_resume_point(
     assert (directory / "last" / MANIFEST_NAME).is_file()
 
 
-def test_a_sharded_model_refuses_overlap_before_anything_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_an_overlap_run_killed_after_a_save_resumes_bitwise_from_what_it_saved(
+    straight: Run, tmp_path: Path
 ) -> None:
-    from pitstop.shell import shardsave
-
-    monkeypatch.setattr(shardsave, "is_sharded", lambda model, components: True)
-    with pytest.raises(pitstop.ConfigError, match="sharded model"):
-        pitstop.Checkpointer(tmp_path / "checkpoints", model=plain_model(), async_save="overlap")
-    assert not (tmp_path / "checkpoints").exists()
+    """async_save="overlap": each save's parameters and optimizer state are copied after the
+    call (by pitstop's thread, or the next optimizer step's pre-hook). Killed right after the
+    step-4 call, the run had published step 2 only; resumed in overlap mode, it ends bitwise
+    as the straight run did, and its checkpoints of steps 4 and 6 — each followed by an
+    optimizer step while it was in flight — hold what the straight run's synchronous saves
+    of those steps hold."""
+    directory = tmp_path / "checkpoints"
+    killed = train(directory, tmp_path / "killed", "--overlap", "--die-at", "4", code=-9)
+    assert "saved 4 pending" in killed.finished.lines(0)
+    assert names(directory) == [sharded_name(2)]  # step 4 was in flight: never published
+    resumed = train(directory, tmp_path / "resumed", "--overlap")
+    for rank in range(2):
+        assert resumed.ranks[rank]["resumed"] == 2
+        assert_same(trained(resumed.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+    assert names(directory) == [sharded_name(4), sharded_name(6)]
+    for step in (4, 6):
+        for component in (MODEL, "optimizer", "ema"):
+            ours = full_state_dict(directory / sharded_name(step), component)
+            theirs = full_state_dict(straight.directory / sharded_name(step), component)
+            assert_same(ours, theirs, f"step {step} {component}")
 
 
 @pytest.mark.slow

@@ -88,7 +88,8 @@ class Checkpointer:
     checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
     its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
     run's world size (see docs/distributed.md); ``async_save=True`` writes through DCP's
-    async_save and publishes at a later call on every rank; ``"overlap"`` is refused then.
+    async_save and publishes at a later call on every rank, and ``"overlap"`` also leaves the
+    copy of the parameters and optimizer state to the next ``optimizer.step()``.
     Its ``ema`` (a sharded copy of the model, or an ``AveragedModel`` whose module is one)
     is saved through DCP with it.
     """
@@ -135,7 +136,7 @@ class Checkpointer:
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
-        sharded = holds_sharded(self._live, async_save=async_save)
+        sharded = holds_sharded(self._live)
         self._ranks = Ranks.current(timeout_s)
         if not isinstance(overwrite, bool):
             raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")
@@ -158,7 +159,7 @@ class Checkpointer:
         )
         self._remote: RemoteTicket | None = None
         self._shards = ShardedSaves.of(
-            self._saver, self._ranks, background=bool(async_save), timeout_s=timeout_s
+            self._saver, self._ranks, background=async_save, timeout_s=timeout_s
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for obj in self._live.optimizers():
@@ -285,7 +286,8 @@ class Checkpointer:
 
     def _hook(self, obj: object) -> None:
         if self.async_save == "overlap" and isinstance(obj, torch.optim.Optimizer):
-            self._hooks.append(obj.register_step_pre_hook(self._session.step_hook))
+            hook = self._session.step_hook if self._shards is None else self._shards.step_hook
+            self._hooks.append(obj.register_step_pre_hook(hook))
 
     def register(self, name: str, obj: Stateful, *, per_rank: bool = False) -> None:
         """Add a component; if the resumed checkpoint holds it, restore it now (deferred).

@@ -4,9 +4,7 @@
 # when the Checkpointer is built; then every save is a checkpoint directory written through
 # torch.distributed.checkpoint. DCP is imported only when the state is sharded (its import costs
 # a tenth of a second or more, and torch's optimizers import DTensor's module in every run).
-# Refused with sharded state, when the Checkpointer is built: async_save="overlap"
-# (async_save=True is DCP's own background write); an EMA is saved through DCP with the model
-# (pitstop.shell.dcpstate). A sharded save is a
+# An EMA is saved through DCP with the model (pitstop.shell.dcpstate). A sharded save is a
 # collective: rank 0 plans it and creates the temp directory (its name goes with the plan),
 # every rank writes its shards there, and only then does rank 0 write the manifest last and
 # publish; every rank's own part (RNG, per-rank components) reaches rank 0 with the round that
@@ -15,10 +13,12 @@
 # one after DCP's background write started is raised only once every rank's DCP write has ended
 # (its collectives never meet the next's). In the background (async_save=True): rank 0 copies
 # the replicated state, every rank stages its shards (with one kept stager) and takes its part,
-# starts the round that agrees every rank staged without waiting for it, and returns; a thread
-# then starts DCP's async_save (on a gloo group of its own) once that round says every rank
-# staged — else no rank starts it, and a rank's staging or part that failed is its write's
-# failure, heard by every rank as below. The schedule and pointers move at the call. DCP's
+# and returns; a thread then runs the round that agrees every rank staged (on DCP's gloo group)
+# and starts DCP's async_save once that round says every rank staged — else no rank starts
+# it, and a rank's staging or part that failed is its write's failure, heard by every rank as
+# below. With async_save="overlap" the parameters and optimizer state are staged after the
+# call (pitstop.shell.shardstage): by that thread, or by the next optimizer.step()'s pre-hook,
+# whichever comes first. The schedule and pointers move at the call. DCP's
 # completion is a collective, so it is finished on the loop's thread, by a later call on every
 # rank: each call asks every rank whether its part is done and, when all are, publishes; a call
 # that must see the save settled (a save that writes, wait, finish, resume, close) waits for it.
@@ -39,19 +39,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pitstop.core.records import Progress
 from pitstop.core.session import Phase, SaveStatus
-from pitstop.errors import ConfigError, SaveError
+from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
+
+if TYPE_CHECKING:
+    from pitstop.shell.shardstage import DeferredCopy
 
 __all__ = ["ShardedSaves", "holds_sharded", "is_sharded"]
 
@@ -82,18 +85,10 @@ def is_sharded(model: nn.Module, components: Mapping[str, object] | None = None)
     )
 
 
-def holds_sharded(live: LiveState, *, async_save: object) -> bool:
+def holds_sharded(live: LiveState) -> bool:
     """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
-    save is a checkpoint directory written through DCP (with the EMA, if any). Raises
-    ConfigError for what sharded state does not support (``async_save="overlap"``)."""
-    if not is_sharded(live.model, live.components):
-        return False
-    if async_save == "overlap":
-        raise ConfigError(
-            "Checkpointer async_save='overlap': a sharded model (FSDP2, DTensor) saves in the "
-            "background through DCP's own async_save; pass async_save=True"
-        )
-    return True
+    save is a checkpoint directory written through DCP (with the EMA, if any)."""
+    return is_sharded(live.model, live.components)
 
 
 class ShardedSaves:
@@ -101,15 +96,16 @@ class ShardedSaves:
 
     @classmethod
     def of(
-        cls, saver: Saver, ranks: Ranks, *, background: bool, timeout_s: float
+        cls, saver: Saver, ranks: Ranks, *, background: bool | str, timeout_s: float
     ) -> ShardedSaves | None:
         """Every rank, at construction: the sharded saves of ``saver``'s run (``None``: its
-        state is not sharded); ``background``: through DCP's async_save."""
+        state is not sharded); ``background`` (``async_save``): through DCP's async_save,
+        and with ``"overlap"`` the parameters and optimizer state copied after the call."""
         if not saver.sharded:
             return None
         saves = cls(saver, ranks, timeout_s=timeout_s)
         if background:
-            saves.background()
+            saves.background(overlap=background == "overlap")
         return saves
 
     def __init__(self, saver: Saver, ranks: Ranks, *, timeout_s: float) -> None:
@@ -119,13 +115,19 @@ class ShardedSaves:
         self._group: Any = None
         self._stager: Any = None
         self._pending: Any = None  # the PendingShardedWrite in flight
+        self._overlap = False
+        self._later: DeferredCopy | None = None  # its copy left for later (overlap mode)
         self.ticket: RemoteTicket | None = None
         """The record of the save in flight (every rank hears its outcome from a call)."""
 
-    def background(self) -> None:
-        """Every rank, at construction: saves go through DCP's async_save. DCP runs its
-        collectives on its own thread, so they get a gloo group of their own."""
-        from pitstop.shell.shardwrite import make_stager
+    def background(self, *, overlap: bool = False) -> None:
+        """Every rank, at construction: saves go through DCP's async_save (``overlap``: the
+        parameters and optimizer state are copied after the call, before the next
+        ``optimizer.step()``). DCP runs its collectives on its own thread, so they get a gloo
+        group of their own."""
+        from pitstop.shell.shardstage import make_stager
+
+        self._overlap = overlap
 
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
@@ -151,6 +153,15 @@ class ShardedSaves:
             if self._stager is None:
                 return self._write(temp, fresh.names)
             return self._start(temp, fresh.names)
+
+    def step_hook(self, *_: object) -> None:
+        """Optimizer step pre-hook (overlap mode): the parameters and optimizer state of the
+        save in flight are copied before the step changes them — here, unless pitstop's thread
+        began the copy (then the step waits for it). A failed copy is raised by a later call."""
+        later = self._later
+        if later is not None:
+            later.run()
+            self._later = None
 
     def done(self) -> bool | None:
         """This rank's part of the save in flight is written (``None``: none in flight)."""
@@ -188,7 +199,8 @@ class ShardedSaves:
         return ticket
 
     def _start(self, temp: str, fresh: tuple[str, ...]) -> int:
-        from pitstop.shell.shardwrite import StagedShards, stage_sharded, start_once_agreed
+        from pitstop.shell.shardstage import StagedShards, stage_sharded
+        from pitstop.shell.shardwrite import start_once_agreed
 
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
@@ -196,8 +208,14 @@ class ShardedSaves:
         try:  # this rank alone: copy its shards and take its part (RNG, per-rank components)
             components = sharded_components(self._live)
             staged = stage_sharded(
-                self._live.model, components, self._stager, self._timeout_s, ema=self._live.ema
+                self._live.model,
+                components,
+                self._stager,
+                self._timeout_s,
+                ema=self._live.ema,
+                defer=self._overlap,
             )
+            self._later = staged.later
             part: Packed | None = self._part()
         except Exception as exc:  # this rank's write failure, heard by every rank at a settle
             staged, part = exc, None

@@ -8,12 +8,14 @@
 # rank sends along) and rank 0 builds the layout (pitstop.core.sharded). A failure on any rank
 # is the same SaveError on every rank, and the temp directory is removed. DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its
-# own); pitstop's agreement runs on `ranks`, started from the calling thread only. In the
-# background, each rank stages first, on its own (stage_sharded); then either DCP starts at once
-# (start_sharded: the caller agreed already) or the round that agrees every rank staged is
-# started and not waited for, and a thread starts DCP once it is over (start_once_agreed): a
-# rank that could not stage leaves no DCP collective waiting on the others, and no rank waits
-# for that round in the call. Publishing is pitstop.shell.sharddir's.
+# own); pitstop's agreement runs on `ranks`, started from the calling thread only — except the
+# round that agrees every rank staged a background save, which runs on `group`, on pitstop's
+# thread that then starts DCP's write (no other thread uses `group` then). In the background,
+# each rank stages first, on its own (pitstop.shell.shardstage); then either DCP starts at once
+# (start_sharded: the caller agreed already) or the call returns and a thread makes the copies
+# left for later (overlap mode), agrees that every rank staged, and starts DCP
+# (start_once_agreed): a rank that could not stage leaves no DCP collective waiting on the
+# others, and no rank waits for that round in the call. Publishing is pitstop.shell.sharddir's.
 # How: DCP does the tensor I/O; this module the directory, the tables and the agreement.
 
 """Write a checkpoint directory's shards through DCP, synchronously or in the background."""
@@ -32,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from pitstop.core.sharded import ShardedLayout, ShardFile
@@ -45,6 +46,7 @@ from pitstop.shell.dcpio import DCP_METADATA, NO_DIST_WARNING, Writer, layout_of
 from pitstop.shell.dcpstate import MODEL, Optimizers, dcp_state
 from pitstop.shell.distributed import GATHER_BOX, PART_BOX, Ranks
 from pitstop.shell.sharddir import file_table
+from pitstop.shell.shardstage import Handed, StagedShards, make_stager, stage_sharded
 
 __all__ = [
     "MODEL",
@@ -176,20 +178,6 @@ def write_shards(
         )
 
 
-def make_stager() -> DefaultStager:
-    """A stager for :func:`async_write_sharded`, to keep and reuse (it caches its host buffers):
-    pinned memory and a background copy with CUDA, a blocking copy on the CPU (DCP's own
-    FileSystemWriter stager, ``cache_staged_state_dict=True``, cannot pin memory there)."""
-    cuda = torch.cuda.is_available()
-    options = StagingOptions(
-        use_pinned_memory=cuda,
-        use_shared_memory=False,
-        use_async_staging=cuda,
-        use_non_blocking_copy=cuda,
-    )
-    return DefaultStager(options)
-
-
 class PendingShardedWrite:
     """A save :func:`async_write_sharded` started. DCP writes on its upload thread (each file
     checksummed and fsynced as DCP closes it), and there this rank's table is made. :meth:`result`
@@ -251,55 +239,6 @@ class PendingShardedWrite:
         )
 
 
-@attrs.frozen
-class StagedShards:
-    """This rank's sharded state, copied to host buffers by :func:`stage_sharded` and not yet
-    handed to DCP: no collective has run for it, so a rank that failed to stage leaves
-    nothing for the others to wait on."""
-
-    state: dict[str, Any]
-
-
-class _Handed(AsyncStager):
-    """A stager that stages nothing: it hands DCP the state :func:`stage_sharded` staged."""
-
-    _synchronize_after_execute = False  # staged already: nothing to wait for
-
-    def __init__(self, staged: StagedShards) -> None:
-        self._staged = staged
-
-    def stage(self, state_dict: Any) -> Any:
-        """What was staged already (``state_dict`` is DCP's view of an empty one)."""
-        return self._staged.state
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: staged already."""
-        return
-
-    def close(self) -> None:
-        """Nothing to release: the stager that staged keeps its buffers."""
-        return
-
-
-def stage_sharded(
-    model: nn.Module,
-    optimizers: Optimizers,
-    stager: DefaultStager,
-    timeout: float | None = None,
-    *,
-    ema: nn.Module | None = None,
-) -> StagedShards:
-    """This rank alone: copy the model's, the ``ema``'s and ``optimizers``' local shards into
-    ``stager``'s host buffers, and return once the copy is done (with CUDA it runs on the
-    stager's stream; ``timeout`` s at most), so the live tensors may change. Raises what the
-    copy raises, before any collective: agree on the outcome, then :func:`start_sharded` on
-    every rank or on none."""
-    staged = stager.stage(dcp_state(model, optimizers, ema))
-    if isinstance(staged, Future):
-        staged = staged.result(timeout)
-    return StagedShards(staged)
-
-
 def start_sharded(
     directory: str | os.PathLike[str],
     staged: StagedShards,
@@ -314,7 +253,7 @@ def start_sharded(
     already."""
     root = Path(directory)
     writer = _fresh(root, ranks, created=created)
-    handed = _Handed(staged)
+    handed = Handed(staged.whole())
     response = async_save({}, storage_writer=writer, async_stager=handed, process_group=group)
     return PendingShardedWrite(root, writer, ranks, response)
 
@@ -332,38 +271,48 @@ def start_once_agreed(
     timeout: float,
     rider: Any = None,
 ) -> PendingShardedWrite:
-    """Every rank, right after its own staging: ``staged``, or the error that stopped it.
-    Starts the round that tells every rank whether every rank staged, and returns without
-    waiting for it; a thread waits, then starts DCP's ``async_save`` of ``staged`` into
-    ``directory`` (made by rank 0 already) on ``group`` — or, when any rank could not stage,
-    no rank does: a rank that could not stage ends with its error, the others with nothing
-    written. Both come out of :meth:`PendingShardedWrite.written` (the same error on every
-    rank), which also carries each rank's ``rider``."""
+    """Every rank, right after its own staging at the call: ``staged``, or the error that
+    stopped it. Returns at once; a thread of pitstop's makes the copy ``staged`` left for
+    later (unless the loop's next optimizer step began it), then runs the round, on
+    ``group``, that tells every rank whether every rank staged, then starts DCP's
+    ``async_save`` of ``staged`` into ``directory`` (made by rank 0 already) on ``group`` —
+    or, when any rank could not stage, no rank does: a rank that could not stage ends with
+    its error, the others with nothing written. Both come out of
+    :meth:`PendingShardedWrite.written` (the same error on every rank), which also carries
+    each rank's ``rider``. Only that thread and DCP's write use ``group``, one save at a time."""
     root = Path(directory)
     writer = Writer(root)
-    agreed = ranks.any_failed_later(isinstance(staged, Exception))
+    on_group = Ranks(ranks.rank, ranks.world_size, group)
     started: Future[Any] = Future()
 
-    def start() -> None:  # no collective of pitstop's here: it waits for the one started above
+    def start() -> None:
         try:
-            anyone_failed = agreed(timeout)
-            if isinstance(staged, Exception):
-                raise staged
+            own: BaseException | None = staged if isinstance(staged, Exception) else None
+            state: dict[str, Any] = {}
+            if isinstance(staged, StagedShards):
+                try:
+                    state = staged.whole()
+                except BaseException as exc:  # this rank's write failure, agreed below
+                    own = exc
+            anyone_failed = on_group.any_failed_later(own is not None)(timeout)
+            if own is not None:
+                raise own
             if anyone_failed:
                 started.set_result(_NOT_WRITTEN)
                 return
-            handed = _Handed(staged)
             response: Any = async_save(
-                {}, storage_writer=writer, async_stager=handed, process_group=group
+                {}, storage_writer=writer, async_stager=Handed(state), process_group=group
             )
             upload: Future[Any] = getattr(response, "upload_completion", response)
             upload.add_done_callback(partial(_forward, started))
         except BaseException as exc:
             started.set_exception(exc)
 
+    # Not a daemon: at interpreter exit a daemon thread inside torch's C++ (a collective, a
+    # copy) aborts the process as it takes the GIL back; this one ends within ``timeout``.
     try:
-        threading.Thread(target=start, name="pitstop-dcp-start", daemon=True).start()
-    except RuntimeError:  # no new threads now (at interpreter exit): wait for the round here
+        threading.Thread(target=start, name="pitstop-dcp-start").start()
+    except RuntimeError:  # no new threads now (at interpreter exit): do it all here
         start()
     return PendingShardedWrite(root, writer, ranks, started, rider=rider, box=PART_BOX)
 

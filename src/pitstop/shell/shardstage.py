@@ -1,0 +1,226 @@
+# Staging a rank's sharded state for DCP's background write: the copy to host buffers that
+# DCP's async_save then writes from, taken at the call — or, in overlap mode, partly later.
+#
+# Rules: one DCP stager per Checkpointer, kept (it caches its host buffers). The state dict is
+# pitstop.shell.dcpstate's; each of its tensors is a view of a live tensor (a DTensor's local
+# shard). A rank stages alone (no collective), so a rank that cannot stage leaves nothing for the
+# others to wait on; the Checkpointer agrees on the outcome before any rank's DCP write starts.
+# Overlap mode: the tensors whose storages only optimizer.step() changes — the model's
+# parameters and the optimizers' state, never a buffer or the EMA (an EMA update may run when a
+# GradScaler skips the step, and with it the pre-hook) — are copied later, by whichever thread
+# needs them first: pitstop's thread that starts DCP's write, or the loop's next
+# optimizer.step() (a pre-hook), so that the loop never waits for a thread not yet scheduled.
+# The rest is copied at the call. Both copies go through the same stager, one at a time.
+# How: the state dict split into two trees of the same nesting, staged one after the other and
+# merged; DeferredCopy runs the second once, on the first thread that asks.
+
+"""Staging sharded state for DCP's async_save: at the call, or deferred (overlap mode)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+
+from pitstop.shell.dcpstate import Optimizers, dcp_state
+
+__all__ = ["DeferredCopy", "StagedShards", "make_stager", "stage_sharded"]
+
+_Key = tuple[str, int | None, int]
+
+
+def make_stager() -> DefaultStager:
+    """A stager for a background sharded write, to keep and reuse (it caches its host
+    buffers): pinned memory and a background copy with CUDA, a blocking copy on the CPU (DCP's
+    own FileSystemWriter stager, ``cache_staged_state_dict=True``, cannot pin memory there)."""
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=False,
+        use_async_staging=cuda,
+        use_non_blocking_copy=cuda,
+    )
+    return DefaultStager(options)
+
+
+def _staged(stager: DefaultStager, tree: dict[str, Any], timeout: float | None) -> Any:
+    """``tree`` copied by ``stager``, the copy done (with CUDA it runs on the stager's stream;
+    ``timeout`` s at most)."""
+    staged = stager.stage(tree)
+    return staged.result(timeout) if isinstance(staged, Future) else staged
+
+
+class DeferredCopy:
+    """A copy that runs once, on the first thread that asks for it (:meth:`run`); any other
+    thread asking meanwhile waits for it to end. Its outcome is kept for :meth:`result`."""
+
+    def __init__(self, copy: Callable[[], Any]) -> None:
+        self._copy: Callable[[], Any] | None = copy
+        self._cond = threading.Condition()
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the copy has ended (copied, or failed)."""
+        with self._cond:
+            return self._done
+
+    def run(self) -> None:
+        """Make the copy on this thread unless another has begun it (then wait for it to end).
+        Raises nothing: its error is kept for :meth:`result`."""
+        with self._cond:
+            copy, self._copy = self._copy, None
+            if copy is None:
+                self._cond.wait_for(lambda: self._done)
+                return
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = copy()
+        except BaseException as exc:  # KeyboardInterrupt included: kept, and raised by result()
+            error = exc
+        with self._cond:
+            self._value, self._error, self._done = value, error, True
+            self._cond.notify_all()
+
+    def result(self) -> Any:
+        """The copy (made here if no thread has begun it); raises what the copy raised."""
+        self.run()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@attrs.frozen
+class StagedShards:
+    """This rank's sharded state, copied to host buffers by :func:`stage_sharded` and not yet
+    handed to DCP: no collective has run for it, so a rank that failed to stage leaves
+    nothing for the others to wait on. ``later``: the part copied later (overlap mode)."""
+
+    state: dict[str, Any]
+    later: DeferredCopy | None = None
+
+    def whole(self) -> dict[str, Any]:
+        """The whole staged state: the part copied later merged in (copied here if no thread
+        has begun it). Raises what that copy raised."""
+        if self.later is None:
+            return self.state
+        return _merged(self.state, self.later.result())
+
+
+class Handed(AsyncStager):
+    """A stager that stages nothing: it hands DCP the state :func:`stage_sharded` staged."""
+
+    _synchronize_after_execute = False  # staged already: nothing to wait for
+
+    def __init__(self, staged: dict[str, Any]) -> None:
+        self._staged = staged
+
+    def stage(self, state_dict: Any) -> Any:
+        """What was staged already (``state_dict`` is DCP's view of an empty one)."""
+        return self._staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: staged already."""
+        return
+
+    def close(self) -> None:
+        """Nothing to release: the stager that staged keeps its buffers."""
+        return
+
+
+def stage_sharded(
+    model: nn.Module,
+    optimizers: Optimizers,
+    stager: DefaultStager,
+    timeout: float | None = None,
+    *,
+    ema: nn.Module | None = None,
+    defer: bool = False,
+) -> StagedShards:
+    """This rank alone: copy the model's, the ``ema``'s and ``optimizers``' local shards into
+    ``stager``'s host buffers, and return once the copy is done, so the live tensors may
+    change (``timeout`` s at most for a CUDA copy). ``defer`` (overlap mode): the model's
+    parameters and the optimizers' state are left for :attr:`StagedShards.later`, to be
+    copied before the next ``optimizer.step()`` changes them. Raises what the copy at the
+    call raises, before any collective: agree on the outcome, then start DCP's write on every
+    rank or on none."""
+    tree = dcp_state(model, optimizers, ema)
+    if not defer:
+        return StagedShards(_staged(stager, tree, timeout))
+    keys = _only_stepped(model, optimizers, ema)
+    now, later = _split(tree, lambda t: _key(t) in keys)
+    staged = _staged(stager, now, timeout)
+    return StagedShards(staged, DeferredCopy(lambda: _staged(stager, later, timeout)))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor: its local shard
+    return tensor if to_local is None else to_local()
+
+
+def _key(tensor: torch.Tensor) -> _Key | None:
+    local = _local(tensor)
+    if not local.numel():
+        return None
+    return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
+
+
+def _keys(tensors: Iterable[torch.Tensor]) -> set[_Key]:
+    return {key for key in map(_key, tensors) if key is not None}
+
+
+def _only_stepped(model: nn.Module, optimizers: Optimizers, ema: nn.Module | None) -> set[_Key]:
+    """The storages that only ``optimizer.step()`` changes: the model's parameters and the
+    optimizers' state, less any a buffer or the EMA shares."""
+    state = [
+        value
+        for optimizer in optimizers.values()
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    kept = [*model.buffers()]
+    if ema is not None:
+        kept += [*ema.parameters(), *ema.buffers()]
+    return _keys([*model.parameters(), *state]) - _keys(kept)
+
+
+def _split(
+    tree: Mapping[str, Any], later: Callable[[torch.Tensor], bool]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``tree``'s nested dicts split in two of the same nesting: the tensors ``later`` picks,
+    and everything else (a list goes whole with the rest)."""
+    now: dict[str, Any] = {}
+    deferred: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, Mapping):
+            inner_now, inner_later = _split(value, later)
+            if inner_now or not inner_later:
+                now[name] = inner_now
+            if inner_later:
+                deferred[name] = inner_later
+        elif isinstance(value, torch.Tensor) and later(value):
+            deferred[name] = value
+        else:
+            now[name] = value
+    return now, deferred
+
+
+def _merged(now: Mapping[str, Any], later: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_split`: ``later``'s entries put back into ``now``'s dicts."""
+    out = dict(now)
+    for name, value in later.items():
+        if name in out and isinstance(value, Mapping):
+            out[name] = _merged(out[name], value)
+        else:
+            out[name] = value
+    return out
