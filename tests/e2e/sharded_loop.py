@@ -25,10 +25,12 @@ timeout (the process groups' ``--pg-timeout``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -197,5 +199,21 @@ def write_result(out: str, rank: int, world: int, result: dict[str, Any]) -> Non
         fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
 
 
+def exit_before_teardown(code: int) -> None:
+    """End this rank's process with ``code`` as a normal exit would — every thread that is
+    not a daemon joined (DCP's and pitstop's), then the atexit handlers (a Checkpointer's
+    finalizer among them) — but without the interpreter's teardown. There, a thread returning
+    into Python from torch's C++ (a gloo worker freeing a tensor that Python made, or any
+    daemon thread inside torch) aborts the process, "terminate called without an active
+    exception" (pytorch/pytorch#179291, #190489): seen about once in a few hundred runs of the
+    failure paths here, after every line the test checks was printed. A thread that never ends
+    still hangs the rank, and the test's timeout fails it."""
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit does
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_before_teardown(main())

@@ -65,14 +65,13 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from sharded_loop import snapshot, write_result  # this directory: the engine tests' child
+from sharded_loop import exit_before_teardown, snapshot, write_result  # the engine's child
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.fsdp import fully_shard
@@ -401,4 +400,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_before_teardown(main())
