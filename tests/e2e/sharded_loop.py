@@ -203,11 +203,11 @@ def exit_before_teardown(code: int) -> None:
     """End this rank's process with ``code`` as a normal exit would — every thread that is
     not a daemon joined (DCP's and pitstop's), then the atexit handlers (a Checkpointer's
     finalizer among them) — but without the interpreter's teardown. There, a thread returning
-    into Python from torch's C++ (a gloo worker freeing a tensor that Python made, or any
-    daemon thread inside torch) aborts the process, "terminate called without an active
-    exception" (pytorch/pytorch#179291, #190489): seen about once in a few hundred runs of the
-    failure paths here, after every line the test checks was printed. A thread that never ends
-    still hangs the rank, and the test's timeout fails it."""
+    into Python from torch's C++ (a gloo worker freeing a tensor Python made,
+    pytorch/pytorch#179291, or a daemon thread inside torch) aborts the process, "terminate
+    called without an active exception": seen about once in a few hundred runs of the failure
+    paths here, after every line the test checks was printed, and never reproduced on demand.
+    A thread that never ends still hangs the rank, and the test's timeout fails it."""
     threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit does
     atexit._run_exitfuncs()
     sys.stdout.flush()

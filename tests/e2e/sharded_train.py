@@ -12,7 +12,8 @@ sharded the same way, updated after each step (``--no-ema``: none).
         [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async | --overlap]
         [--no-ema]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
-        [--fail-stage-at N] [--tear-at-resume --fail-rank R] [--note-checks]
+        [--fail-stage-at N] [--fail-start-at N] [--tear-at-resume --fail-rank R]
+        [--note-checks]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
 ``--die-in-write-at N``: the step-N save is killed between the shards and the manifest:
@@ -37,6 +38,9 @@ itself, the others a SaveError naming it; in the background, every rank a SaveEr
 it, at a later call); with each save error, each rank then prints ``write began <bool> ended
 <bool>``: whether DCP had set up its write of the step-N shards, and whether that write had
 ended, before the error came.
+``--fail-start-at N --fail-rank R`` (with ``--async``): rank R's call of DCP's ``async_save``
+for the step-N save raises OSError (every other rank's DCP write has begun); the same lines as
+``--fail-part-at``.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
 ``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
@@ -80,7 +84,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import dcpio, resuming, sharddir, shardsave
+from pitstop.shell import dcpio, resuming, sharddir, shardsave, shardwrite
 
 EXIT_PITSTOP_ERROR = 3
 
@@ -173,6 +177,19 @@ def fail_stage(step: int, at: list[int], rank: int) -> None:
         return real(self, state_dict, **kwargs)
 
     DefaultStager.stage = stage  # type: ignore[method-assign]
+
+
+def fail_start(step: int, rank: int) -> None:
+    """This rank's call of DCP's ``async_save`` for the ``step`` save raises, before DCP's
+    write begins here."""
+    real = shardwrite.async_save
+
+    def async_save(*args: Any, **kwargs: Any) -> Any:
+        if Path(kwargs["storage_writer"].path).name.endswith(sharded_name(step)):
+            raise OSError(f"start injected on rank {rank}")
+        return real(*args, **kwargs)
+
+    shardwrite.async_save = async_save  # type: ignore[assignment]
 
 
 def note_write(step: int, began: list[bool], ended: list[bool]) -> None:
@@ -272,14 +289,19 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     if args.fail_shards_at is not None and rank == args.fail_rank:
         in_shards(args.fail_shards_at, lambda: inject(f"injected on rank {rank}"))
     at = [0]  # the step of the call being made
-    began, ended = [False], [False]  # --fail-part-at, --fail-stage-at: DCP's write of it
-    failing = args.fail_part_at if args.fail_part_at is not None else args.fail_stage_at
+    began, ended = [False], [False]  # --fail-part-at, -stage-at, -start-at: DCP's write of it
+    failing = next(
+        (n for n in (args.fail_part_at, args.fail_stage_at, args.fail_start_at) if n is not None),
+        None,
+    )
     if failing is not None:
         note_write(failing, began, ended)
     if args.fail_part_at is not None and rank == args.fail_rank:
         fail_part(args.fail_part_at, at, rank)
     if args.fail_stage_at is not None and rank == args.fail_rank:
         fail_stage(args.fail_stage_at, at, rank)
+    if args.fail_start_at is not None and rank == args.fail_rank:
+        fail_start(args.fail_start_at, rank)
     policy = pitstop.Policy(every_steps=args.every, keep_last=args.keep_last)
     ckpt = pitstop.Checkpointer(
         args.dir,
@@ -369,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-shards-at", type=int)
     parser.add_argument("--fail-part-at", type=int)
     parser.add_argument("--fail-stage-at", type=int)
+    parser.add_argument("--fail-start-at", type=int)
     parser.add_argument("--tear-at-resume", action="store_true")
     parser.add_argument("--note-checks", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)

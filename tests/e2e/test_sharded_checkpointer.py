@@ -19,7 +19,8 @@ checkpoint directory. In the background
 bitwise (its shards were written only after the next step changed the model), every record
 pending until a later call publishes it; a write failing on rank 1 raises on both ranks and is
 undone; a staging or a part failing on rank 1 is raised on both ranks at a later call, and
-no rank's DCP write of it began; a Checkpointer dropped with a save in flight publishes
+no rank's DCP write of it began; rank 1's DCP write failing to start ends rank 0's at once;
+a Checkpointer dropped with a save in flight publishes
 nothing. With ``--overlap`` (the parameters and optimizer state copied after the call), a run
 killed after a save resumes bitwise, and its checkpoints hold what the synchronous run's hold.
 Every job is a tests/multirank.py Job (bounded waits; every process ended when the
@@ -390,6 +391,33 @@ def test_a_staging_that_fails_on_one_rank_starts_no_rank_s_background_write(
     options = ["--async", "--fail-stage-at", "4", "--pg-timeout", "600"]
     run = train(directory, tmp_path / "failed", *options)
     assert_step_4_failed(run, "staging", wrote=False, later=True)
+
+
+def test_dcp_s_write_that_cannot_start_on_one_rank_ends_every_rank_s_write_at_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's call of DCP's ``async_save`` for step 4 raises, after every rank agreed that
+    every rank staged, while rank 0's DCP write has begun: rank 1 joins that write with a
+    planner that fails before DCP's first collective, so both ranks' writes end at once with
+    rank 1's error — raised on both at a later call as a failed background save — instead of
+    rank 0 waiting for the collectives' timeout (longer than the job's here: a wait for it
+    fails the test). Nothing of step 4 is left, and the next saves go on."""
+    directory = tmp_path / "checkpoints"
+    options = ["--async", "--fail-start-at", "4", "--pg-timeout", "600"]
+    run = train(directory, tmp_path / "failed", *options)
+    for rank in range(2):
+        lines = run.finished.lines(rank)
+        errors = [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
+        assert len(errors) == 1, run.finished.describe()
+        assert "background save of step 4" in errors[0]
+        assert "rank 1 could not start DCP's write: OSError: start injected on rank 1" in errors[0]
+        assert {"saved 4 pending", "status 4 failed"} <= set(lines)
+        assert {"status 2 published", "status 6 published"} <= set(lines)
+    # rank 0's DCP write was set up and never wrote; rank 1's never began
+    assert "write began True ended False" in run.finished.lines(0), run.finished.describe()
+    assert "write began False ended False" in run.finished.lines(1), run.finished.describe()
+    assert names(directory) == [sharded_name(2), sharded_name(6)]
+    assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_a_checkpointer_dropped_with_a_background_save_in_flight_publishes_nothing(

@@ -30,7 +30,7 @@ import pitstop
 from onerank import NEEDS_GLOO
 from pitstop.core.sharded import sharded_name
 from pitstop.shell.sharded import MODEL, full_state_dict
-from pitstop.shell.shardstage import StagedShards
+from pitstop.shell.shardstage import DeferredCopy, StagedShards
 from trees import assert_same
 
 pytestmark = NEEDS_GLOO
@@ -211,3 +211,39 @@ def test_a_deferred_copy_that_fails_is_raised_later_and_leaves_nothing(
     assert calls[1] == [MODEL, "optimizer"]  # the part left for later: weights and moments
     assert "ema" in calls[0]
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_deferred_copy_runs_once_and_keeps_its_outcome() -> None:
+    calls: list[int] = []
+
+    def copy() -> str:
+        calls.append(1)
+        return "copied"
+
+    later = DeferredCopy(copy)
+    assert not later.done
+    later.run()
+    later.run()  # the step's hook, then the thread: one copy
+    assert later.done
+    assert later.result() == "copied"
+    assert calls == [1]
+
+
+def test_a_deferred_copy_keeps_its_error_and_raises_a_keyboard_interrupt_where_it_ran() -> None:
+    def broken() -> None:
+        raise OSError("disk")
+
+    later = DeferredCopy(broken)
+    later.run()  # the hook's copy failed: the step goes on
+    with pytest.raises(OSError, match="disk"):
+        later.result()  # the thread hears it, as the save's failure
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    later = DeferredCopy(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        later.run()  # a Ctrl-C during the hook's copy reaches the loop
+    assert later.done
+    with pytest.raises(KeyboardInterrupt):
+        later.result()  # and the save fails with it

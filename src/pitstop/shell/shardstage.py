@@ -75,7 +75,8 @@ class DeferredCopy:
 
     def run(self) -> None:
         """Make the copy on this thread unless another has begun it (then wait for it to end).
-        Raises nothing: its error is kept for :meth:`result`."""
+        Its error is kept for :meth:`result` and not raised here — except a KeyboardInterrupt
+        (any BaseException that is not an Exception), kept and raised here too."""
         with self._cond:
             copy, self._copy = self._copy, None
             if copy is None:
@@ -85,11 +86,15 @@ class DeferredCopy:
         error: BaseException | None = None
         try:
             value = copy()
-        except BaseException as exc:  # KeyboardInterrupt included: kept, and raised by result()
+        except Exception as exc:
             error = exc
-        with self._cond:
-            self._value, self._error, self._done = value, error, True
-            self._cond.notify_all()
+        except BaseException as exc:  # a Ctrl-C: the save failed, and the loop hears it
+            error = exc
+            raise
+        finally:
+            with self._cond:
+                self._value, self._error, self._done = value, error, True
+                self._cond.notify_all()
 
     def result(self) -> Any:
         """The copy (made here if no thread has begun it); raises what the copy raised."""

@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
@@ -300,9 +301,13 @@ def start_once_agreed(
             if anyone_failed:
                 started.set_result(_NOT_WRITTEN)
                 return
-            response: Any = async_save(
-                {}, storage_writer=writer, async_stager=Handed(state), process_group=group
-            )
+            try:
+                response: Any = async_save(
+                    {}, storage_writer=writer, async_stager=Handed(state), process_group=group
+                )
+            except Exception as exc:  # DCP's write never began here; the others' did
+                _refuse_in_dcp(writer, group, ranks.rank, exc)  # raises on every rank
+                raise
             upload: Future[Any] = getattr(response, "upload_completion", response)
             upload.add_done_callback(partial(_forward, started))
         except BaseException as exc:
@@ -315,6 +320,27 @@ def start_once_agreed(
     except RuntimeError:  # no new threads now (at interpreter exit): do it all here
         start()
     return PendingShardedWrite(root, writer, ranks, started, rider=rider, box=PART_BOX)
+
+
+class _Refusing(DefaultSavePlanner):
+    """A save planner that fails before DCP's first collective, with ``error``."""
+
+    def __init__(self, error: SaveError) -> None:
+        super().__init__()
+        self._error = error
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        """Raise the error (DCP gathers it to every rank with its plan)."""
+        raise self._error
+
+
+def _refuse_in_dcp(writer: Writer, group: Any, rank: int, error: Exception) -> None:
+    """This rank could not start DCP's background write, which every other rank started: it
+    joins their write with a planner that fails at once, so DCP's first collective (the
+    plans) ends every rank's write with this rank's error instead of leaving them to wait
+    for the collectives' timeout. Raises DCP's CheckpointException."""
+    why = SaveError(f"rank {rank} could not start DCP's write: {type(error).__name__}: {error}")
+    save({}, storage_writer=writer, planner=_Refusing(why), process_group=group)
 
 
 def _forward(to: Future[Any], done: Future[Any]) -> None:
