@@ -247,3 +247,40 @@ def test_a_deferred_copy_keeps_its_error_and_raises_a_keyboard_interrupt_where_i
     assert later.done
     with pytest.raises(KeyboardInterrupt):
         later.result()  # and the save fails with it
+
+
+def test_a_ctrl_c_in_the_step_s_copy_reaches_the_loop_and_fails_only_that_save(
+    group: Any, tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt during the copy the step's pre-hook makes is raised by that step;
+    the save fails (a SaveError at the next call, not the interrupt again), and the next save
+    is published."""
+    model, optimizer, ema = build(0)
+    step(model, optimizer, ema)
+    real = DefaultStager.stage
+    calls = []
+
+    def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        calls.append(sorted(state_dict))
+        if len(calls) == 2:  # the step's copy of the first save
+            raise KeyboardInterrupt
+        return real(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "stage", stage)
+    root = tmp_path / "checkpoints"
+    state = {"optimizer": optimizer}
+    with pitstop.Checkpointer(
+        root, model=model, ema=ema, state=state, async_save="overlap"
+    ) as ckpt:
+        saved = ckpt.save(pitstop.Progress(step=1))
+        with pytest.raises(KeyboardInterrupt):
+            step(model, optimizer, ema)
+        gate.open()
+        with pytest.raises(pitstop.SaveError, match="interrupted") as raised:
+            ckpt.wait()
+        assert "step 1" in str(raised.value)
+        assert saved is not None
+        assert saved.status is pitstop.SaveStatus.FAILED
+        ckpt.save(pitstop.Progress(step=2))
+        ckpt.wait()
+        assert [c.path.name for c in ckpt.checkpoints()] == [sharded_name(2)]

@@ -288,13 +288,15 @@ def start_once_agreed(
 
     def start() -> None:
         try:
-            own: BaseException | None = staged if isinstance(staged, Exception) else None
+            own: Exception | None = staged if isinstance(staged, Exception) else None
             state: dict[str, Any] = {}
             if isinstance(staged, StagedShards):
                 try:
                     state = staged.whole()
-                except BaseException as exc:  # this rank's write failure, agreed below
+                except Exception as exc:  # this rank's write failure, agreed below
                     own = exc
+                except BaseException as exc:  # a Ctrl-C in the step's copy (the loop heard it)
+                    own = SaveError(f"the copy of this rank's shards was interrupted: {exc!r}")
             anyone_failed = on_group.any_failed_later(own is not None)(timeout)
             if own is not None:
                 raise own
