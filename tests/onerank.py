@@ -49,3 +49,16 @@ def sharded_model(*, step: bool = True) -> tuple[nn.Module, torch.optim.Optimize
         model(torch.ones(2, 64)).sum().backward()
         optimizer.step()
     return model, optimizer
+
+
+class Scaled(nn.Module):
+    """A Linear and a buffer that each forward pass scales (a buffer training changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.mul_(1.01)
+        return self.linear(x) * self.scale

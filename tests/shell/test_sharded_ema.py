@@ -25,26 +25,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
-from onerank import NEEDS_GLOO
+from onerank import NEEDS_GLOO, Scaled
 from pitstop.core.schema import EMA, WEIGHTS
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
 from pitstop.shell import fileformat
 from pitstop.shell.sharddir import read_layout
 
 pytestmark = NEEDS_GLOO
-
-
-class Scaled(nn.Module):
-    """A Linear and a buffer it scales by (a buffer that training changes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(16, 16)
-        self.register_buffer("scale", torch.ones(16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.scale.mul_(1.01)
-        return self.linear(x) * self.scale
 
 
 def build(seed: int, kind: str) -> tuple[nn.Module, Any, nn.Module]:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
-from onerank import NEEDS_GLOO
+from onerank import NEEDS_GLOO, Scaled
 from pitstop.core.sharded import sharded_name
 from pitstop.shell.sharded import MODEL, full_state_dict
 from pitstop.shell.shardstage import DeferredCopy, StagedShards
@@ -36,19 +36,6 @@ from trees import assert_same
 pytestmark = NEEDS_GLOO
 
 GATE_TIMEOUT = 30.0
-
-
-class Scaled(nn.Module):
-    """A Linear and a buffer that each forward pass scales (a buffer training changes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(16, 16)
-        self.register_buffer("scale", torch.ones(16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.scale.mul_(1.01)
-        return self.linear(x) * self.scale
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, AveragedModel]:
@@ -118,6 +105,30 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
         held.open()
 
 
+def overlapping(
+    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module
+) -> pitstop.Checkpointer:
+    """A Checkpointer of them in ``root``, with ``async_save="overlap"``."""
+    state = {"optimizer": optimizer}
+    return pitstop.Checkpointer(root, model=model, ema=ema, state=state, async_save="overlap")
+
+
+def fail_second_copy(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list[list[str]]:
+    """The stager's second copy (the first save's deferred one: its parameters and moments)
+    raises ``error``; returned: the top-level keys of every copy asked for, in order."""
+    real = DefaultStager.stage
+    calls: list[list[str]] = []
+
+    def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        calls.append(sorted(state_dict))
+        if len(calls) == 2:
+            raise error
+        return real(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "stage", stage)
+    return calls
+
+
 def stored_model(root: Path, saved_step: int) -> dict[str, torch.Tensor]:
     return full_state_dict(root / sharded_name(saved_step), MODEL)
 
@@ -132,10 +143,7 @@ def test_the_next_step_copies_the_weights_before_changing_them(
     step(model, optimizer, ema)
     at_call, ema_at_call, moments_at_call = full(model), full(ema.module), moments(optimizer)
     root = tmp_path / "checkpoints"
-    state = {"optimizer": optimizer}
-    with pitstop.Checkpointer(
-        root, model=model, ema=ema, state=state, async_save="overlap"
-    ) as ckpt:
+    with overlapping(root, model, optimizer, ema) as ckpt:
         saved = ckpt.save(pitstop.Progress(step=1))
         assert saved is not None
         assert not saved.published
@@ -162,10 +170,7 @@ def test_the_thread_makes_the_copy_when_no_step_comes(group: Any, tmp_path: Path
     """No step after the call: pitstop's thread copies, and every save is published."""
     model, optimizer, ema = build(0)
     root = tmp_path / "checkpoints"
-    state = {"optimizer": optimizer}
-    with pitstop.Checkpointer(
-        root, model=model, ema=ema, state=state, async_save="overlap"
-    ) as ckpt:
+    with overlapping(root, model, optimizer, ema) as ckpt:
         step(model, optimizer, ema)
         at_call = full(model)
         ckpt.save(pitstop.Progress(step=1))
@@ -184,21 +189,9 @@ def test_a_deferred_copy_that_fails_is_raised_later_and_leaves_nothing(
     failed background save naming the step, and no checkpoint or temp directory is left."""
     model, optimizer, ema = build(0)
     step(model, optimizer, ema)
-    real = DefaultStager.stage
-    calls = []
-
-    def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
-        calls.append(sorted(state_dict))
-        if len(calls) == 2:  # the second copy of the save: its parameters and moments
-            raise OSError("copy injected")
-        return real(self, state_dict, **kwargs)
-
-    monkeypatch.setattr(DefaultStager, "stage", stage)
+    calls = fail_second_copy(monkeypatch, OSError("copy injected"))
     root = tmp_path / "checkpoints"
-    state = {"optimizer": optimizer}
-    with pitstop.Checkpointer(
-        root, model=model, ema=ema, state=state, async_save="overlap"
-    ) as ckpt:
+    with overlapping(root, model, optimizer, ema) as ckpt:
         saved = ckpt.save(pitstop.Progress(step=1))
         assert saved is not None
         step(model, optimizer, ema)  # the hook's copy fails; the step is not stopped
@@ -257,21 +250,9 @@ def test_a_ctrl_c_in_the_step_s_copy_reaches_the_loop_and_fails_only_that_save(
     is published."""
     model, optimizer, ema = build(0)
     step(model, optimizer, ema)
-    real = DefaultStager.stage
-    calls = []
-
-    def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
-        calls.append(sorted(state_dict))
-        if len(calls) == 2:  # the step's copy of the first save
-            raise KeyboardInterrupt
-        return real(self, state_dict, **kwargs)
-
-    monkeypatch.setattr(DefaultStager, "stage", stage)
+    fail_second_copy(monkeypatch, KeyboardInterrupt())
     root = tmp_path / "checkpoints"
-    state = {"optimizer": optimizer}
-    with pitstop.Checkpointer(
-        root, model=model, ema=ema, state=state, async_save="overlap"
-    ) as ckpt:
+    with overlapping(root, model, optimizer, ema) as ckpt:
         saved = ckpt.save(pitstop.Progress(step=1))
         with pytest.raises(KeyboardInterrupt):
             step(model, optimizer, ema)

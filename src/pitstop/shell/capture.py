@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -47,6 +47,7 @@ __all__ = [
     "rank_state",
     "ranked_state",
     "sharded_components",
+    "stepped_tensors",
     "stored_groups",
     "stored_world_size",
     "with_parts",
@@ -187,20 +188,29 @@ def with_parts(
     return out, {**meta, "world_size": len(parts)}
 
 
-def deferrable(live: LiveState) -> frozenset[tuple[str, int | None, int]]:
-    """Storages that only ``optimizer.step()`` changes: the model's parameters, optimizer state."""
-    params = list(live.model.parameters())
+def stepped_tensors(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], ema: nn.Module | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors ``optimizer.step()`` changes (the model's parameters, the optimizers'
+    state), and those that change otherwise too (the model's buffers, the EMA's tensors): a
+    storage of the first that is not one of the second changes only in a step."""
     state = [
         value
-        for obj in live.optimizers()
+        for obj in optimizers
         for per_param in obj.state.values()
         for value in per_param.values()
         if isinstance(value, torch.Tensor)
     ]
-    kept: list[torch.Tensor] = [*live.model.buffers()]
-    if live.ema is not None:
-        kept += [*live.ema.parameters(), *live.ema.buffers()]
-    return storage_keys([*params, *state]) - storage_keys(kept)
+    kept: list[torch.Tensor] = [*model.buffers()]
+    if ema is not None:
+        kept += [*ema.parameters(), *ema.buffers()]
+    return [*model.parameters(), *state], kept
+
+
+def deferrable(live: LiveState) -> frozenset[tuple[str, int | None, int]]:
+    """Storages that only ``optimizer.step()`` changes: the model's parameters, optimizer state."""
+    stepped, kept = stepped_tensors(live.model, live.optimizers(), live.ema)
+    return storage_keys(stepped) - storage_keys(kept)
 
 
 def _version() -> str:

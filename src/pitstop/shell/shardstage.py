@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
+from pitstop.shell.capture import stepped_tensors
 from pitstop.shell.dcpstate import Optimizers, dcp_state
 
 __all__ = ["DeferredCopy", "StagedShards", "make_stager", "stage_sharded"]
@@ -185,18 +186,9 @@ def _keys(tensors: Iterable[torch.Tensor]) -> set[_Key]:
 
 def _only_stepped(model: nn.Module, optimizers: Optimizers, ema: nn.Module | None) -> set[_Key]:
     """The storages that only ``optimizer.step()`` changes: the model's parameters and the
-    optimizers' state, less any a buffer or the EMA shares."""
-    state = [
-        value
-        for optimizer in optimizers.values()
-        for per_param in optimizer.state.values()
-        for value in per_param.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    kept = [*model.buffers()]
-    if ema is not None:
-        kept += [*ema.parameters(), *ema.buffers()]
-    return _keys([*model.parameters(), *state]) - _keys(kept)
+    optimizers' state, less any a buffer or the EMA shares (of the local shards)."""
+    stepped, kept = stepped_tensors(model, optimizers.values(), ema)
+    return _keys(stepped) - _keys(kept)
 
 
 def _split(
