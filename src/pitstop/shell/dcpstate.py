@@ -30,7 +30,7 @@ from torch.optim.swa_utils import AveragedModel
 from pitstop.errors import ConfigError
 from pitstop.shell.unwrap import unwrap_model
 
-__all__ = ["EMA", "EMA_COUNT", "MODEL", "Optimizers", "apply_state", "dcp_state"]
+__all__ = ["EMA", "EMA_COUNT", "MODEL", "Optimizers", "apply_state", "dcp_state", "local_shard"]
 
 MODEL: Final = "model"
 """The top-level key the model's state is saved under (optimizers go under their own names)."""
@@ -42,6 +42,13 @@ EMA_COUNT: Final = "ema_count"
 """The top-level key of an ``AveragedModel``'s ``n_averaged``."""
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
+
+
+def local_shard(value: torch.Tensor) -> torch.Tensor:
+    """The tensor DCP reads into or writes from for ``value``: a DTensor's local shard (its
+    storage), or ``value`` itself."""
+    to_local = getattr(value, "to_local", None)
+    return value if to_local is None else to_local()
 
 
 def dcp_state(

@@ -49,7 +49,7 @@ from pitstop.shell.dcpio import (
     load_checked,
     metadata_of,
 )
-from pitstop.shell.dcpstate import EMA, MODEL, Optimizers, apply_state, dcp_state
+from pitstop.shell.dcpstate import EMA, MODEL, Optimizers, apply_state, dcp_state, local_shard
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.freshopt import FreshOptimizers
 from pitstop.shell.sharddir import (
@@ -183,7 +183,7 @@ class _Kept:
 
         def keep(_path: object, value: object) -> None:
             if isinstance(value, torch.Tensor):
-                local = _local(value)
+                local = local_shard(value)
                 self._tensors.append((local, local.detach().to("cpu", copy=True)))
 
         traverse_state_dict(state, keep)
@@ -195,12 +195,6 @@ class _Kept:
                 live.copy_(kept)
         for optimizer, own, groups in self._optimizers:
             optimizer.state, optimizer.param_groups = own, groups
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """The tensor DCP writes into for ``value``: a DTensor's local shard (its storage)."""
-    to_local = getattr(value, "to_local", None)
-    return value if to_local is None else to_local()
 
 
 def _layout_and_fresh(root: Path) -> tuple[ShardedLayout, tuple[str, ...]]:

@@ -222,8 +222,9 @@ class ShardedSaves:
         except BaseException:  # KeyboardInterrupt: the others' writes fail at their timeout
             self._abort(root)
             raise
-        # No round here: the one that agrees every rank staged runs while the call returns, and
-        # DCP starts once it has (no rank starts it when any could not stage).
+        # No round here: the one that agrees every rank staged runs on pitstop's thread after
+        # the call returns (after the deferred copy, in overlap mode), and DCP starts once it
+        # has (no rank starts it when any could not stage).
         try:
             self._pending = start_once_agreed(
                 root, staged, ranks=ranks, group=self._group, timeout=self._timeout_s, rider=part

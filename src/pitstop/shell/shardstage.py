@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from pitstop.shell.capture import stepped_tensors
-from pitstop.shell.dcpstate import Optimizers, dcp_state
+from pitstop.shell.dcpstate import Optimizers, dcp_state, local_shard
 
 __all__ = ["DeferredCopy", "StagedShards", "make_stager", "stage_sharded"]
 
@@ -168,13 +168,8 @@ def stage_sharded(
     return StagedShards(staged, DeferredCopy(lambda: _staged(stager, later, timeout)))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # a DTensor: its local shard
-    return tensor if to_local is None else to_local()
-
-
 def _key(tensor: torch.Tensor) -> _Key | None:
-    local = _local(tensor)
+    local = local_shard(tensor)
     if not local.numel():
         return None
     return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
