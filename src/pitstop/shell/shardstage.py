@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,10 +30,9 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 
 from pitstop.shell.capture import stepped_tensors
 from pitstop.shell.dcpstate import Optimizers, dcp_state, local_shard
+from pitstop.shell.staging import storage_keys
 
 __all__ = ["DeferredCopy", "StagedShards", "make_stager", "stage_sharded"]
-
-_Key = tuple[str, int | None, int]
 
 
 def make_stager() -> DefaultStager:
@@ -163,27 +162,18 @@ def stage_sharded(
     if not defer:
         return StagedShards(_staged(stager, tree, timeout))
     keys = _only_stepped(model, optimizers, ema)
-    now, later = _split(tree, lambda t: _key(t) in keys)
+    now, later = _split(tree, lambda t: not storage_keys([local_shard(t)]).isdisjoint(keys))
     staged = _staged(stager, now, timeout)
     return StagedShards(staged, DeferredCopy(lambda: _staged(stager, later, timeout)))
 
 
-def _key(tensor: torch.Tensor) -> _Key | None:
-    local = local_shard(tensor)
-    if not local.numel():
-        return None
-    return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
-
-
-def _keys(tensors: Iterable[torch.Tensor]) -> set[_Key]:
-    return {key for key in map(_key, tensors) if key is not None}
-
-
-def _only_stepped(model: nn.Module, optimizers: Optimizers, ema: nn.Module | None) -> set[_Key]:
-    """The storages that only ``optimizer.step()`` changes: the model's parameters and the
-    optimizers' state, less any a buffer or the EMA shares (of the local shards)."""
+def _only_stepped(
+    model: nn.Module, optimizers: Optimizers, ema: nn.Module | None
+) -> frozenset[Any]:
+    """The storages (of the local shards) that only ``optimizer.step()`` changes: the model's
+    parameters and the optimizers' state, less any a buffer or the EMA shares."""
     stepped, kept = stepped_tensors(model, optimizers.values(), ema)
-    return _keys(stepped) - _keys(kept)
+    return storage_keys(map(local_shard, stepped)) - storage_keys(map(local_shard, kept))
 
 
 def _split(
