@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,31 @@ def test_sharded_resume_prints_a_row_per_candidate_and_cleans_up(
     for candidate in sharded_save.RESUME_CANDIDATES:
         assert f"| {candidate} |" in out, out
     assert list((tmp_path / "w").iterdir()) == []  # the checkpoint read back is removed
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: Path) -> None:
+    """benchmarks/sharded_phases.py, tiny: the benchmark's rows for the candidates chosen, then
+    each rank's clocks, every phase under its call (rank 0's writer finishes DCP's save)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_phases.py"
+    chosen = "dcp save,dcp async_save,Checkpointer.save sync,Checkpointer.save async"
+    args = ["--mib", "1", "--repeats", "1", "--timeout", "120", "--candidates", chosen]
+    run = subprocess.run(
+        [sys.executable, str(script), *args, "--dir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split(" | ")[0].strip("| ") for line in run.stdout.splitlines() if "| 0." in line]
+    assert rows == chosen.split(","), run.stdout
+    rank0, rank1 = run.stdout.split("\nrank0: ")[1].split("\nrank1: ")
+    for phase in ("shardwrite.write_shards", "Writer.write_data", "Ranks.lead"):
+        assert f"  Checkpointer.save[sync] / {phase}\n" in rank0 + "\n", rank0
+        assert f"  Checkpointer.save[sync] / {phase}\n" in rank1 + "\n", rank1
+    assert "  Checkpointer.save[sync] / Writer.finish\n" in rank0
+    assert "Writer.finish" not in rank1  # DCP finishes its save on rank 0 only
+    assert "  Checkpointer.save[async] / shardstage.stage_sharded\n" in rank0
+    assert "  Checkpointer.wait[async] / PendingShardedWrite.written\n" in rank0
+    assert list((tmp_path / "w").iterdir()) == []

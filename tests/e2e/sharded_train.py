@@ -12,7 +12,8 @@ sharded the same way, updated after each step (``--no-ema``: none).
         [--die-at N] [--die-in-write-at N] [--no-strict] [--strict-first] [--async | --overlap]
         [--no-ema]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
-        [--fail-stage-at N] [--fail-start-at N] [--tear-at-resume --fail-rank R]
+        [--fail-stage-at N] [--fail-start-at N] [--fail-table-at N]
+        [--tear-at-resume --fail-rank R]
         [--note-checks]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
@@ -40,6 +41,9 @@ it, at a later call); with each save error, each rank then prints ``write began 
 ended, before the error came.
 ``--fail-start-at N --fail-rank R`` (with ``--async``): rank R's call of DCP's ``async_save``
 for the step-N save raises OSError (every other rank's DCP write has begun); the same lines as
+``--fail-part-at``.
+``--fail-table-at N --fail-rank R``: rank R's table of the files it wrote for the step-N save
+(made in DCP's write step, for rank 0 with DCP's results) raises OSError; the same lines as
 ``--fail-part-at``.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
@@ -164,6 +168,19 @@ def fail_part(step: int, at: list[int], rank: int) -> None:
         return real(live)
 
     shardsave.rank_state = rank_state  # type: ignore[assignment]
+
+
+def fail_table(step: int, rank: int) -> None:
+    """This rank's table of the files it wrote for the ``step`` save cannot be made (it is
+    made in DCP's write step, on DCP's thread in the background)."""
+    real = dcpio.file_table
+
+    def file_table(directory: Path, *args: Any, **kwargs: Any) -> Any:
+        if directory.name.endswith(sharded_name(step)):
+            raise OSError(f"table injected on rank {rank}")
+        return real(directory, *args, **kwargs)
+
+    dcpio.file_table = file_table  # type: ignore[assignment]
 
 
 def fail_stage(step: int, at: list[int], rank: int) -> None:
@@ -291,13 +308,19 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     at = [0]  # the step of the call being made
     began, ended = [False], [False]  # --fail-part-at, -stage-at, -start-at: DCP's write of it
     failing = next(
-        (n for n in (args.fail_part_at, args.fail_stage_at, args.fail_start_at) if n is not None),
+        (
+            n
+            for n in (args.fail_part_at, args.fail_stage_at, args.fail_start_at, args.fail_table_at)
+            if n is not None
+        ),
         None,
     )
     if failing is not None:
         note_write(failing, began, ended)
     if args.fail_part_at is not None and rank == args.fail_rank:
         fail_part(args.fail_part_at, at, rank)
+    if args.fail_table_at is not None and rank == args.fail_rank:
+        fail_table(args.fail_table_at, rank)
     if args.fail_stage_at is not None and rank == args.fail_rank:
         fail_stage(args.fail_stage_at, at, rank)
     if args.fail_start_at is not None and rank == args.fail_rank:
@@ -392,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-part-at", type=int)
     parser.add_argument("--fail-stage-at", type=int)
     parser.add_argument("--fail-start-at", type=int)
+    parser.add_argument("--fail-table-at", type=int)
     parser.add_argument("--tear-at-resume", action="store_true")
     parser.add_argument("--note-checks", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)

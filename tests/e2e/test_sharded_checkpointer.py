@@ -377,6 +377,38 @@ def test_a_part_that_fails_on_one_rank_raises_on_every_rank(tmp_path: Path, mode
     wrote, later = mode == "sync", mode == "async"
     run = train(directory, tmp_path / "failed", *options)
     assert_step_4_failed(run, "part", wrote=wrote, later=later)
+    if mode == "sync":  # rank 1's own error, named as rank 1's on rank 0 — nothing of DCP's
+        expected = ["rank 1: OSError: part injected on rank 1", "part injected on rank 1"]
+        for rank in range(2):
+            said = [
+                json.loads(line[len("save error ") :])
+                for line in run.finished.lines(rank)
+                if "save error" in line
+            ]
+            assert said == [expected[rank]], run.finished.describe()
+
+
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
+def test_a_file_table_that_fails_on_one_rank_raises_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    """Rank 1's table of the files it wrote for step 4 (made in DCP's write step, and handed
+    to rank 0 with DCP's results) cannot be made: DCP's write of step 4 ends on both ranks,
+    and the failure is raised on both — at that call (sync: rank 1's own OSError, rank 0 a
+    SaveError naming rank 1), or at a later call as a failed background save naming it;
+    nothing of step 4 is left, and the next saves go on."""
+    options = ["--fail-table-at", "4"] + (["--async"] if mode == "async" else [])
+    run = train(tmp_path / "checkpoints", tmp_path / "failed", *options)
+    assert_step_4_failed(run, "table", wrote=True, later=mode == "async")
+    said = [
+        [json.loads(line[len("save error ") :]) for line in lines if "save error" in line]
+        for lines in (run.finished.lines(0), run.finished.lines(1))
+    ]
+    if mode == "sync":
+        assert said == [["rank 1: OSError: table injected on rank 1"], ["table injected on rank 1"]]
+    else:  # rank 0's SaveError on both, naming rank 1's own error once
+        assert said[0][0].endswith("failed: rank 1: OSError: table injected on rank 1"), said
+        assert said[1] == ["rank 0: " + said[0][0]], said
 
 
 def test_a_staging_that_fails_on_one_rank_starts_no_rank_s_background_write(

@@ -23,8 +23,9 @@ import pytest
 import pitstop
 from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
+from pitstop.errors import SaveError
 from pitstop.shell import sharddir
-from pitstop.shell.dcpio import DCP_METADATA, Writer
+from pitstop.shell.dcpio import DCP_METADATA, Writer, own_failure
 from pitstop.shell.dcpwrite import CrcFileSystem
 from pitstop.shell.distributed import Ranks
 from pitstop.shell.sharded import async_write_sharded, make_stager, write_sharded
@@ -100,17 +101,48 @@ def test_a_checkpointer_save_makes_every_file_and_name_durable_before_a_pointer_
     assert moved[0] > synced  # the pointer moved once the rename was durable
 
 
-def test_the_writer_notes_every_file_dcp_wrote(group: Any, tmp_path: Path) -> None:
+def test_the_writer_hands_rank_0_every_file_dcp_wrote_and_its_rider(
+    group: Any, tmp_path: Path
+) -> None:
+    """One process, rank 0: the table DCP's results carried to the writer's ``finish`` lists
+    every file in the directory (``.metadata`` too) with its size and CRC-32 as on disk, the
+    rider came with it, and DCP's metadata holds none of it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
     model, optimizer = sharded_model()
     (tmp_path / "d").mkdir()
-    writer = Writer(tmp_path / "d")
-    save({"o": get_optimizer_state_dict(model, optimizer)}, storage_writer=writer)
-    assert writer.written  # DCP's data files, all noted, and its `.metadata`
-    assert writer.checksums() == on_disk(tmp_path / "d")
-    assert set(writer.checksums()) == {*writer.written, DCP_METADATA}
+    writer = Writer(tmp_path / "d", rider=lambda: {"rng": 7})
+    metadata = save({"o": get_optimizer_state_dict(model, optimizer)}, storage_writer=writer)
+    (files,) = writer.ranks_files
+    assert (files.rank, files.rider) == (0, {"rng": 7})
+    assert {f.name: (f.size, f.crc32) for f in files.table} == on_disk(tmp_path / "d")
+    assert DCP_METADATA in on_disk(tmp_path / "d")
+    assert not [i.fqn for i in metadata.storage_data if i.fqn.startswith("pitstop")]
+    assert writer.failure is None
+
+
+def test_a_rider_that_fails_is_this_rank_s_write_failure(group: Any, tmp_path: Path) -> None:
+    """The rider raises: DCP's write fails (on every rank) with that rank's own error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    model, optimizer = sharded_model()
+    (tmp_path / "d").mkdir()
+
+    def rider() -> None:
+        raise OSError("no part")
+
+    writer = Writer(tmp_path / "d", rider=rider)
+    with pytest.raises(CheckpointException) as caught:
+        save({"o": get_optimizer_state_dict(model, optimizer)}, storage_writer=writer)
+    assert own_failure(caught.value, 0, writer) is writer.failure
+    assert isinstance(writer.failure, OSError)
+    assert not writer.ranks_files
+    elsewhere = own_failure(caught.value, 1, writer)  # as rank 1 would raise it
+    assert isinstance(elsewhere, SaveError)
+    assert str(elsewhere) == "rank 0: OSError: no part"
 
 
 # --- the streams ----------------------------------------------------------------------------------

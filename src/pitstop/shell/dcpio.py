@@ -7,7 +7,12 @@
 # planner reads non-tensor values with a full unpickler, so the planner here reads them with
 # torch.load(weights_only=True). The writer notes the files its rank wrote from DCP's
 # own write results, and their sizes and CRC-32s as its streams wrote and fsynced them
-# (pitstop.shell.dcpwrite). A layout is built only from untransformed files (no DCP extensions).
+# (pitstop.shell.dcpwrite); that table, and what the rank sends along (its RNG, its per-rank
+# state), reach rank 0 with DCP's own results, one more result of each rank's write that the
+# writer on rank 0 takes out before DCP's metadata is made: no round of pitstop's gathers
+# them, and only rank 0 receives them. A failure to make them is that rank's write failure
+# (DCP raises it on every rank; :func:`own_failure` says whose it was). A layout is built only
+# from untransformed files (no DCP extensions).
 # How: small subclasses of DCP's FileSystemWriter, FileSystemReader and DefaultLoadPlanner.
 
 """DCP adapters: layout <-> DCP metadata, a writer that notes its files, a safe reader."""
@@ -17,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -46,14 +52,19 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pitstop.core.ranks import Outcome
 from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.dcpwrite import CrcFileSystem, Note
+from pitstop.shell.distributed import outcome_of, raise_outcome
+from pitstop.shell.sharddir import file_table
 from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
 __all__ = [
     "DCP_METADATA",
     "NO_DIST_WARNING",
+    "FilesNotMade",
+    "RankFiles",
     "SafePlanner",
     "Writer",
     "layout_of",
@@ -137,29 +148,101 @@ def metadata_of(layout: ShardedLayout) -> Metadata:
     )
 
 
+_FILES = MetadataIndex("pitstop.rank-files")
+"""The index of the result each rank's write adds for rank 0 (never in DCP's metadata)."""
+
+
+@attrs.frozen
+class RankFiles:
+    """What one rank's write hands rank 0 beside DCP's results: its files and its rider."""
+
+    rank: int
+    table: tuple[ShardFile, ...]
+    """The files it wrote, each with its size and CRC-32 (rank 0's: ``.metadata`` too)."""
+    rider: Any = None
+    """What it sent along (the ``rider()`` it was given), or ``None``."""
+
+
+class FilesNotMade(Exception):
+    """A rank's table or rider could not be made: its write failed (DCP raises this on every
+    rank, :func:`own_failure` reads it). Carries the rank's error as an outcome."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+    def __str__(self) -> str:
+        return f"rank {self.outcome.rank}: {self.outcome.kind}: {self.outcome.error}"
+
+
 class Writer(FileSystemWriter):
-    """DCP's file writer into the new ``directory``, never overwriting; :attr:`written` names
-    the files this rank wrote (DCP's results), :meth:`checksums` their sizes and CRC-32s as
-    written. Its streams fsync each file (pitstop.shell.dcpwrite), so DCP's ``sync_files``,
-    which would fsync each again, is off."""
+    """DCP's file writer into the new ``directory``, never overwriting, for ``rank``; its
+    streams fsync and checksum each file as DCP writes it (pitstop.shell.dcpwrite), so DCP's
+    ``sync_files``, which would fsync each again, is off. Each rank's write also makes its file
+    table and takes ``rider()``, and DCP's results carry them to rank 0, where
+    :attr:`ranks_files` holds every rank's once DCP's write has ended."""
 
-    written: tuple[str, ...] = ()
+    ranks_files: tuple[RankFiles, ...] = ()
+    """Rank 0, once written: every rank's :class:`RankFiles`, in rank order."""
+    failure: Exception | None = None
+    """This rank's own error, when its table or rider could not be made."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, *, rank: int = 0, rider: Callable[[], Any] | None = None
+    ) -> None:
         super().__init__(directory, sync_files=False, overwrite=False)
         self.fs = self._files = CrcFileSystem()
         self.path = self.fs.init_path(directory)
+        self._rank, self._rider = rank, rider
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """DCP's ``write_data`` (it returns a completed future), noting the files written."""
-        future = super().write_data(plan, planner)
-        self.written = tuple(sorted({r.storage_data.relative_path for r in future.value()}))
-        return future
+        """DCP's ``write_data`` (it returns a completed future), and one result more: this
+        rank's :class:`RankFiles`, for rank 0."""
+        results = super().write_data(plan, planner).value()
+        written = sorted({r.storage_data.relative_path for r in results})
+        try:
+            table = file_table(Path(self.path), written, self._rank, self._checksums())
+            files = RankFiles(self._rank, table, None if self._rider is None else self._rider())
+        except Exception as exc:  # this rank's write failure; DCP raises it on every rank
+            self.failure = exc
+            raise FilesNotMade(outcome_of(exc, self._rank)) from None
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([*results, WriteResult(index=_FILES, size_in_bytes=0, storage_data=files)])
+        return done
 
-    def checksums(self) -> dict[str, Note]:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0: DCP's ``finish`` (it writes ``.metadata``) of DCP's own results; every
+        rank's :class:`RankFiles` kept in :attr:`ranks_files`."""
+        ranks: dict[int, RankFiles] = {}
+        ours = [[r for r in rank if r.index != _FILES] for rank in results]
+        for rank in results:
+            ranks.update((f.rank, f) for r in rank if isinstance(f := r.storage_data, RankFiles))
+        super().finish(metadata, ours)
+        mine = file_table(Path(self.path), [DCP_METADATA], self._rank, self._checksums())
+        own = ranks[self._rank]
+        ranks[self._rank] = attrs.evolve(own, table=own.table + mine)
+        self.ranks_files = tuple(ranks[r] for r in sorted(ranks))
+
+    def _checksums(self) -> dict[str, Note]:
         """``{name: (size, crc32)}`` of the files written (and fsynced) that could be vouched
         for as written; a file missing here is to be re-read."""
         return self._files.written(Path(self.path))
+
+
+def own_failure(exc: CheckpointException, rank: int, writer: Writer) -> BaseException | None:
+    """The error to raise on ``rank`` for DCP's failed write ``exc`` when a rank's files
+    could not be made (:class:`FilesNotMade`): the lowest such rank's (its own exception
+    there, a :class:`~pitstop.errors.SaveError` naming it elsewhere); ``None`` when the
+    failure is DCP's own."""
+    for failed, (error, _) in sorted(exc.failures.items()):
+        if isinstance(error, FilesNotMade):
+            if failed == rank and writer.failure is not None:
+                return writer.failure
+            try:
+                raise_outcome(error.outcome)
+            except Exception as rebuilt:
+                return rebuilt
+    return None
 
 
 class _Reader(FileSystemReader):

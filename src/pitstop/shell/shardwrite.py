@@ -4,9 +4,11 @@
 # outcome is agreed — or it did so already, with the plan), every rank writes its shards through
 # DCP's FileSystemWriter, whose files are CRC-32ed (from a map of their pages, beside their
 # fsync) as DCP closes them (pitstop.shell.dcpwrite), so the table of the files it wrote itself
-# — rank 0's include `.metadata` — needs no re-read; the tables are gathered (with whatever each
-# rank sends along) and rank 0 builds the layout (pitstop.core.sharded). A failure on any rank
-# is the same SaveError on every rank, and the temp directory is removed. DCP's collectives run
+# — rank 0's include `.metadata` — needs no re-read; the tables (with whatever each rank sends
+# along) reach rank 0 with DCP's own results (pitstop.shell.dcpio), and rank 0 builds the
+# layout (pitstop.core.sharded). A failure on any rank is the same error on every rank (the
+# failing rank's own, when its table or part could not be made), and the temp directory is
+# removed. DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its
 # own); pitstop's agreement runs on `ranks`, started from the calling thread only — except the
 # round that agrees every rank staged a background save, which runs on `group`, on pitstop's
@@ -43,10 +45,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from pitstop.core.sharded import ShardedLayout, ShardFile
 from pitstop.errors import SaveError
-from pitstop.shell.dcpio import DCP_METADATA, NO_DIST_WARNING, Writer, layout_of
+from pitstop.shell.dcpio import NO_DIST_WARNING, Writer, layout_of, own_failure
 from pitstop.shell.dcpstate import MODEL, Optimizers, dcp_state
-from pitstop.shell.distributed import GATHER_BOX, PART_BOX, Ranks
-from pitstop.shell.sharddir import file_table
+from pitstop.shell.distributed import Ranks
 from pitstop.shell.shardstage import Handed, StagedShards, make_stager, stage_sharded
 
 __all__ = [
@@ -68,9 +69,12 @@ __all__ = [
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _fresh(directory: Path, ranks: Ranks, *, created: bool) -> Writer:
+def _fresh(
+    directory: Path, ranks: Ranks, *, created: bool, rider: Callable[[], Any] | None = None
+) -> Writer:
     """Rank 0 creates ``directory`` (it must not exist yet; every rank hears the outcome),
-    unless it was ``created`` already (by rank 0, before every rank heard its name)."""
+    unless it was ``created`` already (by rank 0, before every rank heard its name); this
+    rank's writer into it, which sends ``rider()`` to rank 0 with its files."""
 
     def create() -> None:
         try:
@@ -80,7 +84,7 @@ def _fresh(directory: Path, ranks: Ranks, *, created: bool) -> Writer:
 
     if not created:
         ranks.lead(create)
-    return Writer(directory)
+    return Writer(directory, rank=ranks.rank, rider=rider)
 
 
 @contextlib.contextmanager
@@ -94,9 +98,30 @@ def _removed_on_error(directory: Path, ranks: Ranks) -> Iterator[None]:
         raise
 
 
-def _table(directory: Path, writer: Writer, ranks: Ranks) -> tuple[ShardFile, ...]:
-    names = writer.written + ((DCP_METADATA,) if ranks.leader else ())
-    return file_table(directory, names, ranks.rank, writer.checksums())
+def _write_error(root: Path, exc: CheckpointException, writer: Writer, rank: int) -> Exception:
+    """DCP's failed write of ``root`` (raised on every rank) as the same error on every rank:
+    a rank's own that made its files fail (:func:`~pitstop.shell.dcpio.own_failure`), else a
+    SaveError with DCP's failures, one per rank."""
+    own = own_failure(exc, rank, writer)
+    if isinstance(own, Exception):
+        return own
+    why = "; ".join(
+        f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items())
+    )
+    return SaveError(f"could not write the shards of {root}: {why}")
+
+
+def _written(metadata: Metadata | None, writer: Writer, ranks: Ranks) -> WrittenShards:
+    """What a finished DCP write hands rank 0 (every rank's files and riders); nothing on
+    the other ranks."""
+    if not ranks.leader:
+        return WrittenShards(metadata=None, tables=())
+    files = writer.ranks_files
+    return WrittenShards(
+        metadata=metadata,
+        tables=tuple(f.table for f in files),
+        riders=tuple(f.rider for f in files),
+    )
 
 
 @attrs.frozen
@@ -106,9 +131,9 @@ class WrittenShards:
     metadata: Metadata | None
     """DCP's metadata (rank 0's; ``None`` on the other ranks)."""
     tables: tuple[tuple[ShardFile, ...], ...]
-    """Every rank's files, in rank order."""
+    """Every rank's files, in rank order (rank 0's; empty on the other ranks)."""
     riders: tuple[Any, ...] = ()
-    """What each rank sent along (``gather``), in rank order."""
+    """What each rank sent along, in rank order (rank 0's; empty on the other ranks)."""
 
     def layout(self, world_size: int) -> ShardedLayout:
         """Rank 0: the checkpoint's layout, from DCP's metadata and every rank's files."""
@@ -156,9 +181,10 @@ def write_shards(
     """Every rank: :func:`write_sharded`, without the round that hands rank 0's layout to
     every rank (rank 0 builds it from the result, :meth:`WrittenShards.layout`, with what it
     publishes). ``created``: rank 0 made ``directory`` already. ``gather()``: run on every
-    rank once its shards are durable, its result gathered with the files (one round)."""
+    rank once its shards are durable, its result handed to rank 0 with the files
+    (:attr:`WrittenShards.riders`) by DCP's own gather of its write results."""
     root = Path(directory)
-    writer = _fresh(root, ranks, created=created)
+    writer = _fresh(root, ranks, created=created, rider=gather)
     with _removed_on_error(root, ranks):
         try:
             with warnings.catch_warnings():
@@ -166,78 +192,49 @@ def write_shards(
                 state = dcp_state(model, optimizers, ema)
                 metadata = save(state, storage_writer=writer, process_group=group)
         except CheckpointException as exc:  # a BaseException, raised on every rank
-            raise SaveError(f"could not write the shards of {root}: {exc}") from exc
-
-        def table() -> tuple[tuple[ShardFile, ...], Any]:
-            return _table(root, writer, ranks), (gather() if gather is not None else None)
-
-        gathered = ranks.all_gather_each(table, box=PART_BOX if gather is not None else GATHER_BOX)
-        return WrittenShards(
-            metadata=metadata if ranks.leader else None,
-            tables=tuple(t for t, _ in gathered),
-            riders=tuple(r for _, r in gathered) if gather is not None else (),
-        )
+            raise _write_error(root, exc, writer, ranks.rank) from exc
+        return _written(metadata, writer, ranks)
 
 
 class PendingShardedWrite:
-    """A save :func:`async_write_sharded` started. DCP writes on its upload thread (each file
-    checksummed and fsynced as DCP closes it), and there this rank's table is made. :meth:`result`
-    gathers (after a ``timeout`` there, DCP may still be writing: do not reuse the directory)."""
+    """A save :func:`async_write_sharded` started. DCP writes on its upload thread, each file
+    checksummed and fsynced as DCP closes it, and hands every rank's table (and rider) to rank
+    0 with its results. :meth:`result` agrees on the outcome (after a ``timeout`` there, DCP
+    may still be writing: do not reuse the directory)."""
 
-    def __init__(
-        self,
-        directory: Path,
-        writer: Writer,
-        ranks: Ranks,
-        response: Any,
-        *,
-        rider: Any = None,
-        box: int = GATHER_BOX,
-    ) -> None:
+    def __init__(self, directory: Path, writer: Writer, ranks: Ranks, response: Any) -> None:
         self._directory, self._writer, self._ranks = directory, writer, ranks
-        self._rider, self._box = rider, box  # the same box on every rank
-        upload: Future[Any] = getattr(response, "upload_completion", response)
-        self._done: Future[tuple[Metadata | None, tuple[ShardFile, ...]]] = Future()
-        upload.add_done_callback(self._checksum)
-
-    def _checksum(self, upload: Future[Any]) -> None:  # DCP's upload thread: no collective here
-        try:
-            metadata = upload.result()
-            if metadata is _NOT_WRITTEN:  # another rank could not stage: nothing written here
-                self._done.set_result((None, ()))
-                return
-            self._done.set_result((metadata, _table(self._directory, self._writer, self._ranks)))
-        except BaseException as exc:  # CheckpointException included: result() raises it
-            self._done.set_exception(exc)
+        self._upload: Future[Any] = getattr(response, "upload_completion", response)
 
     def done(self) -> bool:
-        """Whether this rank's files are written, fsynced and in its table (or failed)."""
-        return self._done.done()
+        """Whether this rank's write has ended (its files written, fsynced and in its table,
+        and on rank 0 every rank's handed over), or failed."""
+        return self._upload.done()
 
     def result(self, timeout: float | None = None) -> ShardedLayout:
-        """Every rank, from the calling thread: wait and gather; the same layout on every rank,
-        or :class:`~pitstop.errors.SaveError` on every rank when any rank failed."""
+        """Every rank, from the calling thread: wait and agree; the same layout on every rank,
+        or the same error on every rank when any rank failed."""
         return _agreed(self.written(timeout), self._ranks)
 
     def written(self, timeout: float | None = None) -> WrittenShards:
-        """:meth:`result` without the round that hands rank 0's layout to every rank; each
-        rank's ``rider`` comes along (:attr:`WrittenShards.riders`)."""
+        """:meth:`result` without the round that hands rank 0's layout to every rank; rank 0's
+        result holds every rank's rider (:attr:`WrittenShards.riders`)."""
+        writer, rank = self._writer, self._ranks.rank
 
-        def wait() -> tuple[Metadata | None, tuple[ShardFile, ...], Any]:
+        def wait() -> Metadata | None:
             try:
-                metadata, table = self._done.result(timeout)
+                metadata = self._upload.result(timeout)
             except CheckpointException as exc:
-                raise SaveError(f"could not write the shards of {self._directory}: {exc}") from exc
-            leaders = metadata if self._ranks.leader else None  # rank 0 builds the layout
-            return leaders, table, self._rider
+                own = _write_error(self._directory, exc, writer, rank)
+                if isinstance(own, SaveError) or own is writer.failure:
+                    raise own from exc
+                return None  # another rank's files were not made: that rank raises its own
+            return None if metadata is _NOT_WRITTEN else metadata  # the stager's raises
 
         with _removed_on_error(self._directory, self._ranks):
-            outcomes = self._ranks.all_gather_each(wait, box=self._box)
-        return WrittenShards(
-            metadata=outcomes[0][0],
-            tables=tuple(t for _, t, _ in outcomes),
-            riders=tuple(r for _, _, r in outcomes),
-        )
+            metadata = self._ranks.each(wait)  # the same error on every rank
+        assert metadata is not None or not self._ranks.leader  # rank 0 wrote, or raised
+        return _written(metadata, writer, self._ranks)
 
 
 def start_sharded(
@@ -279,10 +276,11 @@ def start_once_agreed(
     ``async_save`` of ``staged`` into ``directory`` (made by rank 0 already) on ``group`` —
     or, when any rank could not stage, no rank does: a rank that could not stage ends with
     its error, the others with nothing written. Both come out of
-    :meth:`PendingShardedWrite.written` (the same error on every rank), which also carries
-    each rank's ``rider``. Only that thread and DCP's write use ``group``, one save at a time."""
+    :meth:`PendingShardedWrite.written` (the same error on every rank); ``rider`` reaches rank
+    0 with this rank's files (its result's riders). Only that thread and DCP's write use
+    ``group``, one save at a time."""
     root = Path(directory)
-    writer = Writer(root)
+    writer = Writer(root, rank=ranks.rank, rider=lambda: rider)
     on_group = Ranks(ranks.rank, ranks.world_size, group)
     started: Future[Any] = Future()
 
@@ -321,7 +319,7 @@ def start_once_agreed(
         threading.Thread(target=start, name="pitstop-dcp-start").start()
     except RuntimeError:  # no new threads now (at interpreter exit): do it all here
         start()
-    return PendingShardedWrite(root, writer, ranks, started, rider=rider, box=PART_BOX)
+    return PendingShardedWrite(root, writer, ranks, started)
 
 
 class _Refusing(DefaultSavePlanner):

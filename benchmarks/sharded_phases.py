@@ -1,0 +1,170 @@
+"""Where a sharded save's time goes: a clock around each phase of ``sharded_save.py``'s saves.
+
+Runs ``benchmarks/sharded_save.py`` (the same FSDP2 state, ranks and rounds) with only the
+``--candidates`` given, and in every rank wraps the functions a save passes through — the
+Checkpointer's call and ``wait()`` (by mode: ``Checkpointer.save[sync]``), pitstop's rounds
+(``Ranks``), the engine's write, DCP's ``save`` and its steps (the plan's ``reduce_scatter``,
+the write's ``all_reduce``, its gathers), pitstop's writer, the manifest and the publish — in
+a clock. Each call's time is kept under the outermost wrapped call it ran in (a Checkpointer
+call, DCP's ``save``; a call on another thread under that thread's name), so what a phase
+costs is read against the call it is part of. Times include what a phase waits for (a round
+waits for the slowest rank). Medians in ms per rank, after the benchmark's own table::
+
+    .venv/bin/python benchmarks/sharded_phases.py --mib 64 --repeats 15 \\
+        --candidates "dcp save,dcp async_save,Checkpointer.save sync"
+
+A clock costs about a microsecond a call: the calls wrapped here happen a few dozen times a
+save. Not a benchmark of its own: the durations it prints are the benchmark's, with the clocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sharded_save as bench  # the benchmark next to this file
+
+OUT = "PITSTOP_PHASES_OUT"  # where each rank writes its clocks (set for the workers)
+CHOSEN = "PITSTOP_PHASES_CANDIDATES"  # the candidates the workers run
+TOPS = (  # the calls a phase is counted under: (module, owner or None, name)
+    ("pitstop.shell.manager", "Checkpointer", "save"),
+    ("pitstop.shell.manager", "Checkpointer", "wait"),
+    ("pitstop.shell.shardwrite", None, "write_sharded"),
+    ("torch.distributed.checkpoint.state_dict_saver", None, "save"),
+    ("torch.distributed.checkpoint.state_dict_saver", None, "async_save"),
+)
+PHASES = (
+    ("pitstop.shell.distributed", "Ranks", ("all_gather_each", "lead", "all_gather")),
+    ("pitstop.shell.shardsave", "ShardedSaves", ("begin", "save", "_write", "_start", "_part")),
+    ("pitstop.shell.shardsave", None, ("rank_state", "pack_state", "unpack_state")),
+    ("pitstop.shell.saving", "Saver", ("decide", "plan", "begin_sharded", "publish_sharded")),
+    ("pitstop.shell.saving", "Saver", ("capture_sharded", "publish_handed")),
+    ("pitstop.shell.saving", None, ("capture",)),
+    ("pitstop.shell.shardwrite", None, ("write_shards", "dcp_state", "save", "async_save")),
+    ("pitstop.shell.shardwrite", None, ("start_once_agreed",)),
+    ("pitstop.shell.shardwrite", "PendingShardedWrite", ("written",)),
+    ("pitstop.shell.shardwrite", "WrittenShards", ("layout",)),
+    ("pitstop.shell.shardstage", None, ("stage_sharded",)),
+    ("pitstop.shell.dcpio", "Writer", ("write_data", "finish")),
+    ("pitstop.shell.dcpio", None, ("file_table",)),
+    ("pitstop.shell.dcpwrite", None, ("_crc_while_syncing",)),
+    ("pitstop.shell.directory", "CheckpointDirectory", ("publish_sharded", "_publish")),
+    ("pitstop.shell.sharddir", None, ("write_manifest", "publish_sharded")),
+    ("pitstop.shell.publish", None, ("publish_pointers", "publish_file")),
+    ("torch.distributed.checkpoint.utils", "_DistWrapper", ("reduce_scatter", "all_reduce")),
+    ("torch.distributed.checkpoint.utils", "_DistWrapper", ("gather_object", "broadcast_object")),
+    ("torch.distributed.checkpoint.filesystem", "_FileSystemWriter", ("write_data",)),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemWriter", ("finish",)),
+)
+
+_times: dict[str, list[float]] = {}
+_local = threading.local()
+
+
+def _clocked(label: str, fn: Callable[..., Any], *, top: bool) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def clocked(*args: Any, **kwargs: Any) -> Any:
+        stack: list[str] = _local.__dict__.setdefault("stack", [])
+        if stack:  # inside a top call (or a thread's first clocked call)
+            prefix = stack[-1]
+            key = f"{prefix} / {label}"
+        elif top:
+            prefix = key = label + _mode(args)
+        elif threading.current_thread() is threading.main_thread():
+            return fn(*args, **kwargs)  # outside every top call: the benchmark's own
+        else:
+            prefix = f"thread {threading.current_thread().name}"
+            key = f"{prefix} / {label}"
+        stack.append(prefix)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _times.setdefault(key, []).append(time.perf_counter() - start)
+            stack.pop()
+
+    return clocked
+
+
+def _mode(args: tuple[Any, ...]) -> str:
+    """A Checkpointer's calls by its mode: ``Checkpointer.save[async]``."""
+    mode = getattr(args[0], "async_save", None) if args else None
+    return "" if mode is None else f"[{ {False: 'sync', True: 'async'}.get(mode, mode) }]"
+
+
+def _wrap(module: str, owner: str | None, name: str, *, top: bool = False) -> None:
+    where: Any = importlib.import_module(module)
+    if owner is not None:
+        where = getattr(where, owner)
+    fn = getattr(where, name, None)
+    if fn is None and module.startswith("torch"):  # another torch names its steps otherwise
+        return
+    if fn is None:
+        raise SystemExit(f"{module}.{owner or ''}{'.' if owner else ''}{name} is gone: update")
+    label = f"{owner}.{name}" if owner else f"{module.rsplit('.', 1)[1]}.{name}"
+    setattr(where, name, _clocked(label, fn, top=top))
+
+
+def install() -> None:
+    """Wrap every phase in a clock (a worker, before the benchmark imports what it calls)."""
+    for module, owner, names in PHASES:
+        for name in names:
+            _wrap(module, owner, name)
+    for module, owner, name in TOPS:
+        _wrap(module, owner, name, top=True)
+
+
+def _dump() -> None:
+    path = Path(os.environ[OUT]) / f"rank{os.environ['RANK']}.json"
+    path.write_text(json.dumps(_times))
+
+
+def _report(out: Path) -> None:
+    for path in sorted(out.glob("rank*.json")):
+        times: dict[str, list[float]] = json.loads(path.read_text())
+        print(f"\n{path.stem}: median ms (calls)")
+        for key in sorted(times, key=lambda k: (k.split(" / ")[0], -statistics.median(times[k]))):
+            runs = times[key]
+            print(f"  {statistics.median(runs) * 1e3:9.2f} ({len(runs):3d})  {key}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:  # a rank, as the benchmark's launcher runs this script
+        bench.CANDIDATES = tuple(os.environ[CHOSEN].split(","))
+        install()
+        atexit.register(_dump)
+        return bench.main(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--candidates", default="dcp save,dcp async_save,Checkpointer.save sync")
+    ours, rest = parser.parse_known_args(argv)
+    chosen = [c.strip() for c in ours.candidates.split(",")]
+    unknown = sorted(set(chosen) - set(bench.CANDIDATES))
+    if unknown or not {"dcp save", "dcp async_save"} <= set(chosen):
+        raise SystemExit(
+            f"--candidates: unknown {unknown}; 'dcp save' and 'dcp async_save' are needed "
+            f"(the ratios); the others: {', '.join(bench.CANDIDATES[2:])}"
+        )
+    bench.__file__ = os.path.abspath(__file__)  # the launcher runs this script as each rank
+    with tempfile.TemporaryDirectory(prefix="sharded-phases-") as out:
+        os.environ[OUT], os.environ[CHOSEN] = out, ",".join(chosen)
+        code = bench.main(rest)
+        _report(Path(out))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
