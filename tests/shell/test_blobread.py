@@ -113,6 +113,39 @@ def test_placed_tensors_come_back_equal_in_private_memory(tmp_path: Path) -> Non
     assert torch.equal(again["state"]["optimizer"]["state"][0]["exp_avg"], stored)  # type: ignore[index]
 
 
+def _vm_flags(tensor: torch.Tensor) -> list[str]:
+    """The kernel's flags of the mapping that holds the middle of ``tensor``'s memory."""
+    address = tensor.untyped_storage().data_ptr() + tensor.untyped_storage().nbytes() // 2
+    inside = False
+    with open("/proc/self/smaps") as lines:
+        for line in lines:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, stop = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < stop
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="no transparent huge pages here (Linux with THP only)",
+)
+def test_a_placed_tensor_of_huge_pages_size_is_advised_for_them(tmp_path: Path) -> None:
+    """A placed tensor of 8 MiB (an optimizer moment) is read into memory advised for
+    transparent huge pages (the mapping's ``hg`` flag: MADV_HUGEPAGE), before the read first
+    touches it; a mapped one is not read into new memory at all. The values are the file's."""
+    moment = torch.arange(2 << 20, dtype=torch.float32)  # 8 MiB
+    path = _save(tmp_path / "c.pitstop", {"state": {"m": moment}, "weights": {"w": moment + 1}})
+    placed = ff.load(path, place=_is_placed)
+    assert isinstance(placed, dict)
+    assert torch.equal(placed["state"]["m"], moment)
+    assert "hg" in _vm_flags(placed["state"]["m"])
+    assert _is_mapped_from(placed["weights"]["w"], path)
+    assert torch.equal(placed["weights"]["w"], moment + 1)
+
+
 def test_empty_and_zero_dimensional_tensors_are_placed_too(tmp_path: Path) -> None:
     tree = {"state": {"empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}, "w": torch.ones(3)}
     path = _save(tmp_path / "c.pitstop", tree)

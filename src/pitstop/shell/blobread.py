@@ -12,6 +12,7 @@
 #     bounce buffers (BOUNCE * CHUNK bytes).
 #   * the CPU device: read straight into a new storage of private memory — for tensors that
 #     are kept as they are (an optimizer's state), which then never fault or copy on write.
+#     Its memory is advised for huge pages before it is first touched (pitstop.shell.hostmem).
 #   * a CUDA device: read into pinned bounce buffers, each chunk's host-to-device copy (on a
 #     side stream) overlapping the read of the next one, into a new device storage. Untested
 #     here: the development machine has no GPU.
@@ -46,6 +47,7 @@ from pitstop.shell.checksums import (
     crc32_update,
     default_threads,
 )
+from pitstop.shell.hostmem import new_host_bytes
 
 __all__ = ["BOUNCE", "CHUNK", "CPU", "blob_corrupt", "read_blobs"]
 
@@ -198,7 +200,7 @@ class _Reader:
                 return None
             return torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
         if device is not None and device.type == "cpu":
-            target = torch.empty(blob.length, dtype=torch.uint8)
+            target = new_host_bytes(blob.length)
             whole = _view(target)
             for start in range(0, blob.length, CHUNK):
                 view = whole[start : start + CHUNK]
@@ -327,7 +329,7 @@ def _read_in_parallel(
             reader.check_padding(cursor, blob.offset, index)
         cursor = blob.stop
         if index in placed:
-            target = torch.empty(blob.length, dtype=torch.uint8)
+            target = new_host_bytes(blob.length)
             storages[index], targets[index] = target.untyped_storage(), _view(target)
         chunks += [
             _Chunk(index, at, min(CHUNK, blob.length - at)) for at in range(0, blob.length, CHUNK)
