@@ -81,8 +81,13 @@ class RankMeter:
         self.loss_sum += loss.detach().double()
         self.count += 1
 
+    bad_at: int | None = None  # --bad-meter-at: this count's state holds what no file can
+
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_sum": self.loss_sum.clone(), "count": self.count}
+        state: dict[str, Any] = {"loss_sum": self.loss_sum.clone(), "count": self.count}
+        if self.count == self.bad_at:
+            state["hook"] = object()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loss_sum = state["loss_sum"].clone().to(torch.float64)
@@ -157,6 +162,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="register the per-rank 'meter' component (per_rank=('meter',))",
     )
+    parser.add_argument(
+        "--bad-meter-at",
+        type=int,
+        default=None,
+        help="on rank 1, the meter's state at this step holds an object no checkpoint can",
+    )
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     return parser.parse_args(argv)
 
@@ -206,6 +217,8 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
     )
     sampler = pitstop.ResumableSampler(SAMPLES, BATCH, seed=3, rank=rank, world_size=world)
     meter = RankMeter()
+    if rank == 1:
+        meter.bad_at = args.bad_meter_at
     state: dict[str, Any] = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
     extra: dict[str, Any] = {}
     if args.meter:

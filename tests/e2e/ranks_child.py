@@ -1,8 +1,9 @@
 """One rank of tests/e2e/test_ranks.py: pitstop's collectives with values of every size.
 
-Each rank all-gathers (with the default box and with ``PART_BOX``) and broadcasts values from
-empty to far past each box (``pitstop.shell.distributed``), the ranks' sizes differing, and
-checks what it got; it prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
+Each rank all-gathers (with the default box and with ``PART_BOX``), gathers to rank 0 and
+broadcasts values from empty to far past each box (``pitstop.shell.distributed``), the ranks'
+sizes differing, and checks what it got; then ``gather_then_lead`` with a failure on each side.
+It prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 
+from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.distributed import BROADCAST_BOX, GATHER_BOX, PART_BOX, Ranks
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -35,6 +38,56 @@ for size in sizes:
         assert ranks.all_gather(mine) == expected, (size, other)
         assert ranks.all_gather(mine, box=PART_BOX) == expected, (size, other)
         assert ranks.broadcast(mine if rank == 0 else None) == value(0, size), size
-        checked += 3
+        assert ranks.gather(mine, box=PART_BOX) == (expected if rank == 0 else []), (size, other)
+        checked += 4
+
+# gather_then_lead: rank 0 gets every rank's result; its work's result reaches every rank.
+ran: list[list[int]] = []
+
+
+def lead(results: list[int]) -> str:
+    ran.append(results)
+    return f"sum {sum(results)}"
+
+
+assert ranks.gather_then_lead(lambda: rank + 10, lead) == f"sum {sum(range(10, 10 + world))}"
+assert ran == ([list(range(10, 10 + world))] if rank == 0 else [])
+checked += 1
+
+
+def raised(call: Callable[[], object]) -> Exception:
+    """The exception ``call()`` raised (an AssertionError if it raised none)."""
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    raise AssertionError("no error")
+
+
+def fail_on_last() -> int:
+    if rank == world - 1:
+        raise ConfigError("the last rank's own failure")
+    return rank
+
+
+# The failing rank raises its own error; the others the same class, naming it.
+failed = raised(lambda: ranks.gather_then_lead(fail_on_last, lead))
+own = "the last rank's own failure"
+assert type(failed) is ConfigError, repr(failed)
+assert str(failed) == (own if rank == world - 1 else f"rank {world - 1}: {own}"), str(failed)
+assert len(ran) == (1 if rank == 0 else 0)  # the work did not run
+checked += 1
+
+
+def refuse(results: list[int]) -> str:
+    raise OSError(28, "No space left on device")
+
+
+# Rank 0's work fails: its own OSError there, a SaveError naming it elsewhere.
+failed = raised(lambda: ranks.gather_then_lead(lambda: rank, refuse))
+assert type(failed) is (OSError if rank == 0 else SaveError), repr(failed)
+if rank != 0:
+    assert str(failed) == "rank 0: OSError: [Errno 28] No space left on device", str(failed)
+checked += 1
 print(f"ok {checked}", flush=True)
 dist.destroy_process_group()

@@ -293,6 +293,25 @@ def test_a_failed_write_on_rank_0_raises_save_error_on_every_rank(tmp_path: Path
     assert [p.step for p in published(directory)] == [2]
 
 
+def test_a_part_that_cannot_be_saved_on_rank_1_raises_on_every_rank(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    bad_at = 4
+    options = ("--target", str(TARGET), "--every", "2", "--report")
+    with job(directory, tmp_path / "out", *options, "--bad-meter-at", str(bad_at)) as running:
+        finished = running.wait()
+    assert finished.codes == {0: 3, 1: 3}, finished.describe()
+    found = errors(finished)
+    assert sorted(found) == [0, 1], finished.describe()
+    own = found[1][1]
+    assert found[1][0] == "SaveError", finished.describe()
+    assert "meter" in own, own  # its own error names the key path
+    assert "hook" in own, own
+    assert found[0] == ("SaveError", f"rank 1: {own}"), finished.describe()
+    for rank in (0, 1):  # at the same call: the step-4 save; no rank trained on
+        assert f"step {bad_at + 1}" not in finished.lines(rank), finished.describe()
+    assert [p.step for p in published(directory)] == [2]
+
+
 def check_sigterm_anywhere(tmp_path: Path, straight: Straight, rank: int, at: int) -> None:
     directory = tmp_path / "ckpt"
     first = train_and_stop(directory, tmp_path / "first", rank=rank, at=at)

@@ -15,7 +15,9 @@
 # fixed box: one collective per all_gather or broadcast, where torch's object collectives take
 # two (the sizes, then the data); a larger value takes a second round, which every rank knows
 # of from the sizes in the first. An all-gather's box is received once per rank, so it is small
-# (a call's inputs) except in the once-a-save rounds that carry every rank's part.
+# (a call's inputs); the once-a-save round that carries every rank's part (its RNG streams, a
+# per-rank component) is a gather to rank 0 instead, the only rank that needs them, with a
+# point-to-point send for a part too big for its box.
 
 """Ranks: rank 0 decides and writes; every rank hears the same answer."""
 
@@ -174,13 +176,22 @@ def _size_of(box: torch.Tensor) -> int:
     return int.from_bytes(box[:_HEADER].numpy().tobytes(), "little")
 
 
+def _wait(work: Any, timeout: datetime.timedelta) -> None:
+    """Wait for a point-to-point ``work`` (``timeout`` at most: then it raises)."""
+    assert work is not None  # None only on a rank outside the group, never pitstop's own
+    work.wait(timeout)
+
+
 class Ranks:
     """This process's place in the job, and pitstop's collectives."""
 
-    def __init__(self, rank: int, world_size: int, group: Any = None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, group: Any = None, *, timeout_s: float = 600.0
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._group = group
+        self._timeout = datetime.timedelta(seconds=timeout_s)
 
     @classmethod
     def current(cls, timeout_s: float) -> Ranks:
@@ -190,7 +201,7 @@ class Ranks:
             return cls(0, 1)
         timeout = datetime.timedelta(seconds=timeout_s)
         group = dist.new_group(backend="gloo", timeout=timeout)
-        return cls(dist.get_rank(), dist.get_world_size(), group)
+        return cls(dist.get_rank(), dist.get_world_size(), group, timeout_s=timeout_s)
 
     @property
     def leader(self) -> bool:
@@ -234,28 +245,77 @@ class Ranks:
         torch.distributed.broadcast(whole, src=0, group=self._group)
         return _loads(whole)  # type: ignore[no-any-return]
 
-    def gather_state(self, value: T) -> list[T]:
-        """Every rank's state tree on rank 0 (an empty list elsewhere), storage sharing intact;
-        a tree that cannot be packed raises the same SaveError on every rank.
+    def gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
+        """Every rank's ``value``, in rank order, on rank 0 (its own as it is; an empty list
+        elsewhere): one collective when every pickled value fits ``box`` bytes; a value that
+        does not then travels on its own, from its rank to rank 0 (which knows which from the
+        sizes). Rank 0 receives one box per rank; no other rank receives anything."""
+        if not self.many:
+            return [value]
+        dist = torch.distributed
+        data = _dumps(value)
+        boxed = _boxed(data, box)
+        boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
+        dist.gather(boxed, gather_list=boxes, dst=0, group=self._group)
+        if not self.leader:
+            if len(data) > box:  # rank 0 saw the size and waits for it
+                sent = dist.isend(_bytes_tensor(data, len(data)), dst=0, group=self._group)
+                _wait(sent, self._timeout)
+            return []
+        assert boxes is not None
+        values: list[T] = []
+        for rank, got in enumerate(boxes):
+            size = _size_of(got)
+            if rank == 0:
+                values.append(value)
+            elif size <= box:
+                values.append(_loads(got[_HEADER : _HEADER + size]))
+            else:
+                whole = torch.empty(size, dtype=torch.uint8)
+                _wait(dist.irecv(whole, src=rank, group=self._group), self._timeout)
+                values.append(_loads(whole))
+        return values
+
+    def gather_then_lead(
+        self, each: Callable[[], Any], work: Callable[[list[Any]], T], *, box: int = PART_BOX
+    ) -> T:
+        """Run ``each`` on every rank, hand every result to rank 0 (:meth:`gather`), run
+        ``work(results)`` there and hand its result, or the first error, to every rank: two
+        collectives, rank 0 the only one that receives every rank's. An error of ``each`` on
+        any rank (the lowest such rank's) is raised on every rank instead, and ``work`` does
+        not run; a rank raises its own exception as itself."""
+        if not self.many:
+            return work([each()])
+        result, outcome, own = self._attempt(each)
+        gathered = self.gather((outcome, result), box=box)
+        answer: tuple[Outcome, Any] = (OK, None)
+        if self.leader:
+            agreed = agree([o for o, _ in gathered])
+            if agreed.ok:
+                value, agreed, own = self._attempt(lambda: work([r for _, r in gathered]))
+                answer = (agreed, value)
+            else:
+                answer = (agreed, None)
+        agreed, value = self.broadcast(answer)
+        raise_outcome(agreed, own=own if agreed == outcome or self.leader else None)
+        return value  # type: ignore[no-any-return]
+
+    def gather_state(self, value: object, work: Callable[[list[Any]], T]) -> T:
+        """:meth:`gather_then_lead` of every rank's state tree: ``work(trees)`` on rank 0
+        with every rank's tree, storage sharing intact; a tree that cannot be packed raises
+        the same SaveError on every rank (its own, naming its key path, on its rank).
 
         Rank 0 keeps its own tree as it is (references to live tensors); the others travel
         packed (:func:`pack_state`: each storage once, so tensors that share storage on a rank
         still share it on rank 0, and are written once) and arrive on the CPU.
         """
         if not self.many:
-            return [value]
-        # Every rank hears whether every tree could be packed: a tree a checkpoint cannot hold
-        # is the same SaveError (naming its key path) on every rank.
-        packed = self.all_gather_each(
-            lambda: None if self.leader else pack_state(value), box=PART_BOX
-        )
-        if not self.leader:
-            return []
-        trees = [value]
-        for other in packed[1:]:
-            assert other is not None  # every rank but 0 packed its tree
-            trees.append(unpack_state(other))
-        return trees
+            return work([value])
+
+        def trees(packed: list[Any]) -> T:
+            return work([value, *(unpack_state(other) for other in packed[1:])])
+
+        return self.gather_then_lead(lambda: None if self.leader else pack_state(value), trees)
 
     def any_failed_later(self, failed: bool) -> Callable[[float], bool]:
         """Start, without waiting for it, the round that tells every rank whether any rank

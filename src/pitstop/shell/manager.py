@@ -388,9 +388,11 @@ class Checkpointer:
         if shards is not None and temp is not None:
             ticket = shards.save(temp)
         else:
-            parts = ranks.gather_state(rank_state(self._live)) if ranks.many else None
-            overlap = self.async_save == "overlap"
-            ticket = ranks.lead(partial(saver.write, progress, parts, overlap=overlap))
+            write = partial(saver.write, progress, overlap=self.async_save == "overlap")
+            if ranks.many:  # every rank's part reaches rank 0, which writes them
+                ticket = ranks.gather_state(rank_state(self._live), write)
+            else:
+                ticket = write(None)
         self.last_blocking_s = time.perf_counter() - started
         entry = entry_from_wire(wire)
         if entry is NO_CHECKPOINT:
