@@ -56,7 +56,7 @@ from pitstop.core.ranks import Outcome
 from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.dcpwrite import CrcFileSystem, Note
-from pitstop.shell.distributed import outcome_of, raise_outcome
+from pitstop.shell.distributed import outcome_of, rebuilt
 from pitstop.shell.sharddir import file_table
 from pitstop.shell.treewalk import TENSOR_DTYPES, dtype_name
 
@@ -238,10 +238,7 @@ def own_failure(exc: CheckpointException, rank: int, writer: Writer) -> BaseExce
         if isinstance(error, FilesNotMade):
             if failed == rank and writer.failure is not None:
                 return writer.failure
-            try:
-                raise_outcome(error.outcome)
-            except Exception as rebuilt:
-                return rebuilt
+            return rebuilt(error.outcome)
     return None
 
 

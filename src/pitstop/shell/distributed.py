@@ -44,6 +44,7 @@ __all__ = [
     "outcome_of",
     "pack_state",
     "raise_outcome",
+    "rebuilt",
     "unpack_state",
 ]
 
@@ -70,19 +71,23 @@ def outcome_of(exc: BaseException, rank: int) -> Outcome:
     return Outcome(kind=type(exc).__name__, error=message or type(exc).__name__, rank=rank)
 
 
+def rebuilt(outcome: Outcome) -> errors.PitstopError:
+    """A failed ``outcome`` as the error another rank raises: the same pitstop class (any
+    other as a SaveError naming it), its message prefixed with the rank it came from."""
+    cls = _ERRORS.get(outcome.kind)
+    where = f"rank {outcome.rank}: "
+    if cls is errors.IncompatibleCheckpoint:
+        return errors.IncompatibleCheckpoint(where + line for line in outcome.error.splitlines())
+    if cls is None:
+        return errors.SaveError(f"{where}{outcome.kind}: {outcome.error}")
+    return cls(where + outcome.error)
+
+
 def raise_outcome(outcome: Outcome, *, own: BaseException | None = None) -> None:
     """Raise ``outcome`` (this rank's own exception when it is this rank's)."""
     if outcome.ok:
         return
-    if own is not None:
-        raise own
-    cls = _ERRORS.get(outcome.kind)
-    where = f"rank {outcome.rank}: "
-    if cls is errors.IncompatibleCheckpoint:
-        raise errors.IncompatibleCheckpoint(where + line for line in outcome.error.splitlines())
-    if cls is None:
-        raise errors.SaveError(f"{where}{outcome.kind}: {outcome.error}")
-    raise cls(where + outcome.error)
+    raise own if own is not None else rebuilt(outcome)
 
 
 Packed = tuple[bytes, tuple[bytes, ...], tuple[tuple[Any, ...], ...]]
