@@ -168,6 +168,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="on rank 1, the meter's state at this step holds an object no checkpoint can",
     )
+    parser.add_argument(
+        "--bad-metric-at",
+        type=int,
+        default=None,
+        help="on rank 1, pass maybe_save a metric that is not a number at this step",
+    )
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     return parser.parse_args(argv)
 
@@ -276,7 +282,9 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
                     if holding and progress.step == args.hold_at:
                         _wait_for_a_signal(wakeup, lambda: stop.requested)
                     stopped = stop.sync()
-                    saved = ckpt.maybe_save(progress, stop=stop)
+                    bad = rank == 1 and progress.step == args.bad_metric_at
+                    metrics = {"loss": "high" if bad else loss.item()}
+                    saved = ckpt.maybe_save(progress, stop=stop, metrics=metrics)
                     if saved is not None:
                         report(args.report, f"saved {saved.step}")
                     if stopped or progress.step >= args.target:

@@ -312,6 +312,21 @@ def test_a_part_that_cannot_be_saved_on_rank_1_raises_on_every_rank(tmp_path: Pa
     assert [p.step for p in published(directory)] == [2]
 
 
+def test_a_call_refused_on_rank_1_raises_on_every_rank(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    bad_at = 3  # a step that saves nothing: the failure still reaches every rank
+    options = ("--target", str(TARGET), "--every", "2", "--report")
+    with job(directory, tmp_path / "out", *options, "--bad-metric-at", str(bad_at)) as running:
+        finished = running.wait()
+    assert finished.codes == {0: 3, 1: 3}, finished.describe()
+    found = errors(finished)
+    own = "metrics['loss'] must be a number, got 'high'"
+    assert found == {1: ("ConfigError", own), 0: ("ConfigError", f"rank 1: {own}")}, found
+    for rank in (0, 1):  # at the same call; no rank trained on
+        assert f"step {bad_at + 1}" not in finished.lines(rank), finished.describe()
+    assert [p.step for p in published(directory)] == [2]
+
+
 def check_sigterm_anywhere(tmp_path: Path, straight: Straight, rank: int, at: int) -> None:
     directory = tmp_path / "ckpt"
     first = train_and_stop(directory, tmp_path / "first", rank=rank, at=at)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from pitstop.core.compat import may_change_patterns
-from pitstop.core.ranks import entry_from_wire, merge_inputs
+from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
@@ -44,7 +44,7 @@ from pitstop.errors import ConfigError
 from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import Checkpoint, call_input, manual_reason
 from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.distributed import Ranks
+from pitstop.shell.distributed import GATHER_BOX, Ranks
 from pitstop.shell.lifetime import release, shut_down
 from pitstop.shell.registration import add_component, register_component
 from pitstop.shell.resuming import resume_from
@@ -363,25 +363,36 @@ class Checkpointer:
         started = time.perf_counter()  # what the caller waits for, the previous save included
         ranks = self._ranks
         shards = self._shards
-        done = shards.done() if shards is not None else None  # a sharded save in flight
-        gathered = ranks.all_gather_each(lambda: (call_input(progress, stop, metrics), done))
-        asked = merge_inputs([each for each, _ in gathered])
-        if shards is not None:  # published if every rank's part is done; its error raised
-            shards.settle(block=False, done=[d for _, d in gathered])
+        # A sharded save in flight: every rank has one, or none has (each call's rounds
+        # start and settle it on every rank).
+        done = shards.done() if shards is not None else None
         saver = self._saver
-        decide = partial(saver.decide, self.policy, call, progress, asked, manual)
+        each = partial(call_input, progress, stop, metrics)
 
-        def plan() -> tuple[tuple[Any, ...], str | None]:  # and a sharded save's temp directory
+        def decide(asked: CallInput) -> bool:
+            return saver.decide(self.policy, call, progress, asked, manual)
+
+        def plan(asked: CallInput) -> tuple[tuple[Any, ...], str | None]:  # and a temp directory
             planned = saver.plan(self.policy, progress, asked, detail, self._resumed_from)
             return planned, (shards.begin(progress) if shards is not None else None)
 
-        if shards is None or shards.done() is None:  # one round trip: decide, then plan
-            planned = ranks.lead(lambda: plan() if decide() else None)
-        elif ranks.lead(decide):  # the plan needs the directory with the save in flight
-            shards.settle(block=True)
-            planned = ranks.lead(plan)
-        else:
-            planned = None
+        def lead(inputs: list[CallInput]) -> tuple[tuple[Any, ...], str | None] | None:
+            asked = merge_inputs(inputs)
+            return plan(asked) if decide(asked) else None
+
+        if shards is None or done is None:  # one round trip: rank 0 hears, decides and plans
+            planned = ranks.gather_then_lead(each, lead, box=GATHER_BOX)
+        else:  # every rank hears whether every rank's part of the save in flight is written
+            gathered = ranks.all_gather_each(lambda: (each(), done))
+            asked = merge_inputs([inputs for inputs, _ in gathered])
+            shards.settle(block=False, done=[d for _, d in gathered])  # its error raised
+            if shards.done() is None:  # published
+                planned = ranks.lead(lambda: plan(asked) if decide(asked) else None)
+            elif ranks.lead(lambda: decide(asked)):  # the plan needs the directory settled
+                shards.settle(block=True)
+                planned = ranks.lead(lambda: plan(asked))
+            else:
+                planned = None
         if planned is None:
             return None
         (_, wire), temp = planned
