@@ -41,9 +41,10 @@ shared machine a candidate that needs more CPU loses more to the other tenants.
 ``--phases`` also runs pitstop's resume with a clock around each of its phases (open and
 lock, choose and verify — the checking read pass —, load and checks, components and RNG, the
 copy into the model, the touch) and prints where the time goes. ``--read-strategies`` also
-times the checking read pass alone four ways (pread with the CRC on the pool, pread with the
-CRC inline, two threads each reading and checksumming, and a memory map checksummed on the
-pool). ``--baseline-src DIR`` adds a second pitstop row resumed with the package under
+times the checking read pass alone six ways (pread with the CRC on the pool, pread with the
+CRC inline, two threads each reading and checksumming, a memory map checksummed on the pool,
+and the resume's own pass — the optimizer's state read into new memory — with 2 and with 4
+readers). ``--baseline-src DIR`` adds a second pitstop row resumed with the package under
 ``DIR`` (another checkout's ``src/``), taking turns with this one: before and after, in one run.
 
     .venv/bin/python benchmarks/resume_speed.py --sizes-mib 256,1024 --repeats 5 --phases
@@ -82,12 +83,21 @@ SAFETENSORS = "safetensors load_file"
 PITSTOP = "pitstop resume"
 BASELINE = "pitstop resume (--baseline-src)"
 CANDIDATES = (FLOOR, TORCH, DCP, SAFETENSORS, PITSTOP)
-# --read-strategies: the checking read pass alone, over the pitstop file, four ways
+# --read-strategies: the checking read pass alone, over the pitstop file, six ways
 READ_POOL = "check pass: pread, CRC on the pool (pitstop)"
 READ_INLINE = "check pass: pread, CRC inline (1 thread)"
 READ_THREADS = "check pass: pread + CRC on 2 threads"
 READ_MMAP = "check pass: mmap, CRC on the pool"
-STRATEGIES = (READ_POOL, READ_INLINE, READ_THREADS, READ_MMAP)
+# the resume's own pass (the optimizer's state read into new memory) with 2 or 4 readers
+READ_PLACED = "check pass + the optimizer's state into new memory ({} readers)"
+STRATEGIES = (
+    READ_POOL,
+    READ_INLINE,
+    READ_THREADS,
+    READ_MMAP,
+    READ_PLACED.format(2),
+    READ_PLACED.format(4),
+)
 RESUMES = (*CANDIDATES, BASELINE)  # the candidates that restore (and then touch) the state
 SLACK = 64 * MIB
 
@@ -340,7 +350,7 @@ def resume_with(
 
 
 def check_pass(candidate: str, root: Path) -> Callable[[], None]:
-    """The read pass that checks every blob of the pitstop file, one of four ways."""
+    """The read pass that checks every blob of the pitstop file, one of six ways."""
     from pitstop.shell import blobread, fileformat
     from pitstop.shell.checksums import crc32
 
@@ -348,6 +358,19 @@ def check_pass(candidate: str, root: Path) -> Callable[[], None]:
     if candidate == READ_POOL:
         return lambda: fileformat.verify(path)
     manifest = fileformat.read_manifest(path)
+    if candidate in (READ_PLACED.format(2), READ_PLACED.format(4)):
+        readers = int(candidate.rsplit("(", 1)[1].split()[0])
+        blobread.default_threads = lambda: readers  # type: ignore[attr-defined]  # this run only
+        cpu = torch.device("cpu")
+
+        def placed() -> None:
+            fileformat.load(
+                path,
+                verify="file",
+                place=lambda key: cpu if key[:2] == ("state", "optimizer") else None,
+            )
+
+        return placed
     if candidate == READ_INLINE:
 
         def inline() -> None:
@@ -655,12 +678,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--read-strategies",
         action="store_true",
-        help="also time the checking read pass alone, four ways (threads, pread, mmap)",
+        help="also time the checking read pass alone, six ways (threads, pread, mmap, readers)",
     )
     parser.add_argument(
         "--candidates",
         default=",".join(CANDIDATES),
-        help=f"comma-separated subset of: {', '.join(CANDIDATES)} (the floor always runs)",
+        help=f"comma-separated subset of: {', '.join(CANDIDATES)} (the floor always runs), "
+        "and of --read-strategies' passes",
     )
     parser.add_argument(
         "--baseline-src",
@@ -678,14 +702,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.warmups < 0:
         parser.error("--repeats must be >= 1 and --warmups >= 0")
     chosen = [c.strip() for c in args.candidates.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in CANDIDATES]
+    unknown = [c for c in chosen if c not in (*CANDIDATES, *STRATEGIES)]
     if unknown:
-        parser.error(f"unknown --candidates {unknown}; choose from {list(CANDIDATES)}")
+        known = [*CANDIDATES, *STRATEGIES]
+        parser.error(f"unknown --candidates {unknown}; choose from {known}")
     candidates = [c for c in CANDIDATES if c == FLOOR or c in chosen]
     if args.baseline_src:
         candidates.insert(candidates.index(PITSTOP) + 1 if PITSTOP in candidates else 1, BASELINE)
-    if args.read_strategies:
-        candidates.extend(STRATEGIES)
+    candidates += [c for c in STRATEGIES if args.read_strategies or c in chosen]
     if SAFETENSORS in candidates and not have_safetensors():
         candidates.remove(SAFETENSORS)
 

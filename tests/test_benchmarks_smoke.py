@@ -130,9 +130,12 @@ def test_resume_speed_prints_every_candidate_and_phase(
     out_json = tmp_path / "rows.json"
     args = ["--sizes-mib", "1", "--tensors", "2", "--repeats", "1", "--warmups", "0"]
     args += ["--phases", "--dir", str(tmp_path), "--json", str(out_json)]
+    placed = resume_speed.READ_PLACED.format(4)  # one of --read-strategies' passes
+    args += ["--candidates", f"torch.load + load_state_dict,dcp.load,pitstop resume,{placed}"]
     assert resume_speed.main(args) == 0
     out = capsys.readouterr().out
     names = ("readinto (floor)", "torch.load + load_state_dict", "dcp.load", "pitstop resume")
+    names += (placed,)
     for name in names:
         assert f"| {name} |" in out, out
     assert "| commit: copy into the model |" in out, out
