@@ -47,7 +47,11 @@ TOPS = (  # the calls a phase is counted under: (module, owner or None, name)
     ("torch.distributed.checkpoint.state_dict_saver", None, "async_save"),
 )
 PHASES = (
-    ("pitstop.shell.distributed", "Ranks", ("all_gather_each", "lead", "all_gather")),
+    (
+        "pitstop.shell.distributed",
+        "Ranks",
+        ("all_gather_each", "gather_then_lead", "lead", "all_gather", "gather"),
+    ),
     ("pitstop.shell.shardsave", "ShardedSaves", ("begin", "save", "_write", "_start", "_part")),
     ("pitstop.shell.shardsave", None, ("rank_state", "pack_state", "unpack_state")),
     ("pitstop.shell.saving", "Saver", ("decide", "plan", "begin_sharded", "publish_sharded")),
