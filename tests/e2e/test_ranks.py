@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-# Four ranks: several ranks' values too big for the gather's box reach rank 0 one after
-# another, and the last rank's failure is not rank 1's.
-@pytest.mark.parametrize("ranks", [2, 4])
+# Four ranks (slow: four processes on CI's two cores): several ranks' values too big for the
+# gather's box reach rank 0 one after another, and the last rank's failure is not rank 1's.
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_values_of_every_size_travel_whole_between_ranks(ranks: int) -> None:
     with Job(Path(__file__).with_name("ranks_child.py"), ranks=ranks, timeout=240) as job:
         finished = job.wait()
