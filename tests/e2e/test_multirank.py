@@ -276,55 +276,42 @@ def test_a_changed_world_size_is_incompatible(tmp_path: Path, straight: Straight
     assert loose["progress"][0] == TARGET + 2
 
 
-def test_a_failed_write_on_rank_0_raises_save_error_on_every_rank(tmp_path: Path) -> None:
+def fail_at(tmp_path: Path, option: str, step: int) -> dict[int, tuple[str, str]]:
+    """Train with ``option`` making step ``step``'s call fail; check that every rank stopped
+    with a pitstop error at that call (none trained on) and only step 2 was published; return
+    each rank's error (:func:`errors`)."""
     directory = tmp_path / "ckpt"
-    fail_at = 4
-    options = ("--target", str(TARGET), "--every", "2", "--report")
-    with job(directory, tmp_path / "out", *options, "--fail-write-at", str(fail_at)) as running:
+    options = ("--target", str(TARGET), "--every", "2", "--report", option, str(step))
+    with job(directory, tmp_path / "out", *options) as running:
         finished = running.wait()
     assert finished.codes == {0: 3, 1: 3}, finished.describe()
+    for rank in (0, 1):  # at the same call; no rank trained on
+        assert f"step {step + 1}" not in finished.lines(rank), finished.describe()
+    assert [p.step for p in published(directory)] == [2]
     found = errors(finished)
     assert sorted(found) == [0, 1], finished.describe()
-    for rank, (kind, message) in found.items():
-        assert kind == "SaveError", (rank, finished.describe())
-        assert re.search(rf"step\D{{0,3}}0*{fail_at}\b", message), (rank, message)
-        # At the same call: the step-4 save; no rank trained on.
-        assert f"step {fail_at + 1}" not in finished.lines(rank), finished.describe()
-    assert [p.step for p in published(directory)] == [2]
+    return found
+
+
+def test_a_failed_write_on_rank_0_raises_save_error_on_every_rank(tmp_path: Path) -> None:
+    for rank, (kind, message) in fail_at(tmp_path, "--fail-write-at", 4).items():
+        assert kind == "SaveError", (rank, kind, message)
+        assert re.search(r"step\D{0,3}0*4\b", message), (rank, message)
 
 
 def test_a_part_that_cannot_be_saved_on_rank_1_raises_on_every_rank(tmp_path: Path) -> None:
-    directory = tmp_path / "ckpt"
-    bad_at = 4
-    options = ("--target", str(TARGET), "--every", "2", "--report")
-    with job(directory, tmp_path / "out", *options, "--bad-meter-at", str(bad_at)) as running:
-        finished = running.wait()
-    assert finished.codes == {0: 3, 1: 3}, finished.describe()
-    found = errors(finished)
-    assert sorted(found) == [0, 1], finished.describe()
-    own = found[1][1]
-    assert found[1][0] == "SaveError", finished.describe()
+    found = fail_at(tmp_path, "--bad-meter-at", 4)
+    kind, own = found[1]
+    assert kind == "SaveError", found
     assert "meter" in own, own  # its own error names the key path
     assert "hook" in own, own
-    assert found[0] == ("SaveError", f"rank 1: {own}"), finished.describe()
-    for rank in (0, 1):  # at the same call: the step-4 save; no rank trained on
-        assert f"step {bad_at + 1}" not in finished.lines(rank), finished.describe()
-    assert [p.step for p in published(directory)] == [2]
+    assert found[0] == ("SaveError", f"rank 1: {own}"), found
 
 
 def test_a_call_refused_on_rank_1_raises_on_every_rank(tmp_path: Path) -> None:
-    directory = tmp_path / "ckpt"
-    bad_at = 3  # a step that saves nothing: the failure still reaches every rank
-    options = ("--target", str(TARGET), "--every", "2", "--report")
-    with job(directory, tmp_path / "out", *options, "--bad-metric-at", str(bad_at)) as running:
-        finished = running.wait()
-    assert finished.codes == {0: 3, 1: 3}, finished.describe()
-    found = errors(finished)
+    found = fail_at(tmp_path, "--bad-metric-at", 3)  # a step that saves nothing
     own = "metrics['loss'] must be a number, got 'high'"
     assert found == {1: ("ConfigError", own), 0: ("ConfigError", f"rank 1: {own}")}, found
-    for rank in (0, 1):  # at the same call; no rank trained on
-        assert f"step {bad_at + 1}" not in finished.lines(rank), finished.describe()
-    assert [p.step for p in published(directory)] == [2]
 
 
 def check_sigterm_anywhere(tmp_path: Path, straight: Straight, rank: int, at: int) -> None:
