@@ -268,12 +268,10 @@ class Ranks:
                 _wait(sent, self._timeout)
             return []
         assert boxes is not None
-        values: list[T] = []
-        for rank, got in enumerate(boxes):
+        values: list[T] = [value]
+        for rank, got in enumerate(boxes[1:], start=1):
             size = _size_of(got)
-            if rank == 0:
-                values.append(value)
-            elif size <= box:
+            if size <= box:
                 values.append(_loads(got[_HEADER : _HEADER + size]))
             else:
                 whole = torch.empty(size, dtype=torch.uint8)
@@ -314,8 +312,6 @@ class Ranks:
         packed (:func:`pack_state`: each storage once, so tensors that share storage on a rank
         still share it on rank 0, and are written once) and arrive on the CPU.
         """
-        if not self.many:
-            return work([value])
 
         def trees(packed: list[Any]) -> T:
             return work([value, *(unpack_state(other) for other in packed[1:])])

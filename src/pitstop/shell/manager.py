@@ -376,12 +376,12 @@ class Checkpointer:
             planned = saver.plan(self.policy, progress, asked, detail, self._resumed_from)
             return planned, (shards.begin(progress) if shards is not None else None)
 
-        def lead(inputs: list[CallInput]) -> tuple[tuple[Any, ...], str | None] | None:
+        def decide_and_plan(inputs: list[CallInput]) -> tuple[tuple[Any, ...], str | None] | None:
             asked = merge_inputs(inputs)
             return plan(asked) if decide(asked) else None
 
         if shards is None or done is None:  # one round trip: rank 0 hears, decides and plans
-            planned = ranks.gather_then_lead(each, lead, box=GATHER_BOX)
+            planned = ranks.gather_then_lead(each, decide_and_plan, box=GATHER_BOX)
         else:  # every rank hears whether every rank's part of the save in flight is written
             gathered = ranks.all_gather_each(lambda: (each(), done))
             asked = merge_inputs([inputs for inputs, _ in gathered])
