@@ -14,8 +14,9 @@
 #     are kept as they are (an optimizer's state), which then never fault or copy on write.
 #     Its memory is advised for huge pages before it is first touched (pitstop.shell.hostmem).
 #   * a CUDA device: read into pinned bounce buffers, each chunk's host-to-device copy (on a
-#     side stream) overlapping the read of the next one, into a new device storage. Untested
-#     here: the development machine has no GPU.
+#     side stream: pitstop.shell.devicecopy, whose rules it keeps) overlapping the read of the
+#     next one, into a new device storage. Every copy is waited for before the pass returns or
+#     raises. Not run on a GPU here: the development machine has none.
 # How: a bounded FIFO of chunks whose CRC is in flight; a bounce buffer is reused only once
 # its chunk's CRC (and copy to the device) is done; an error cancels the pool's queued work.
 # Where no blob goes to a CUDA device and there is more than one core, the pass is parallel
@@ -47,6 +48,7 @@ from pitstop.shell.checksums import (
     crc32_update,
     default_threads,
 )
+from pitstop.shell.devicecopy import Copy, CudaCopies, DeviceCopies
 from pitstop.shell.hostmem import new_host_bytes
 
 __all__ = ["BOUNCE", "CHUNK", "CPU", "blob_corrupt", "read_blobs"]
@@ -58,6 +60,9 @@ BOUNCE: Final = 4
 """Bounce buffers (and chunks whose CRC may be in flight at once)."""
 
 CPU: Final = torch.device("cpu")
+
+device_copies: Callable[[torch.device], DeviceCopies] = CudaCopies
+"""How a pass copies to a device that is not the CPU (a stand-in in tests)."""
 
 Advance = Callable[[int], None]
 
@@ -78,7 +83,7 @@ class _Slot:
     buffer: torch.Tensor
     view: memoryview
     job: CrcJob | None = None
-    copied: Any = None  # a torch.cuda.Event, recorded after the copy out of the buffer
+    copied: Copy | None = None  # the copy out of the buffer to a device
 
     def wait(self) -> None:
         if self.copied is not None:
@@ -112,24 +117,28 @@ class _Reader:
         self.check, self.advance = check, advance
         self.crcs: dict[int, int] = {}
         self.pending: collections.deque[_Pending] = collections.deque()
-        self.slots: dict[str, list[_Slot]] = {}
-        self.turn: dict[str, int] = {}
-        self.streams: dict[torch.device, Any] = {}
+        self.slots: dict[torch.device | None, list[_Slot]] = {}  # None: host bounce buffers
+        self.turn: dict[torch.device | None, int] = {}
+        self.copies: dict[torch.device, DeviceCopies] = {}
 
     # -- bounce buffers ------------------------------------------------------------------------
 
-    def slot(self, kind: str) -> _Slot:
-        """The next bounce buffer of ``kind`` ("host" or "pinned"), free to be read into."""
-        slots = self.slots.get(kind)
+    def slot(self, device: torch.device | None) -> _Slot:
+        """The next bounce buffer for copies to ``device`` (``None``: only to be checked), free
+        to be read into."""
+        slots = self.slots.get(device)
         if slots is None:
-            pinned = kind == "pinned"
-            slots = self.slots[kind] = []
+            slots = self.slots[device] = []
             for _ in range(BOUNCE):
-                buffer = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=pinned)
+                buffer = (
+                    torch.empty(CHUNK, dtype=torch.uint8)
+                    if device is None
+                    else self.copies_to(device).bounce(CHUNK)
+                )
                 slots.append(_Slot(buffer, _view(buffer)))
-            self.turn[kind] = 0
-        slot = slots[self.turn[kind] % BOUNCE]
-        self.turn[kind] += 1
+            self.turn[device] = 0
+        slot = slots[self.turn[device] % BOUNCE]
+        self.turn[device] += 1
         while slot.job is not None and any(p.job is slot.job for p in self.pending):
             self.settle_one()
         slot.wait()
@@ -156,11 +165,22 @@ class _Reader:
     def settle(self) -> None:
         while self.pending:
             self.settle_one()
+        self.stop_copies()
+
+    def stop_copies(self) -> None:
+        """Wait for every host-to-device copy in flight — also when an error is on its way
+        out: none may still write into device memory that is freed and handed out again."""
         for slots in self.slots.values():
             for slot in slots:
                 slot.wait()
-        for stream in self.streams.values():
-            stream.synchronize()
+        for copies in self.copies.values():
+            copies.drain()
+
+    def copies_to(self, device: torch.device) -> DeviceCopies:
+        copies = self.copies.get(device)
+        if copies is None:
+            copies = self.copies[device] = device_copies(device)
+        return copies
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -198,7 +218,9 @@ class _Reader:
                 raise blob_corrupt(self.manifest, index)
             if device is None:
                 return None
-            return torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+            if device.type == "cpu":
+                return torch.empty(0, dtype=torch.uint8).untyped_storage()
+            return self.copies_to(device).new_target(0).untyped_storage()
         if device is not None and device.type == "cpu":
             target = new_host_bytes(blob.length)
             whole = _view(target)
@@ -208,29 +230,18 @@ class _Reader:
                 self.submit(index, view, start + view.nbytes == blob.length)
                 self.progress(view.nbytes)
             return target.untyped_storage()
-        on_device = device is not None
-        if on_device:
-            assert device is not None
-            target = torch.empty(blob.length, dtype=torch.uint8, device=device)
-            stream = self.streams.get(device)
-            if stream is None:
-                stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                # after whatever the current stream still does with the memory just allocated
-                stream.wait_stream(torch.cuda.current_stream(device))
-                self.streams[device] = stream
+        copies = None if device is None else self.copies_to(device)
+        on_device = None if copies is None else copies.new_target(blob.length)
         for start in range(0, blob.length, CHUNK):
-            slot = self.slot("pinned" if on_device else "host")
+            slot = self.slot(device)
             nbytes = min(CHUNK, blob.length - start)
             view = slot.view[:nbytes]
             self.read_into(view, blob.offset + start)
             slot.job = self.submit(index, view, start + nbytes == blob.length)
-            if on_device:
-                with torch.cuda.stream(stream):
-                    target[start : start + nbytes].copy_(slot.buffer[:nbytes], non_blocking=True)
-                    slot.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    slot.copied.record(stream)
+            if copies is not None and on_device is not None:
+                slot.copied = copies.copy(on_device[start : start + nbytes], slot.buffer[:nbytes])
             self.progress(nbytes)
-        return target.untyped_storage() if on_device else None
+        return None if on_device is None else on_device.untyped_storage()
 
     def progress(self, nbytes: int) -> None:
         if self.advance is not None:
@@ -282,15 +293,19 @@ def read_blobs(
     with Checksummer(count if check else 0) as pool:
         reader = _Reader(fd, manifest, pool, check=check, advance=advance)
         cursor = HEADER_SIZE
-        for index in order:
-            blob = manifest.blobs[index]
-            if padding:
-                reader.check_padding(cursor, blob.offset, index)
-            storage = reader.blob(index, placed.get(index))
-            if storage is not None:
-                storages[index] = storage
-            cursor = blob.stop
-        reader.settle()
+        try:
+            for index in order:
+                blob = manifest.blobs[index]
+                if padding:
+                    reader.check_padding(cursor, blob.offset, index)
+                storage = reader.blob(index, placed.get(index))
+                if storage is not None:
+                    storages[index] = storage
+                cursor = blob.stop
+            reader.settle()
+        except BaseException:
+            reader.stop_copies()  # before the device storages read so far are freed
+            raise
     return storages
 
 
