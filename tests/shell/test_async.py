@@ -18,7 +18,7 @@ from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.capture import deferrable
 from pitstop.shell.directory import scan
-from pitstop.shell.staging import storage_keys
+from pitstop.shell.staging import StagingPool, storage_keys
 from pitstop.shell.storage import LocalStorage
 
 
@@ -248,3 +248,35 @@ def test_overlap_copies_the_ema_before_returning(tmp_path: Path) -> None:
         ckpt.wait()
     assert not _same(ema.module.state_dict(), expected)
     assert _same(pitstop.load(saved.path)["weights"]["ema"], expected)
+
+
+def test_a_deferred_copy_that_fails_is_raised_and_the_next_save_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = _run()
+    real = StagingPool._copy
+    calls: list[bool] = []
+
+    def copy(
+        self: StagingPool, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True
+    ) -> None:
+        calls.append(guard)
+        if len(calls) == 2:  # the first snapshot's deferred copies (its first call copies the rest)
+            raise RuntimeError("injected: the copy failed")
+        real(self, pairs, guard=guard)
+
+    monkeypatch.setattr(StagingPool, "_copy", copy)
+    with pitstop.Checkpointer(
+        tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap"
+    ) as ckpt:
+        ckpt.save(pitstop.Progress(step=1))
+        _step(model, optimizer)  # the step's pre-hook or the writer takes the copies: they fail
+        with pytest.raises(SaveError, match="injected: the copy failed"):
+            ckpt.wait()
+        expected = _clone(model.state_dict())
+        saved = ckpt.save(pitstop.Progress(step=2))  # its buffers are free again
+        _step(model, optimizer)
+        ckpt.wait()
+    assert len(calls) == 4
+    assert [c.step for c in scan(LocalStorage(tmp_path)).catalog] == [2]
+    assert _same(pitstop.load(saved.path)["weights"]["raw"], expected)

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -371,8 +372,15 @@ def carry_out(
 
     def copy(guard: bool) -> None:
         # On the loop's thread (guard): later work on its streams waits for the copies. On
-        # the writer's: they are on their own, and write() waits for them before reading.
-        finish_copy(guard)
+        # the writer's: they have landed when it returns. A copy that fails ends the save
+        # before write() runs: its buffers go back to the pool here, for the next save.
+        try:
+            finish_copy(guard)
+        except BaseException:
+            with contextlib.suppress(Exception):  # what was queued lands before reuse
+                pool.ready()
+            pool.release()
+            raise
 
     def write() -> None:
         try:

@@ -5,6 +5,8 @@
 # pitstop.shell.dcpstate's; each of its tensors is a view of a live tensor (a DTensor's local
 # shard). A rank stages alone (no collective), so a rank that cannot stage leaves nothing for the
 # others to wait on; the Checkpointer agrees on the outcome before any rank's DCP write starts.
+# With CUDA the call first waits for the work already queued on the state's devices: DCP's
+# stager copies on a stream of its own, which does not wait for the loop's stream.
 # Overlap mode: the tensors whose storages only optimizer.step() changes — the model's
 # parameters and the optimizers' state, never a buffer or the EMA (an EMA update may run when a
 # GradScaler skips the step, and with it the pre-hook) — are copied later, by whichever thread
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -159,12 +162,30 @@ def stage_sharded(
     call raises, before any collective: agree on the outcome, then start DCP's write on every
     rank or on none."""
     tree = dcp_state(model, optimizers, ema)
+    _after_queued_work(model, ema)
     if not defer:
         return StagedShards(_staged(stager, tree, timeout))
     keys = _only_stepped(model, optimizers, ema)
     now, later = _split(tree, lambda t: not storage_keys([local_shard(t)]).isdisjoint(keys))
     staged = _staged(stager, now, timeout)
     return StagedShards(staged, DeferredCopy(lambda: _staged(stager, later, timeout)))
+
+
+def _after_queued_work(model: nn.Module, ema: nn.Module | None) -> None:
+    """Return once the work already queued on the current stream of each CUDA device the
+    state is on is done (the optimizer.step() just before the call): DCP's stager copies on a
+    stream of its own, which does not wait for that stream."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return  # nothing was ever queued on a GPU
+    modules = [model] if ema is None else [model, ema]
+    devices = {
+        local_shard(t).device
+        for module in modules
+        for t in itertools.chain(module.parameters(), module.buffers())
+    }
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _only_stepped(

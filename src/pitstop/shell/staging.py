@@ -256,26 +256,35 @@ class StagingPool:
 
         ``guard``: make each device's current stream wait for the copies, so that work queued
         after this call (the next forward pass) cannot change a tensor before it is copied.
-        Deferred copies run on the writer thread without it: the optimizer step pre-hook
-        holds back the only work that changes them until they have landed.
+        Without it (deferred copies, on the writer thread) this returns only once the copies
+        have landed: the optimizer step pre-hook that holds back the only work that changes
+        them waits for this call, not for the GPU. Copies queued before an error are waited
+        for by :meth:`ready` as well.
         """
         streams: dict[int | None, Any] = {}
-        for buffer, source in pairs:
-            if source.device.type != "cuda":
-                buffer.copy_(source)
-                continue
-            stream = streams.get(source.device.index)
-            if stream is None:
-                stream = torch.cuda.Stream(device=source.device)  # type: ignore[no-untyped-call]
-                # After everything the caller queued before snapshot(), on whatever stream it
-                # uses — also when this runs later, on the writer thread.
-                stream.wait_event(self._after[source.device.index])
-                streams[source.device.index] = stream
-            with torch.cuda.stream(stream):
-                buffer.copy_(source, non_blocking=True)
-        for index, stream in streams.items():
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            self._events.append(event)
-            if guard:
-                torch.cuda.current_stream(index).wait_stream(stream)
+        try:
+            for buffer, source in pairs:
+                if source.device.type != "cuda":
+                    buffer.copy_(source)
+                    continue
+                stream = streams.get(source.device.index)
+                if stream is None:
+                    stream = torch.cuda.Stream(device=source.device)  # type: ignore[no-untyped-call]
+                    # After everything the caller queued before snapshot(), on whatever stream
+                    # it uses — also when this runs later, on the writer thread.
+                    stream.wait_event(self._after[source.device.index])
+                    streams[source.device.index] = stream
+                with torch.cuda.stream(stream):
+                    buffer.copy_(source, non_blocking=True)
+        finally:
+            events = []
+            for index, stream in streams.items():
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                self._events.append(event)
+                events.append(event)
+                if guard:
+                    torch.cuda.current_stream(index).wait_stream(stream)
+        if not guard:
+            for event in events:
+                event.synchronize()

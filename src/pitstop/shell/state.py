@@ -85,8 +85,12 @@ def snapshot(obj: Any) -> Any:
     return copy.deepcopy(obj.state_dict())
 
 
-def capture_rng() -> dict[str, Any]:
-    """Return the state of every random number generator this process uses."""
+def capture_rng(*, cuda: bool = False) -> dict[str, Any]:
+    """Return the state of every random number generator this process uses.
+
+    The CUDA generators are in it once CUDA is initialized — or, with ``cuda``, whenever a GPU
+    is available (before a restore sets them, so that undoing the restore puts them back).
+    """
     state: dict[str, Any] = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -100,7 +104,7 @@ def capture_rng() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if torch.cuda.is_available() and (cuda or torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
         state["cuda"] = [t.clone() for t in torch.cuda.get_rng_state_all()]
     return state
 
