@@ -10,7 +10,7 @@ a new directory under one root:
   ``{"model": get_model_state_dict, "optimizer": get_optimizer_state_dict}`` (built inside the
   clock, as pitstop builds the same dicts inside its call);
 * ``dcp async_save``: ``dcp.async_save`` of the same, one ``DefaultStager`` kept across saves
-  (pitstop's ``make_stager()``, the same stager as pitstop async), on a gloo group of its own;
+  (pitstop's ``make_stager(model)``, the same stager as pitstop async), on a gloo group of its own;
 * ``pitstop sync``: ``write_sharded`` to a temp name (every file checksummed as DCP writes it,
   then fsynced), then (rank 0) ``write_manifest`` and ``publish_sharded`` (manifest, rename,
   parent fsync);
@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> int:
             print(RESULT + json.dumps(rows), flush=True)
         dist.destroy_process_group()
         return 0
-    stager = make_stager()
+    stager = make_stager(model)
     policy = pitstop.Policy(keep_last=None)  # retention deletes nothing while timed
     checkpointers = {
         mode: pitstop.Checkpointer(

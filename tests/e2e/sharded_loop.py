@@ -123,7 +123,7 @@ def save(args: argparse.Namespace, ranks: Ranks, timeout: datetime.timedelta) ->
     later = parent / "async"
     ranks.lead(later.mkdir)
     dcp_group = dist.new_group(backend="gloo", timeout=timeout)  # DCP's, used on its thread
-    stager = make_stager()
+    stager = make_stager(model)
     try:
         pending = async_write_sharded(
             later / temp,

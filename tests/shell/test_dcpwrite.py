@@ -62,7 +62,7 @@ def test_the_table_holds_each_files_size_and_crc_on_disk_without_a_reread(
             {"optimizer": optimizer},
             ranks=Ranks(0, 1),
             group=group,
-            stager=make_stager(),
+            stager=make_stager(model),
         )
         layout = pending.result(timeout=120)
     table = {f.name: (f.size, f.crc32) for f in layout.files}

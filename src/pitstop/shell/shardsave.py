@@ -133,7 +133,7 @@ class ShardedSaves:
         if dist.is_available() and dist.is_initialized():
             timeout = datetime.timedelta(seconds=self._timeout_s)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
-        self._stager = make_stager()
+        self._stager = make_stager(self._live.model)
 
     def begin(self, progress: Progress) -> str | None:
         """Rank 0, right after the plan (in the same round): start the planned save; the temp

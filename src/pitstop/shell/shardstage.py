@@ -38,10 +38,12 @@ from pitstop.shell.staging import storage_keys
 __all__ = ["DeferredCopy", "StagedShards", "make_stager", "stage_sharded"]
 
 
-def make_stager() -> DefaultStager:
-    """A stager for a background sharded write, to keep and reuse (it caches its host
-    buffers): pinned memory and a background copy with CUDA, a blocking copy on the CPU (DCP's
-    own FileSystemWriter stager, ``cache_staged_state_dict=True``, cannot pin memory there)."""
+def make_stager(model: nn.Module) -> DefaultStager:
+    """A stager for a background sharded write of ``model``'s state, to keep and reuse (it
+    caches its host buffers): pinned memory and a background copy with CUDA — its stream on
+    the device the model's shards are on, whatever device is current — a blocking copy on the
+    CPU (DCP's own FileSystemWriter stager, ``cache_staged_state_dict=True``, cannot pin
+    memory there)."""
     cuda = torch.cuda.is_available()
     options = StagingOptions(
         use_pinned_memory=cuda,
@@ -49,7 +51,13 @@ def make_stager() -> DefaultStager:
         use_async_staging=cuda,
         use_non_blocking_copy=cuda,
     )
-    return DefaultStager(options)
+    device = next(
+        (d for p in model.parameters() if (d := local_shard(p).device).type == "cuda"), None
+    )
+    if device is None:
+        return DefaultStager(options)
+    with torch.cuda.device(device):  # the stager makes its stream on the current device
+        return DefaultStager(options)
 
 
 def _staged(stager: DefaultStager, tree: dict[str, Any], timeout: float | None) -> Any:
