@@ -15,7 +15,8 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import Call, ScheduleState, decide_save, resumed_state
+from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
+from pitstop.errors import ConfigError
 from plan_driver import Driver
 from strategies import METRIC, metric_values, policies
 
@@ -234,3 +235,40 @@ def test_best_only_ever_points_at_a_trained_save_that_carries_the_metric(
         assert entry is not NO_CHECKPOINT
         assert entry.step > 0
         assert METRIC in entry.metrics
+
+
+@given(
+    policy=policies,
+    reached=st.integers(0, 1000),
+    step=st.integers(0, 1000),
+    call=st.sampled_from(list(Call)),
+    stop=st.booleans(),
+)
+def test_a_call_below_the_step_the_run_reached_is_refused_and_no_other_is(
+    policy: Policy, reached: int, step: int, call: Call, stop: bool
+) -> None:
+    state = ScheduleState(timer_start=0.0, reached_step=reached)
+
+    def decide() -> object:
+        return decide_save(
+            policy, state, Pointers(), call=call, progress=Progress(step=step), now=1.0, stop=stop
+        )
+
+    if step < reached:
+        message = f"{call.value}: progress went backwards: step {step}, .* at step {reached}"
+        with pytest.raises(ConfigError, match=message):
+            decide()
+        return
+    decision = decide()
+    assert isinstance(decision, SaveDecision)
+    # A write moves the run's step forward to this one; anything else leaves it where it was.
+    assert decision.state.reached_step == (step if decision.write else reached)
+
+
+def test_a_resume_sets_the_step_the_run_reached_wherever_it_resumed_from() -> None:
+    driver = Driver(Policy(every_steps=2))
+    driver.run(6)
+    newest, older = driver.catalog.get(driver.pointers.last), driver.catalog.entries[0]
+    assert resumed_state(driver.catalog, newest, now=0.0, step=6).reached_step == 6
+    assert resumed_state(driver.catalog, older, now=0.0, step=2).reached_step == 2
+    assert resumed_state(driver.catalog, NO_CHECKPOINT, now=0.0, step=9).reached_step == 9

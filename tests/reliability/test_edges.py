@@ -25,7 +25,7 @@ import torch
 
 import pitstop
 from dirtools import snapshot
-from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.directory import scan
 from pitstop.shell.storage import LocalStorage
@@ -75,6 +75,18 @@ def test_a_fresh_run_never_replaces_another_runs_checkpoints(tmp_path: Path) -> 
             assert part in message
         assert "another checkpoint directory" in message
         assert "overwrite=True" in message
+    assert snapshot(tmp_path) == before
+
+
+def test_a_resume_that_fails_leaves_another_runs_checkpoints_protected(tmp_path: Path) -> None:
+    _run(tmp_path, steps=(1, 2, 3))
+    before = snapshot(tmp_path)
+    model = torch.nn.Linear(5, 2)  # another shape: the resume is refused
+    with pitstop.Checkpointer(tmp_path, model=model, policy=pitstop.Policy(keep_last=1)) as ckpt:
+        with pytest.raises(IncompatibleCheckpoint):
+            ckpt.resume()
+        with pytest.raises(SaveError, match="step 3"):
+            ckpt.save(pitstop.Progress(step=1))  # still another run's: refused, nothing deleted
     assert snapshot(tmp_path) == before
 
 

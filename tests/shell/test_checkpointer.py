@@ -824,7 +824,18 @@ def test_maybe_save_on_a_stop(tmp_path: Path) -> None:
 
 def test_checkpoints_oldest_first(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, model=build_model(), policy=Policy(keep_last=None)) as ckpt:
-        for step in (5, 1, 3):  # a resumed timeline saves lower steps later
+        ckpt.save(Progress(step=5))
+    with Checkpointer(tmp_path, model=build_model(), policy=Policy(keep_last=None)) as ckpt:
+        ckpt.resume()
+        ckpt.save(Progress(step=5))  # at the step it resumed at: allowed
+        with pytest.raises(
+            ConfigError, match="progress went backwards: step 1, but this run is at step 5"
+        ):
+            ckpt.save(Progress(step=1))  # resume()'s result not used
+    with Checkpointer(
+        tmp_path, model=build_model(), policy=Policy(keep_last=None), overwrite=True
+    ) as ckpt:
+        for step in (1, 3):  # another timeline, started afresh, saves lower steps later
             ckpt.save(Progress(step=step))
         listed = ckpt.checkpoints()
     assert [c.step for c in listed] == [5, 1, 3]

@@ -184,3 +184,22 @@ def test_a_checkpoint_directory_that_is_a_file_is_a_pitstop_error(tmp_path: Path
     path.write_text("a file")
     with pytest.raises(SaveError, match="is not a directory"):
         DirectoryLock(path, run_id="x").acquire()
+
+
+def test_a_lock_whose_file_cannot_be_removed_is_still_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = DirectoryLock(tmp_path, run_id="a")
+    lock.acquire()
+    real = os.unlink
+
+    def refused(path: object, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "unlink", refused)
+    with pytest.raises(PermissionError):
+        lock.release()
+    monkeypatch.setattr(os, "unlink", real)
+    assert not lock.held
+    with DirectoryLock(tmp_path, run_id="b") as again:  # the same process takes it again
+        assert again.held

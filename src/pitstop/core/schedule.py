@@ -60,17 +60,21 @@ class ScheduleState:
     ``last_saved_step``: the step of the directory's newest checkpoint when this run wrote it
     (or resumed from it: see :func:`resumed_state`), else ``NO_CHECKPOINT``.
     ``timer_start``: the clock reading (seconds, monotonic) the ``every_seconds`` timer counts
-    from.
+    from. ``reached_step``: the step this run resumed at or last wrote; a call at an earlier
+    step is refused (progress that went backwards, such as a ``resume()`` whose result was
+    not used, would otherwise move ``last`` back to a step the run has trained past).
     """
 
     timer_start: float
     last_saved_step: int | NoCheckpoint = NO_CHECKPOINT
+    reached_step: int = 0
 
 
 def resumed_state(
-    catalog: Catalog, resumed: CheckpointEntry | NoCheckpoint, *, now: float
+    catalog: Catalog, resumed: CheckpointEntry | NoCheckpoint, *, now: float, step: int = 0
 ) -> ScheduleState:
-    """Return the schedule state of a run that resumed from ``resumed`` at clock ``now``.
+    """Return the schedule state of a run that resumed from ``resumed`` at clock ``now``, at
+    ``step`` (the restored progress's step, wherever it came from).
 
     The restored step counts as already saved only when ``resumed`` is the directory's newest
     checkpoint. After a resume from an older one (an abandoned timeline follows it), ``last``
@@ -78,8 +82,8 @@ def resumed_state(
     """
     newest = catalog.newest()
     if resumed is NO_CHECKPOINT or newest is NO_CHECKPOINT or newest.name != resumed.name:
-        return ScheduleState(timer_start=now)
-    return ScheduleState(timer_start=now, last_saved_step=resumed.step)
+        return ScheduleState(timer_start=now, reached_step=step)
+    return ScheduleState(timer_start=now, last_saved_step=resumed.step, reached_step=step)
 
 
 @attrs.frozen(kw_only=True)
@@ -136,6 +140,12 @@ def decide_save(
         )
     reasons: set[SaveReason] = set()
     step = progress.step
+    if step < state.reached_step:
+        raise ConfigError(
+            f"{call.value}: progress went backwards: step {step}, but this run is at step "
+            f"{state.reached_step} (resumed or saved there); pass the Progress that resume() "
+            f"returned and advance it"
+        )
     if call is Call.MANUAL:
         reasons.add(manual_reason)
     if policy.every_steps is not None and step > 0 and step % policy.every_steps == 0:
@@ -170,7 +180,9 @@ def decide_save(
         moves.add(PointerName.FINAL)
     if SaveReason.BEST in reasons:
         moves.add(PointerName.BEST)
-    next_state = ScheduleState(timer_start=now, last_saved_step=step) if write else state
+    next_state = (
+        ScheduleState(timer_start=now, last_saved_step=step, reached_step=step) if write else state
+    )
     return SaveDecision(
         write=write,
         reasons=frozenset(reasons),

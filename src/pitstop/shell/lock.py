@@ -196,9 +196,11 @@ class DirectoryLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        os.close(fd)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        finally:
+            os.close(fd)  # the lock is dropped even when the file cannot be removed
 
     def __enter__(self) -> DirectoryLock:
         self.acquire()

@@ -236,12 +236,10 @@ def find_resume(
     """What ``Checkpointer.resume(source)`` restores: a verified file and its entry.
 
     ``source`` is a pointer name of ``directory`` (or a path to one of its own pointers: fresh
-    when it has none), or any checkpoint argument, which must verify (no fallback). From now
-    on ``directory`` lets this run replace the checkpoints it held when it was opened.
+    when it has none), or any checkpoint argument, which must verify (no fallback).
     ``verify(path)`` checks each candidate, raising ``CheckpointCorrupt`` (the resume path
     passes one that loads the file in the same pass, so the file is read once).
     """
-    directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
     pointer = own_pointer(directory, source)
     best = directory.policy.best
     if pointer is not None:

@@ -170,7 +170,6 @@ def _candidates(
 ) -> tuple[list[tuple[Path, tuple[Any, ...] | None]], bool]:
     """Rank 0: the resume order for ``pointer``, each with its entry as it travels, and
     whether the directory holds any checkpoint at all."""
-    directory.adopt()  # resuming is continuing: the checkpoints found are this run's to replace
     best = directory.policy.best
     found = scan(directory.storage, best)
     order = resume_order(found.catalog, found.pointers, pointer, best)

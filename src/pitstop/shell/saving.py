@@ -332,12 +332,20 @@ class Saver:
         raise AssertionError("a failed save reports its error")  # pragma: no cover
 
     def resumed(self, entry: CheckpointEntry | NoCheckpoint) -> None:
-        """Rank 0: the schedule after resuming from ``entry``."""
+        """Rank 0: the schedule after resuming from ``entry`` (or finding nothing to resume).
+        Resuming is continuing: from now on the checkpoints the directory held when it was
+        opened are this run's to replace — only once the resume has succeeded."""
+        self._directory.adopt()
         catalog = self._directory.catalog
         in_directory = (
             entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
         )
-        self.schedule = resumed_state(catalog, in_directory or NO_CHECKPOINT, now=time.monotonic())
+        self.schedule = resumed_state(
+            catalog,
+            in_directory or NO_CHECKPOINT,
+            now=time.monotonic(),
+            step=entry.step if entry is not NO_CHECKPOINT else 0,
+        )
 
 
 def carry_out(
