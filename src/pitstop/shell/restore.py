@@ -197,8 +197,9 @@ class Restore:
         """Load what can fail; on failure undo it all and raise IncompatibleCheckpoint."""
         live, tree = self._live, self._tree
         undo = self._undo
-        rng = tree.get(RNG, {}).get(self._rank) if self._per_rank else None
-        self._rng_before = capture_rng(cuda=isinstance(rng, Mapping) and "cuda" in rng)
+        rngs = tree.get(RNG) if self._per_rank else None
+        mine = rngs.get(self._rank) if isinstance(rngs, Mapping) else None
+        self._rng_before = capture_rng(cuda=isinstance(mine, Mapping) and "cuda" in mine)
         what = "the model"
         try:
             for name, stored in self._stored_components().items():
@@ -217,6 +218,7 @@ class Restore:
                     undo.append(partial(live.ema.n_averaged.copy_, before))
                     live.ema.n_averaged.copy_(tree[EMA_COUNT]["n_averaged"])
                 what = "the random number generators"
+                rng = tree.get(RNG, {}).get(self._rank) if self._per_rank else None
                 if rng is not None:
                     restore_rng(rng)
         except Exception as exc:
