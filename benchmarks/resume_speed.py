@@ -47,6 +47,11 @@ and the resume's own pass — the optimizer's state read into new memory — wit
 readers). ``--baseline-src DIR`` adds a second pitstop row resumed with the package under
 ``DIR`` (another checkout's ``src/``), taking turns with this one: before and after, in one run.
 
+``--device cuda`` builds the live model and optimizer on the GPU (a restarted run resuming onto
+its accelerator): ``torch.load`` and safetensors load onto the device, the floor reads into
+pinned memory and copies it to the device in one piece, and every clock stops once the device
+is synchronized (there are no host pages to write then).
+
     .venv/bin/python benchmarks/resume_speed.py --sizes-mib 256,1024 --repeats 5 --phases
 """
 
@@ -121,10 +126,11 @@ class Model(nn.Module):
         self.layers = nn.ParameterList(nn.Parameter(fill(per)) for _ in range(count))
 
 
-def live_objects(size_mib: int, count: int) -> tuple[Model, torch.optim.AdamW]:
-    """What a restarted run builds before it resumes: a model (zeros) and a fresh AdamW."""
+def live_objects(size_mib: int, count: int, device: str = "cpu") -> tuple[Model, torch.optim.AdamW]:
+    """What a restarted run builds before it resumes: a model (zeros, on ``device``) and a
+    fresh AdamW."""
     per = (size_mib * MIB) // 4 // count
-    model = Model(count, per, fill=lambda n: torch.zeros(n))
+    model = Model(count, per, fill=lambda n: torch.zeros(n, device=device))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -250,6 +256,8 @@ def touch(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     for state in optimizer.state.values():
         tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.numel())
     for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue  # device memory: no pages of the host's to fault in
         flat = tensor.reshape(-1).view(torch.uint8)
         flat[::PAGE].add_(0)
 
@@ -265,14 +273,17 @@ def check_resumed(model: Model, optimizer: torch.optim.AdamW) -> None:
 
 
 def resume_with(
-    candidate: str, root: Path, model: Model, optimizer: torch.optim.AdamW
+    candidate: str, root: Path, model: Model, optimizer: torch.optim.AdamW, device: str = "cpu"
 ) -> Callable[[], None]:
     """The timed work of ``candidate`` (its setup, untimed, is done here)."""
     if candidate == FLOOR:
         (path,) = json.loads((root / "files.json").read_text())[FLOOR]
         size = os.path.getsize(path)
-        buffer = torch.empty(size, dtype=torch.uint8)
+        on_device = device != "cpu"
+        # On a GPU: read into pinned memory, then one copy of it all to the device.
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=on_device)
         buffer[::PAGE].fill_(1)  # allocated and faulted in beforehand: the floor copies only
+        target = torch.empty(size, dtype=torch.uint8, device=device) if on_device else None
         view = memoryview(buffer.numpy())
 
         def floor() -> None:
@@ -280,12 +291,14 @@ def resume_with(
                 done = 0
                 while done < size:
                     done += file.readinto(view[done:]) or 0
+            if target is not None:
+                target.copy_(buffer, non_blocking=True)
 
         return floor
     if candidate == TORCH:
 
         def torch_load() -> None:
-            state = torch.load(root / "state.pt", weights_only=True, map_location="cpu")
+            state = torch.load(root / "state.pt", weights_only=True, map_location=device)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
 
@@ -312,7 +325,7 @@ def resume_with(
         from safetensors.torch import load_file
 
         def safetensors_load() -> None:
-            flat = load_file(str(root / "state.safetensors"))
+            flat = load_file(str(root / "state.safetensors"), device=device)
             model.load_state_dict(
                 {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
             )
@@ -486,10 +499,13 @@ def install_phases() -> Phases:
     return phases
 
 
-def worker(candidate: str, root: Path, size_mib: int, count: int, phases: bool) -> dict[str, Any]:
+def worker(
+    candidate: str, root: Path, size_mib: int, count: int, phases: bool, device: str = "cpu"
+) -> dict[str, Any]:
     """One run of ``candidate`` in this (fresh) process; returns its figures."""
-    model, optimizer = live_objects(size_mib, count)
-    work = resume_with(candidate, root, model, optimizer)
+    model, optimizer = live_objects(size_mib, count, device)  # CUDA's context: made here
+    work = resume_with(candidate, root, model, optimizer, device)
+    done = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     clocks = install_phases() if phases else None
     every = json.loads((root / "files.json").read_text())
     files = every.get(PITSTOP if candidate == BASELINE else candidate, every[FLOOR])
@@ -501,6 +517,7 @@ def worker(candidate: str, root: Path, size_mib: int, count: int, phases: bool) 
         cpu = time.process_time()
         start = time.perf_counter()
         work()
+        done()  # every copy to the device has landed
         resumed = time.perf_counter()
         if candidate in RESUMES and candidate != FLOOR:
             touch(model, optimizer)
@@ -533,6 +550,7 @@ def run_worker(
     count: int,
     phases: bool,
     baseline_src: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     env = dict(os.environ)
     if candidate == BASELINE and baseline_src:  # the same resume, another checkout's pitstop
@@ -548,6 +566,8 @@ def run_worker(
         str(size_mib),
         "--tensors",
         str(count),
+        "--device",
+        device,
     ]
     if phases:
         command.append("--phases")
@@ -676,6 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmups", type=int, default=1, help="untimed runs per candidate")
     parser.add_argument("--phases", action="store_true", help="clock pitstop's resume phases")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the live model and optimizer are: cpu or cuda[:N] (the floor then reads "
+        "into pinned memory and copies it to the device)",
+    )
+    parser.add_argument(
         "--read-strategies",
         action="store_true",
         help="also time the checking read pass alone, six ways (threads, pread, mmap, readers)",
@@ -696,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        row = worker(args.worker, Path(args.root), args.sizes_mib[0], args.tensors, args.phases)
+        row = worker(
+            args.worker, Path(args.root), args.sizes_mib[0], args.tensors, args.phases, args.device
+        )
         print(json.dumps(row))
         return 0
     if args.repeats < 1 or args.warmups < 0:
@@ -719,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"pitstop's CRC-32: {ENGINE}, {args.tensors} tensors; median of {args.repeats} after "
         f"{args.warmups} warm-up round(s), a fresh process per run, cold page cache, "
-        "every live page written after"
+        f"live state on {args.device}"
+        + (", every live page written after" if args.device == "cpu" else ", synchronized after")
     )
     if not have_safetensors():
         print("safetensors is not installed: no safetensors row")
@@ -734,7 +763,9 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[dict[str, Any]]] = {c: [] for c in candidates}
             for _ in range(args.warmups):  # the first read of each file, untimed
                 for c in candidates:
-                    run_worker(c, root, size_mib, args.tensors, False, args.baseline_src)
+                    run_worker(
+                        c, root, size_mib, args.tensors, False, args.baseline_src, args.device
+                    )
             for round_ in range(args.repeats):
                 for c in rotated(candidates, round_):
                     runs[c].append(
@@ -745,12 +776,14 @@ def main(argv: list[str] | None = None) -> int:
                             args.tensors,
                             args.phases and c in (PITSTOP, BASELINE),
                             args.baseline_src,
+                            args.device,
                         )
                     )
-            rows.extend(summarize(runs, size_mib, file_bytes))
-    print()
-    print_table(rows)
-    print_phases(rows)
+            size_rows = summarize(runs, size_mib, file_bytes)
+        print()  # each size's table as soon as it is done: a run stopped later keeps it
+        print_table(size_rows)
+        print_phases(size_rows)
+        rows.extend(size_rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

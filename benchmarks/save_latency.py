@@ -586,9 +586,19 @@ def measure(
             before = rss_bytes()
             with memory.peak() as peak:
                 candidate = make()
-                candidates.append(candidate)
                 candidate.setup()
-                candidate.run()  # warm-up: not timed; allocates what the candidate keeps
+                try:
+                    candidate.run()  # warm-up: not timed; allocates what the candidate keeps
+                except Exception as exc:  # e.g. another torch's DCP: reported, left out
+                    print(
+                        f"note: {candidate.system} {candidate.mode} failed its warm-up and is "
+                        f"left out: {exc!r}",
+                        flush=True,
+                    )
+                    candidate.setup()
+                    candidate.close()
+                    continue
+                candidates.append(candidate)
                 candidate.evict()
             memory.settle()
             peaks.append(peak[0] - before)

@@ -175,11 +175,14 @@ def worker(args: argparse.Namespace) -> int:
             save(state, checkpoint_id=target)
             blocking = time.perf_counter() - start
         elif candidate == "dcp async_save":
-            future = async_save(
+            response = async_save(
                 state, checkpoint_id=target, async_stager=stager, process_group=dcp_group
             )
+            staged = getattr(response, "staging_completion", None)  # an AsyncSaveResponse
+            if staged is not None:  # a staging thread (with CUDA): the loop waits for the copy
+                staged.result()
             blocking = time.perf_counter() - start
-            future.result()
+            getattr(response, "upload_completion", response).result()
         elif candidate.startswith("Checkpointer"):
             ckpt = checkpointers[candidate.rsplit(" ", 1)[1]]
             saved = ckpt.save(pitstop.Progress(step=next(steps)))

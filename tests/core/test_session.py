@@ -21,6 +21,7 @@ from pitstop.core.session import (
     advance,
     claim_copy,
     gate,
+    left_by_raise,
     reads_live,
     satisfied,
     save_status,
@@ -122,6 +123,19 @@ def test_an_unknown_ticket_is_an_error() -> None:
         save_status(Session(background=True), 1)
 
 
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_call_that_raised_aborts_only_its_own_save(background: bool, phase: Phase) -> None:
+    session = Session(background=background, phase=phase, ticket=3, step=30, name="step_30")
+    own = phase is Phase.CAPTURING or (not background and phase in SAVING)
+    assert left_by_raise(session) is own
+    if own:  # ending it is legal, and the save counts as failed
+        after = advance(session, Event.ABORTED)
+        assert after.phase is Phase.IDLE
+        assert save_status(after, 3) is SaveStatus.FAILED
+        assert after.failure is NO_FAILURE  # the call raises the error itself
+
+
 class SessionMachine(RuleBasedStateMachine):
     """The session against a plain model: one save in flight, each outcome known, errors once.
 
@@ -166,6 +180,22 @@ class SessionMachine(RuleBasedStateMachine):
         self.session = advance(self.session, Event.DEFER if deferred else Event.CAPTURED)
         self.in_flight = True
         self.outcomes[self.session.ticket] = SaveStatus.PENDING
+
+    @precondition(lambda self: not self.closed)
+    @rule(step=st.integers(0, 10**6))
+    def save_raises_while_capturing(self, step: int) -> None:
+        """The save call raises after BEGIN, before it handed anything over: it aborts."""
+        if not self._call(Request.SAVE) or not self._call(Request.WRITE):
+            return
+        self.session = advance(self.session, Event.BEGIN, step=step, name=f"step_{step}")
+        assert left_by_raise(self.session)
+        self.session = advance(self.session, Event.ABORTED)
+        self.outcomes[self.session.ticket] = SaveStatus.FAILED
+
+    @rule()
+    def a_later_call_raises(self) -> None:
+        """A call that raises between saves never ends the writer's save in flight."""
+        assert not left_by_raise(self.session)
 
     @precondition(lambda self: self.session.phase in (Phase.DEFERRED, Phase.COPYING))
     @rule()

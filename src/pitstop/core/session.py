@@ -11,7 +11,9 @@
 #                                    before its call returns)
 #   WRITING ── PUBLISHED ──► IDLE    durable, pointers moved
 #   any save phase ── FAILED ──► FAILED   (in the background) the error waits for the next call
-#   any save phase ── ABORTED ──► IDLE    (on the loop's thread) the call raised it itself
+#   any save phase ── ABORTED ──► IDLE    (on the loop's thread) the call raised it itself;
+#                                    `left_by_raise` says whether a call that raised from
+#                                    anywhere left its own save unended (it must abort it)
 #   FAILED ── REPORTED ──► IDLE      the error reached the caller, exactly once
 #   IDLE | FAILED ── CLOSE ──► CLOSED
 # Every other (phase, event) pair is a bug and raises IllegalTransition. Before a call does
@@ -51,6 +53,7 @@ __all__ = [
     "advance",
     "claim_copy",
     "gate",
+    "left_by_raise",
     "reads_live",
     "satisfied",
     "save_status",
@@ -183,6 +186,18 @@ def advance(session: Session, event: Event, *, step: int = 0, name: str = "") ->
 def claim_copy(session: Session) -> bool:
     """Whether a thread may take the deferred copies now (nobody has yet)."""
     return session.phase is Phase.DEFERRED
+
+
+def left_by_raise(session: Session) -> bool:
+    """Whether a save call that raised left its own save unended, to be ABORTED on its thread.
+
+    A save still capturing is the calling thread's own; without a background writer, so is a
+    save in any phase. A background save handed over (deferred, copying, writing) belongs to
+    the thread that took it, which ends it.
+    """
+    if session.phase is Phase.CAPTURING:
+        return True
+    return not session.background and session.phase in _SAVING
 
 
 def reads_live(session: Session) -> bool:

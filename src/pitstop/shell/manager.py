@@ -380,30 +380,35 @@ class Checkpointer:
             asked = merge_inputs(inputs)
             return plan(asked) if decide(asked) else None
 
-        if shards is None or done is None:  # one round trip: rank 0 hears, decides and plans
-            planned = ranks.gather_then_lead(each, decide_and_plan, box=GATHER_BOX)
-        else:  # every rank hears whether every rank's part of the save in flight is written
-            gathered = ranks.all_gather_each(lambda: (each(), done))
-            asked = merge_inputs([inputs for inputs, _ in gathered])
-            shards.settle(block=False, done=[d for _, d in gathered])  # its error raised
-            if shards.done() is None:  # published
-                planned = ranks.lead(lambda: plan(asked) if decide(asked) else None)
-            elif ranks.lead(lambda: decide(asked)):  # the plan needs the directory settled
-                shards.settle(block=True)
-                planned = ranks.lead(lambda: plan(asked))
+        try:
+            if shards is None or done is None:  # one round trip: rank 0 hears, decides and plans
+                planned = ranks.gather_then_lead(each, decide_and_plan, box=GATHER_BOX)
+            else:  # every rank hears whether every rank's part of the save in flight is written
+                gathered = ranks.all_gather_each(lambda: (each(), done))
+                asked = merge_inputs([inputs for inputs, _ in gathered])
+                shards.settle(block=False, done=[d for _, d in gathered])  # its error raised
+                if shards.done() is None:  # published
+                    planned = ranks.lead(lambda: plan(asked) if decide(asked) else None)
+                elif ranks.lead(lambda: decide(asked)):  # the plan needs the directory settled
+                    shards.settle(block=True)
+                    planned = ranks.lead(lambda: plan(asked))
+                else:
+                    planned = None
+            if planned is None:
+                return None
+            (_, wire), temp = planned
+            if shards is not None and temp is not None:
+                ticket = shards.save(temp)
             else:
-                planned = None
-        if planned is None:
-            return None
-        (_, wire), temp = planned
-        if shards is not None and temp is not None:
-            ticket = shards.save(temp)
-        else:
-            write = partial(saver.write, progress, overlap=self.async_save == "overlap")
-            if ranks.many:  # every rank's part reaches rank 0, which writes them
-                ticket = ranks.gather_state(rank_state(self._live), write)
-            else:
-                ticket = write(None)
+                write = partial(saver.write, progress, overlap=self.async_save == "overlap")
+                if ranks.many:  # every rank's part reaches rank 0, which writes them
+                    ticket = ranks.gather_state(rank_state(self._live), write)
+                else:
+                    ticket = write(None)
+        except BaseException:
+            if ranks.leader:  # a fault that no step of the save caught: nothing waits for it
+                saver.abandon()
+            raise
         self.last_blocking_s = time.perf_counter() - started
         entry = entry_from_wire(wire)
         if entry is NO_CHECKPOINT:

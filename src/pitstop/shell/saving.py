@@ -46,7 +46,7 @@ from pitstop.core.records import (
     SaveReason,
 )
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
-from pitstop.core.session import Event, Request
+from pitstop.core.session import Event, Request, left_by_raise
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell import fileformat
@@ -247,6 +247,18 @@ class Saver:
     def _remove_temp(self, entry: CheckpointEntry) -> None:
         """Remove the temp directory of ``entry``'s sharded save, whatever is left of it."""
         shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+
+    def abandon(self) -> None:
+        """Rank 0: the save call raised from a step that did not end its own save (a fault
+        between the plan and the write): end it as aborted, its temp directory removed, so
+        that no later call, ``close`` included, waits for it."""
+        if not left_by_raise(self._session.state):
+            return
+        self._session.event(Event.ABORTED)
+        self._handed = None
+        plan = self._planned
+        if self.sharded and plan is not None and plan.entry is not NO_CHECKPOINT:
+            self._remove_temp(plan.entry)
 
     def abort_sharded(self) -> None:
         """Rank 0: the shards could not be written (every rank raises the same error)."""
