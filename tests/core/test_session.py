@@ -21,6 +21,7 @@ from pitstop.core.session import (
     advance,
     claim_copy,
     gate,
+    may_release,
     reads_live,
     satisfied,
     save_status,
@@ -115,6 +116,14 @@ def test_a_closed_session_refuses_all_but_close_the_hook_and_listing(request_: R
     rule = gate(closed, request_)
     assert rule.until is Until.NOW
     assert bool(rule.refuse) is (request_ not in (Request.CLOSE, Request.STEP, Request.LIST))
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_the_directory_may_be_released_only_with_no_save_in_flight(phase: Phase) -> None:
+    """A writer may write while a save is in flight: close() keeps the lock until it settles."""
+    session = Session(background=True, phase=phase, ticket=1, step=5, name="step_5")
+    assert may_release(session) is (phase not in SAVING)
+    assert may_release(session) is satisfied(session, Until.SETTLED)  # what close() waits for
 
 
 def test_an_unknown_ticket_is_an_error() -> None:
@@ -231,6 +240,7 @@ class SessionMachine(RuleBasedStateMachine):
     @invariant()
     def one_save_in_flight_and_every_outcome_known(self) -> None:
         assert (self.session.phase in SAVING) is self.in_flight
+        assert may_release(self.session) is not self.in_flight
         for ticket, status in self.outcomes.items():
             assert save_status(self.session, ticket) is status
         assert (self.session.failure is not NO_FAILURE) is self.pending_error

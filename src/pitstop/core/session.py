@@ -22,7 +22,8 @@
 # mode) wait until nothing live is read; calls that read the directory or end the session wait
 # until the save settles.
 # Each save gets a ticket number; `save_status` tells a Checkpoint record whether its save is
-# pending, published or failed.
+# pending, published or failed. The directory may be unlocked (`may_release`) only when no save
+# is in flight: a close() interrupted while the writer writes keeps the lock.
 # How: enums for phases, events and requests; a dict for the transition table; frozen records.
 
 """The save session: phases, events, and what each call waits for."""
@@ -51,6 +52,7 @@ __all__ = [
     "advance",
     "claim_copy",
     "gate",
+    "may_release",
     "reads_live",
     "satisfied",
     "save_status",
@@ -271,3 +273,9 @@ def save_status(session: Session, ticket: int) -> SaveStatus:
     if ticket == session.ticket and session.phase in _SAVING:
         return SaveStatus.PENDING
     return SaveStatus.PUBLISHED
+
+
+def may_release(session: Session) -> bool:
+    """Whether the directory may be unlocked: no save is in flight, so no thread (the writer's
+    least of all) may still write to it."""
+    return session.phase not in _SAVING

@@ -1,7 +1,8 @@
 # How a Checkpointer ends: closed, or dropped without close().
 #
 # Rules: the end publishes what is in flight, then removes the optimizer hooks and releases the
-# directory lock — in that order, and the release happens even when publishing fails. A
+# directory lock — in that order, and the release happens even when publishing fails, but never
+# while a writer may still write (the core's may_release: a close interrupted twice). A
 # Checkpointer closed by its owner raises a failed background save's error (after the
 # release); one dropped without close() (collected, or left open at interpreter exit) has
 # nobody to raise to, so the error is logged. The finalizer refers to the session, the
@@ -57,4 +58,9 @@ def shut_down(
     except Exception as exc:
         log.error("closing a dropped Checkpointer failed: %s", exc)
     finally:
-        release(directory, hooks)
+        if session.may_release():
+            release(directory, hooks)
+        else:  # interrupted twice while the writer writes: the kernel drops the lock at exit
+            log.error(
+                "%s stays locked until this process exits: a save is in flight", directory.path
+            )

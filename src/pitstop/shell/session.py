@@ -7,7 +7,10 @@
 # record of which save failed and raised by the next call of any kind, as a SaveError naming
 # the step and the file. Deferred copies (overlap mode) are taken by whichever thread needs
 # them first: the writer when it gets to them, or the loop at its next optimizer step — so the
-# loop never waits for a writer thread that has not been scheduled yet.
+# loop never waits for a writer thread that has not been scheduled yet. A Ctrl-C while close()
+# waits for the writer does not stop the writer: close waits on, then raises it; a second one is
+# raised at once, with the save still in flight, so the directory must stay locked
+# (may_release) until a later close() has waited for it.
 # Nothing here refers to the Checkpointer: a dropped Checkpointer is collected (and its
 # directory unlocked) even while a job or an optimizer hook still refers to its session.
 # How: a condition variable, one daemon worker thread started at the first background save
@@ -38,6 +41,7 @@ from pitstop.core.session import (
     advance,
     claim_copy,
     gate,
+    may_release,
     satisfied,
     save_status,
 )
@@ -148,8 +152,33 @@ class SaveSession:
             self._cond.notify_all()
 
     def close(self) -> Reported | None:
-        """Wait for the save in flight, stop the writer thread; return a failure to raise."""
-        reported = self.enter(Request.CLOSE)
+        """Wait for the save in flight, stop the writer thread; return a failure to raise.
+
+        An interrupt while it waits (a KeyboardInterrupt: any BaseException that is not an
+        Exception) does not stop the writer, so close still waits for it, then closes and
+        raises the interrupt (a failure of that save is logged). A second interrupt ends that
+        wait too: it is raised at once, with the save still in flight and the session open —
+        :meth:`may_release` says so — for a later close() to finish.
+        """
+        try:
+            reported = self.enter(Request.CLOSE)
+        except Exception:
+            raise
+        except BaseException:
+            with self._cond:
+                while not satisfied(self._state, Until.SETTLED):
+                    self._cond.wait()
+                failure, error = self._state.failure, self._error
+            if failure is not NO_FAILURE:
+                where = self._directory / failure.name
+                log.error("background save of step %d (%s) failed: %s", failure.step, where, error)
+            self._shut()
+            raise
+        self._shut()
+        return reported
+
+    def _shut(self) -> None:
+        """Close the session (a failure not raised yet is dropped) and end the writer thread."""
         with self._cond:
             if self._state.phase is not Phase.CLOSED:
                 self._state = advance(self._state, Event.CLOSE)
@@ -158,7 +187,11 @@ class SaveSession:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        return reported
+
+    def may_release(self) -> bool:
+        """Whether the directory may be unlocked: no writer may still write to it."""
+        with self._cond:
+            return may_release(self._state)
 
     def status(self, ticket: int) -> SaveStatus:
         """What became of save number ``ticket``."""
