@@ -176,6 +176,18 @@ class SessionMachine(RuleBasedStateMachine):
         self.in_flight = True
         self.outcomes[self.session.ticket] = SaveStatus.PENDING
 
+    @precondition(lambda self: not self.closed)
+    @rule(step=st.integers(0, 10**6))
+    def save_raised(self, step: int) -> None:
+        """The save call raises on the loop's thread (its capture failed, or its writer thread
+        could not start): the session is idle again, the save failed, and no error is pending —
+        the caller has it."""
+        if not self._call(Request.SAVE) or not self._call(Request.WRITE):
+            return
+        self.session = advance(self.session, Event.BEGIN, step=step, name=f"step_{step}")
+        self.session = advance(self.session, Event.ABORTED)
+        self.outcomes[self.session.ticket] = SaveStatus.FAILED
+
     @precondition(lambda self: self.session.phase in (Phase.DEFERRED, Phase.COPYING))
     @rule()
     def copy_finished(self) -> None:

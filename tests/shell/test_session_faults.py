@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+import pitstop
 from pitstop import Checkpointer, Progress
-from pitstop.core.session import SaveStatus
-from pitstop.errors import DirectoryLocked
+from pitstop.core.session import Phase, SaveStatus
+from pitstop.errors import DirectoryLocked, SaveError
 from pitstop.shell.directory import scan
 from pitstop.shell.storage import LocalStorage
 from writergate import TIMEOUT
@@ -191,3 +192,48 @@ def test_a_second_ctrl_c_stops_the_wait_and_the_directory_stays_locked_until_clo
     assert not _locked(ckpt, tmp_path)
     ckpt.close()
     assert _steps(tmp_path) == [1]
+
+
+# --- a writer thread that cannot start ------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_a_writer_thread_that_cannot_start_fails_the_save_and_the_next_one_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: bool | str
+) -> None:
+    model, optimizer = _run()
+    real = threading.Thread.start
+    refusals = [RuntimeError("can't start new thread")]
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "pitstop-writer" and refusals:  # the first writer only
+            raise refusals.pop()
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with Checkpointer(
+        tmp_path,
+        model=model,
+        state={"optimizer": optimizer},
+        async_save=mode,  # type: ignore[arg-type]
+    ) as ckpt:
+        with pytest.raises(SaveError) as raised:
+            ckpt.save(Progress(step=1))
+        message = str(raised.value)
+        assert "step 1" in message
+        assert str(tmp_path / "step_000000000001.pitstop") in message
+        assert "can't start new thread" in message
+        assert isinstance(raised.value.__cause__, RuntimeError)
+        assert ckpt._session.state.phase is Phase.IDLE
+        assert ckpt._session.status(1) is SaveStatus.FAILED
+        pool = ckpt._saver._pool
+        assert pool is not None
+        assert not pool._lent  # the staging buffers went back to the pool
+        assert list(tmp_path.iterdir()) == [tmp_path / ".lock"]  # nothing written
+        at_save = _weights(model)
+        saved = ckpt.save(Progress(step=1))  # the same step: the failed save did not count
+        _step(model, optimizer)
+        ckpt.wait()
+        assert saved.published
+    assert _steps(tmp_path) == [1]
+    assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -385,9 +384,7 @@ def carry_out(
         try:
             finish_copy(guard)
         except BaseException:
-            with contextlib.suppress(Exception):  # what was queued lands before reuse
-                pool.ready()
-            pool.release()
+            pool.give_back()
             raise
 
     def write() -> None:
@@ -397,4 +394,8 @@ def carry_out(
         finally:
             pool.release()
 
-    session.hand_over(write, copy if defer else None)
+    try:
+        session.hand_over(write, copy if defer else None)
+    except BaseException:  # nothing was handed over (no writer thread): the buffers go back
+        pool.give_back()
+        raise

@@ -139,17 +139,31 @@ class SaveSession:
             self._cond.notify_all()
 
     def hand_over(self, write: Callable[[], None], copy: Copy | None) -> None:
-        """Hand the captured save to the writer thread; ``copy``: the copies left to do."""
+        """Hand the captured save to the writer thread; ``copy``: the copies left to do.
+
+        The writer thread starts at the first background save, before anything is handed to
+        it. Raises :class:`~pitstop.errors.SaveError` naming the step and the file when it
+        cannot start: nothing was handed over, and the caller aborts the save.
+        """
         with self._cond:
+            if self._thread is None:
+                self._thread = self._start_writer()
             self._state = advance(self._state, Event.DEFER if copy else Event.CAPTURED)
             self._copy = copy
             self._job = write
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=_work, args=(self,), name="pitstop-writer", daemon=True
-                )
-                self._thread.start()
             self._cond.notify_all()
+
+    def _start_writer(self) -> threading.Thread:
+        thread = threading.Thread(target=_work, args=(self,), name="pitstop-writer", daemon=True)
+        try:
+            thread.start()
+        except Exception as exc:  # RuntimeError: can't start new thread
+            where = self._directory / self._state.name
+            raise SaveError(
+                f"background save of step {self._state.step} ({where}) failed: its writer "
+                f"thread could not start: {exc}"
+            ) from exc
+        return thread
 
     def close(self) -> Reported | None:
         """Wait for the save in flight, stop the writer thread; return a failure to raise.
