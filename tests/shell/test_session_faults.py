@@ -22,8 +22,9 @@ from pitstop import Checkpointer, Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import DirectoryLocked, SaveError
 from pitstop.shell.directory import scan
+from pitstop.shell.staging import StagingPool
 from pitstop.shell.storage import LocalStorage
-from writergate import TIMEOUT
+from writergate import TIMEOUT, WriterGate
 
 
 def _run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -237,3 +238,93 @@ def test_a_writer_thread_that_cannot_start_fails_the_save_and_the_next_one_is_wr
         assert saved.published
     assert _steps(tmp_path) == [1]
     assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
+
+
+# --- a Ctrl-C in overlap mode's optimizer hook -----------------------------------------------
+
+
+def _interrupt_the_deferred_copy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The first snapshot's deferred copies raise KeyboardInterrupt (its first copy call copies
+    the rest); returns each call's ``guard``."""
+    real = StagingPool._copy
+    calls: list[bool] = []
+
+    def copy(
+        self: StagingPool, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True
+    ) -> None:
+        calls.append(guard)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(self, pairs, guard=guard)
+
+    monkeypatch.setattr(StagingPool, "_copy", copy)
+    return calls
+
+
+def _close(ckpt: Checkpointer) -> None:
+    """close(), where a KeyboardInterrupt would be one the step hook kept: a failure, not the
+    end of the test run."""
+    try:
+        ckpt.close()
+    except KeyboardInterrupt:
+        pytest.fail("close() raised a KeyboardInterrupt that the step hook had kept")
+
+
+def test_a_ctrl_c_in_the_step_hooks_copy_is_raised_from_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer_gate: WriterGate
+) -> None:
+    model, optimizer = _run()
+    calls = _interrupt_the_deferred_copy(monkeypatch)
+    ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap")
+    try:
+        at_save = _weights(model)
+        saved = ckpt.save(Progress(step=1))
+        with pytest.raises(KeyboardInterrupt):
+            _step(model, optimizer)  # the writer is held: the hook copies, and is interrupted
+        assert calls == [True, True]  # on the loop's thread
+        assert _same(_weights(model), at_save)  # raised before the step changed anything
+        assert saved.status is SaveStatus.FAILED  # abandoned, and consistent:
+        assert ckpt._session.state.phase is not Phase.COPYING
+        pool = ckpt._saver._pool
+        assert pool is not None
+        assert not pool._lent
+        again = ckpt.save(Progress(step=1))  # no second interrupt; step 1 was not saved
+        _step(model, optimizer)
+        writer_gate.open()
+        ckpt.wait()
+        assert again.published
+    finally:
+        writer_gate.open()
+        _close(ckpt)
+    assert _steps(tmp_path) == [1]
+    assert _same(dict(pitstop.load(again.path)["weights"]["raw"]), at_save)
+
+
+def test_a_ctrl_c_in_the_step_hook_leaves_a_with_block_as_a_keyboard_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer_gate: WriterGate
+) -> None:
+    """Leaving the block, close() puts the abandoned save's schedule back and raises nothing of
+    its own: the interrupt is what the user sees, and the directory is unlocked."""
+    model, optimizer = _run()
+    _interrupt_the_deferred_copy(monkeypatch)
+    opened: list[Checkpointer] = []
+    reached = []
+
+    def loop() -> None:
+        with Checkpointer(
+            tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap"
+        ) as ckpt:
+            opened.append(ckpt)
+            try:
+                ckpt.save(Progress(step=1))
+                _step(model, optimizer)
+                reached.append("after the step")
+            finally:
+                writer_gate.open()  # before close() joins the writer
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        loop()
+    assert reached == []  # raised from the step, not later
+    assert raised.value.__context__ is None  # nothing raised on top of it, or under it
+    assert not _locked(opened[0], tmp_path)
+    assert _steps(tmp_path) == []

@@ -51,7 +51,7 @@ def shut_down(
         if abandon is not None:
             abandon()
         reported = session.close()
-        if reported is not None:
+        if reported is not None and reported.error is not None:
             log.error(
                 "a background save failed and nobody was left to raise it: %s", reported.error
             )

@@ -124,10 +124,12 @@ class Saver:
         self.raise_failed(self._session.enter(request))
 
     def raise_failed(self, reported: Reported | None) -> None:
-        """Raise the error of a failed background save, after putting its undo back."""
+        """Raise the error of a failed background save, after putting its undo back (an
+        interrupted one's error was raised already: only undone)."""
         if reported is not None:
             self.schedule, self.pointers = reported.undo
-            raise reported.error
+            if reported.error is not None:
+                raise reported.error
 
     def decide(
         self,

@@ -7,7 +7,8 @@
 # record of which save failed and raised by the next call of any kind, as a SaveError naming
 # the step and the file. Deferred copies (overlap mode) are taken by whichever thread needs
 # them first: the writer when it gets to them, or the loop at its next optimizer step — so the
-# loop never waits for a writer thread that has not been scheduled yet. A Ctrl-C while close()
+# loop never waits for a writer thread that has not been scheduled yet; a Ctrl-C while the loop
+# makes them is raised there, the save abandoned (undone by the next call). A Ctrl-C while close()
 # waits for the writer does not stop the writer: close waits on, then raises it; a second one is
 # raised at once, with the save still in flight, so the directory must stay locked
 # (may_release) until a later close() has waited for it.
@@ -39,6 +40,7 @@ from pitstop.core.session import (
     Session,
     Until,
     advance,
+    after_failed_copy,
     claim_copy,
     gate,
     may_release,
@@ -57,9 +59,10 @@ Copy = Callable[[bool], None]
 
 @attrs.frozen(kw_only=True)
 class Reported:
-    """A failed background save, handed to the caller to raise: the error and what to undo."""
+    """A failed background save, handed to the caller: the error to raise (``None``: its
+    thread raised it already, an interrupt) and what to undo."""
 
-    error: BaseException
+    error: BaseException | None
     undo: Any
 
 
@@ -110,10 +113,12 @@ class SaveSession:
     def _report(self) -> Reported:
         failure = self._state.failure
         assert failure is not NO_FAILURE
-        assert self._error is not None
         error, undo = self._error, self._undo
         self._error = self._undo = None
         self._state = advance(self._state, Event.REPORTED)
+        if failure.raised:  # an interrupt, raised on the loop's thread already: only undone
+            return Reported(error=None, undo=undo)
+        assert error is not None
         if isinstance(error, Exception):
             where = self._directory / failure.name
             wrapped = SaveError(f"background save of step {failure.step} ({where}) failed: {error}")
@@ -183,7 +188,7 @@ class SaveSession:
                 while not satisfied(self._state, Until.SETTLED):
                     self._cond.wait()
                 failure, error = self._state.failure, self._error
-            if failure is not NO_FAILURE:
+            if failure is not NO_FAILURE and not failure.raised:
                 where = self._directory / failure.name
                 log.error("background save of step %d (%s) failed: %s", failure.step, where, error)
             self._shut()
@@ -223,7 +228,12 @@ class SaveSession:
     # --- both sides ------------------------------------------------------------------------
 
     def _take_copy(self, *, guard: bool) -> None:
-        """Run the deferred copies on this thread if nobody has taken them yet."""
+        """Run the deferred copies on this thread if nobody has taken them yet.
+
+        A copy that fails fails the save (the writer then writes nothing). Its error waits for
+        the next call — except an interrupt on the loop's thread (a KeyboardInterrupt: any
+        BaseException that is not an Exception), raised here once the session is consistent.
+        """
         with self._cond:
             if not claim_copy(self._state):
                 return
@@ -233,20 +243,29 @@ class SaveSession:
         try:
             copy(guard)
         except BaseException as exc:
-            self.fail(exc)
-            if threading.current_thread() is self._thread:
+            event = after_failed_copy(
+                on_loop=threading.current_thread() is not self._thread,
+                interrupt=not isinstance(exc, Exception),
+            )
+            self.fail(exc, event)
+            if event is Event.INTERRUPTED:
                 raise
             return
         self.event(Event.COPIED)
 
-    def fail(self, exc: BaseException) -> None:
-        """The save in flight failed with ``exc``: kept, and raised by the next call."""
+    def fail(self, exc: BaseException, event: Event = Event.FAILED) -> None:
+        """The save in flight failed with ``exc``: kept, and raised by the next call
+        (``event`` INTERRUPTED: this thread raises it; the next call only undoes the save)."""
         with self._cond:
             if self._state.phase in (Phase.FAILED, Phase.IDLE, Phase.CLOSED):
                 return
-            self._error = exc
-            self._state = advance(self._state, Event.FAILED)
+            self._error = exc if event is Event.FAILED else None
+            self._state = advance(self._state, event)
             self._cond.notify_all()
+            step, name = self._state.step, self._state.name
+        if event is Event.INTERRUPTED:
+            where = self._directory / name
+            log.warning("background save of step %d (%s) abandoned: interrupted", step, where)
 
     # --- the writer's side -----------------------------------------------------------------
 
