@@ -12,6 +12,7 @@ from pitstop.core.session import (
     NO_FAILURE,
     TRANSITIONS,
     Event,
+    FailedSave,
     IllegalTransition,
     Phase,
     Request,
@@ -19,9 +20,11 @@ from pitstop.core.session import (
     Session,
     Until,
     advance,
+    after_failed_copy,
     claim_copy,
     gate,
     left_by_raise,
+    may_release,
     reads_live,
     satisfied,
     save_status,
@@ -87,6 +90,30 @@ def test_a_failure_is_named_and_reported_once() -> None:
     assert save_status(session, 1) is SaveStatus.FAILED  # still known as failed
 
 
+@pytest.mark.parametrize(("on_loop", "interrupt"), list(itertools.product([True, False], repeat=2)))
+def test_a_failed_copy_is_raised_at_once_only_when_it_interrupted_the_loops_thread(
+    on_loop: bool, interrupt: bool
+) -> None:
+    event = after_failed_copy(on_loop=on_loop, interrupt=interrupt)
+    assert event is (Event.INTERRUPTED if on_loop and interrupt else Event.FAILED)
+
+
+def test_an_interrupted_copy_fails_its_save_and_reporting_it_only_undoes_it() -> None:
+    session = advance(Session(background=True), Event.BEGIN, step=4, name="step_4")
+    session = advance(advance(session, Event.DEFER), Event.CLAIM)
+    session = advance(session, Event.INTERRUPTED)
+    assert session.phase is Phase.FAILED
+    assert session.failure == FailedSave(ticket=1, step=4, name="step_4", raised=True)
+    assert save_status(session, 1) is SaveStatus.FAILED
+    assert not reads_live(session)
+    assert may_release(session)  # the writer writes nothing of it
+    session = advance(session, Event.REPORTED)
+    assert (session.phase, session.failure) == (Phase.IDLE, NO_FAILURE)
+    assert save_status(session, 1) is SaveStatus.FAILED
+    failed = advance(advance(Session(background=True), Event.BEGIN), Event.CAPTURED)
+    assert not advance(failed, Event.FAILED).failure.raised  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("request_", list(Request))
 def test_every_call_but_the_optimizer_hook_raises_a_pending_failure(request_: Request) -> None:
     assert gate(Session(background=True), request_).raise_failure is (request_ is not Request.STEP)
@@ -116,6 +143,14 @@ def test_a_closed_session_refuses_all_but_close_the_hook_and_listing(request_: R
     rule = gate(closed, request_)
     assert rule.until is Until.NOW
     assert bool(rule.refuse) is (request_ not in (Request.CLOSE, Request.STEP, Request.LIST))
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_the_directory_may_be_released_only_with_no_save_in_flight(phase: Phase) -> None:
+    """A writer may write while a save is in flight: close() keeps the lock until it settles."""
+    session = Session(background=True, phase=phase, ticket=1, step=5, name="step_5")
+    assert may_release(session) is (phase not in SAVING)
+    assert may_release(session) is satisfied(session, Until.SETTLED)  # what close() waits for
 
 
 def test_an_unknown_ticket_is_an_error() -> None:
@@ -150,8 +185,10 @@ class SessionMachine(RuleBasedStateMachine):
         self.in_flight = False
         self.outcomes: dict[int, SaveStatus] = {}
         self.pending_error = False
+        self.pending_interrupt = False  # the pending failure's thread raised it already
         self.raised = 0
         self.failures = 0
+        self.undone = 0
         self.closed = False
 
     def _call(self, request: Request) -> bool:
@@ -165,9 +202,14 @@ class SessionMachine(RuleBasedStateMachine):
             return False
         if rule.raise_failure and self.session.failure is not NO_FAILURE:
             assert self.pending_error
+            assert self.session.failure.raised is self.pending_interrupt
             self.session = advance(self.session, Event.REPORTED)
             self.pending_error = False
-            self.raised += 1
+            if self.pending_interrupt:  # only undone: the interrupt was raised already
+                self.undone += 1
+            else:
+                self.raised += 1
+            self.pending_interrupt = False
         return True
 
     @precondition(lambda self: not self.closed)
@@ -184,7 +226,10 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule(step=st.integers(0, 10**6))
     def save_raises_while_capturing(self, step: int) -> None:
-        """The save call raises after BEGIN, before it handed anything over: it aborts."""
+        """The save call raises on the loop's thread after BEGIN, before it handed anything over
+        (its capture failed, its writer thread could not start, a fault between the plan and
+        the write): the call ends it, the save failed, and no error is pending — the caller
+        has it."""
         if not self._call(Request.SAVE) or not self._call(Request.WRITE):
             return
         self.session = advance(self.session, Event.BEGIN, step=step, name=f"step_{step}")
@@ -210,6 +255,17 @@ class SessionMachine(RuleBasedStateMachine):
         self.session = advance(self.session, Event.PUBLISHED)
         self.in_flight = False
         self.outcomes[self.session.ticket] = SaveStatus.PUBLISHED
+
+    @precondition(lambda self: self.session.phase in (Phase.DEFERRED, Phase.COPYING))
+    @rule()
+    def copy_interrupted(self) -> None:
+        """A Ctrl-C while the loop's thread makes the deferred copies: raised there and then."""
+        if claim_copy(self.session):
+            self.session = advance(self.session, Event.CLAIM)
+        self.session = advance(self.session, Event.INTERRUPTED)
+        self.in_flight = False
+        self.pending_error = self.pending_interrupt = True
+        self.outcomes[self.session.ticket] = SaveStatus.FAILED
 
     @precondition(lambda self: self.session.phase in SAVING - {Phase.CAPTURING})
     @rule()
@@ -246,7 +302,7 @@ class SessionMachine(RuleBasedStateMachine):
         """A dropped Checkpointer's finalizer closes it: a failure nobody raised is dropped."""
         self.session = advance(self.session, Event.CLOSE)
         self.closed = True
-        self.pending_error = False
+        self.pending_error = self.pending_interrupt = False
 
     @rule(event=st.sampled_from(list(Event)))
     def any_event(self, event: Event) -> None:
@@ -261,9 +317,12 @@ class SessionMachine(RuleBasedStateMachine):
     @invariant()
     def one_save_in_flight_and_every_outcome_known(self) -> None:
         assert (self.session.phase in SAVING) is self.in_flight
+        assert may_release(self.session) is not self.in_flight
         for ticket, status in self.outcomes.items():
             assert save_status(self.session, ticket) is status
         assert (self.session.failure is not NO_FAILURE) is self.pending_error
+        failure = self.session.failure
+        assert (failure is not NO_FAILURE and failure.raised) is self.pending_interrupt
         assert self.raised <= self.failures
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from onerank import one_rank_group
+from writergate import WriterGate, hold_writer
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +17,9 @@ def group() -> Iterator[Any]:
     group of its own for DCP's async collectives."""
     with one_rank_group() as own:
         yield own
+
+
+@pytest.fixture
+def writer_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[WriterGate]:
+    """The writer thread of a Checkpointer made during the test waits until ``open()``."""
+    yield from hold_writer(monkeypatch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,13 +16,10 @@ import torch
 from torch import nn
 
 import pitstop
-import pitstop.shell.session as session_module
 from pitstop import Checkpointer, Progress, SaveReason
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import DirectoryLocked, SaveError
-
-TIMEOUT = 60.0  # only a safeguard: a gate not opened by then is a failure, never a hang
-OPENER_TIMEOUT = 20.0  # shorter, so that a test's own opener gives up first
+from writergate import OPENER_TIMEOUT, TIMEOUT, WriterGate
 
 
 def _run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -46,32 +43,6 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class WriterGate:
-    """Holds the writer thread back at its start until :meth:`open`."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.timed_out = False
-
-    def open(self) -> None:
-        self.event.set()
-
-
-@pytest.fixture
-def writer_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[WriterGate]:
-    gate = WriterGate()
-    real: Callable[[session_module.SaveSession], None] = session_module._work
-
-    def held(session: session_module.SaveSession) -> None:
-        gate.timed_out = not gate.event.wait(TIMEOUT)
-        real(session)  # even then: a writer that never ran would hang close()
-
-    monkeypatch.setattr(session_module, "_work", held)
-    yield gate
-    gate.open()  # never leave a writer thread waiting
-    assert not gate.timed_out, "the test never opened the writer gate"
 
 
 def test_overlap_mode_optimizer_step_waits_for_the_copy(

@@ -150,3 +150,50 @@ def test_a_fault_starting_the_write_is_raised_by_the_call_and_nothing_waits_for_
     assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
     with background(root) as again:
         published(again, 7)
+
+
+def test_a_ctrl_c_while_close_waits_for_the_shards_leaves_the_save_for_the_next_close(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt while close() waits for a background sharded save is raised at once:
+    the save stays in flight (only a settle publishes it, so closing the session then would
+    wait forever — a bounded join, first), DCP may still be writing, so the directory stays
+    locked, and close() again publishes it and unlocks."""
+    root = tmp_path / "checkpoints"
+    ckpt = background(root)
+    saved = ckpt.save(pitstop.Progress(step=3))
+    assert saved is not None
+    shards = ckpt._shards
+    assert shards is not None
+    real = shards.settle
+    interrupts = [KeyboardInterrupt()]
+
+    def settle(*, block: bool, done: Any = None) -> None:
+        if block and interrupts:  # Ctrl-C in the wait: the save in flight is kept
+            raise interrupts.pop()
+        real(block=block, done=done)
+
+    monkeypatch.setattr(shards, "settle", settle)
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            ckpt.close()
+        except BaseException as exc:  # the KeyboardInterrupt, handed to the test
+            raised.append(exc)
+
+    closing = threading.Thread(target=close, daemon=True)
+    closing.start()
+    closing.join(60)
+    hung = closing.is_alive()
+    if hung:
+        real(block=True)  # publish it, so that the waiting close() ends
+        closing.join(60)
+    assert not hung, "close() waited for a sharded save that only a settle can publish"
+    assert [type(e) for e in raised] == [KeyboardInterrupt]
+    assert ckpt._directory._lock.held
+    assert saved.status is pitstop.SaveStatus.PENDING
+    ckpt.close()
+    assert saved.status is pitstop.SaveStatus.PUBLISHED
+    assert not ckpt._directory._lock.held
+    assert [c.path.name for c in ckpt.checkpoints()] == [sharded_name(3)]

@@ -11,10 +11,13 @@
 #                                    before its call returns)
 #   WRITING ── PUBLISHED ──► IDLE    durable, pointers moved
 #   any save phase ── FAILED ──► FAILED   (in the background) the error waits for the next call
+#   COPYING ── INTERRUPTED ──► FAILED     the loop's thread, making the deferred copies, was
+#                                    interrupted (a Ctrl-C): it raises that there and then
 #   any save phase ── ABORTED ──► IDLE    (on the loop's thread) the call raised it itself;
 #                                    `left_by_raise` says whether a call that raised from
 #                                    anywhere left its own save unended (it must abort it)
-#   FAILED ── REPORTED ──► IDLE      the error reached the caller, exactly once
+#   FAILED ── REPORTED ──► IDLE      the error reached the caller, exactly once (an interrupted
+#                                    save's already had: reporting it only puts its undo back)
 #   IDLE | FAILED ── CLOSE ──► CLOSED
 # Every other (phase, event) pair is a bug and raises IllegalTransition. Before a call does
 # anything it asks `gate`: what it must wait for (nothing; until the live state is no longer
@@ -23,8 +26,12 @@
 # or read live state (resume, register, a save that writes, the optimizer's step in overlap
 # mode) wait until nothing live is read; calls that read the directory or end the session wait
 # until the save settles.
-# Each save gets a ticket number; `save_status` tells a Checkpoint record whether its save is
-# pending, published or failed.
+# A deferred copy that raised is raised at once only when it is an interrupt on the loop's
+# thread (`after_failed_copy`); any other error waits for the next call, as raising it inside
+# optimizer.step() would break the user's step. Each save gets a ticket number; `save_status`
+# tells a Checkpoint record whether its save is pending, published or failed. The directory may
+# be unlocked (`may_release`) only when no save is in flight: a close() interrupted while the
+# writer writes keeps the lock.
 # How: enums for phases, events and requests; a dict for the transition table; frozen records.
 
 """The save session: phases, events, and what each call waits for."""
@@ -51,9 +58,11 @@ __all__ = [
     "Session",
     "Until",
     "advance",
+    "after_failed_copy",
     "claim_copy",
     "gate",
     "left_by_raise",
+    "may_release",
     "reads_live",
     "satisfied",
     "save_status",
@@ -87,6 +96,7 @@ class Event(enum.Enum):
     CAPTURED = "captured"
     PUBLISHED = "published"
     FAILED = "failed"
+    INTERRUPTED = "interrupted"  # the loop's thread, interrupted in its copy, raises it itself
     ABORTED = "aborted"
     REPORTED = "reported"
     CLOSE = "close"
@@ -100,6 +110,7 @@ TRANSITIONS: Final[dict[tuple[Phase, Event], Phase]] = {
     (Phase.CAPTURING, Event.CAPTURED): Phase.WRITING,
     (Phase.DEFERRED, Event.CLAIM): Phase.COPYING,
     (Phase.COPYING, Event.COPIED): Phase.WRITING,
+    (Phase.COPYING, Event.INTERRUPTED): Phase.FAILED,
     (Phase.WRITING, Event.PUBLISHED): Phase.IDLE,
     **{(phase, Event.FAILED): Phase.FAILED for phase in _SAVING},
     **{(phase, Event.ABORTED): Phase.IDLE for phase in _SAVING},
@@ -124,11 +135,16 @@ NO_FAILURE: Final = NoFailure.NO_FAILURE
 
 @attrs.frozen(kw_only=True)
 class FailedSave:
-    """A background save that failed: which one (the shell keeps the exception itself)."""
+    """A background save that failed: which one (the shell keeps the exception itself).
+
+    ``raised``: the thread that met the error raised it itself (the loop's, interrupted in its
+    copy), so reporting it only puts the schedule and pointers back.
+    """
 
     ticket: int
     step: int
     name: str
+    raised: bool = False
 
 
 class SaveStatus(enum.Enum):
@@ -171,8 +187,13 @@ def advance(session: Session, event: Event, *, step: int = 0, name: str = "") ->
         )
     if event is Event.BEGIN:
         return attrs.evolve(session, phase=after, ticket=session.ticket + 1, step=step, name=name)
-    if event is Event.FAILED:
-        failure = FailedSave(ticket=session.ticket, step=session.step, name=session.name)
+    if event in (Event.FAILED, Event.INTERRUPTED):
+        failure = FailedSave(
+            ticket=session.ticket,
+            step=session.step,
+            name=session.name,
+            raised=event is Event.INTERRUPTED,
+        )
         return attrs.evolve(
             session, phase=after, failure=failure, failed=session.failed | {session.ticket}
         )
@@ -181,6 +202,13 @@ def advance(session: Session, event: Event, *, step: int = 0, name: str = "") ->
     if event in (Event.REPORTED, Event.CLOSE):
         return attrs.evolve(session, phase=after, failure=NO_FAILURE)
     return attrs.evolve(session, phase=after)
+
+
+def after_failed_copy(*, on_loop: bool, interrupt: bool) -> Event:
+    """What a deferred copy that raised does to its save: INTERRUPTED (the thread raises it at
+    once) when the loop's thread was interrupted — a Ctrl-C, meant for the loop — else FAILED
+    (the error waits for the next call; the writer's thread has nobody to raise to)."""
+    return Event.INTERRUPTED if on_loop and interrupt else Event.FAILED
 
 
 def claim_copy(session: Session) -> bool:
@@ -230,7 +258,8 @@ class Until(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class Gate:
-    """What a call must do first: wait ``until``, then raise the pending failure or not.
+    """What a call must do first: wait ``until``, then report the pending failure or not (put
+    its undo back, and raise its error unless its thread raised it already).
 
     ``refuse``: non-empty when the call is refused, with the reason.
     """
@@ -286,3 +315,9 @@ def save_status(session: Session, ticket: int) -> SaveStatus:
     if ticket == session.ticket and session.phase in _SAVING:
         return SaveStatus.PENDING
     return SaveStatus.PUBLISHED
+
+
+def may_release(session: Session) -> bool:
+    """Whether the directory may be unlocked: no save is in flight, so no thread (the writer's
+    least of all) may still write to it."""
+    return session.phase not in _SAVING

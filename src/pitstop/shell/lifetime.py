@@ -1,7 +1,8 @@
 # How a Checkpointer ends: closed, or dropped without close().
 #
 # Rules: the end publishes what is in flight, then removes the optimizer hooks and releases the
-# directory lock — in that order, and the release happens even when publishing fails. A
+# directory lock — in that order, and the release happens even when publishing fails, but never
+# while a writer may still write (the core's may_release: a close interrupted twice). A
 # Checkpointer closed by its owner raises a failed background save's error (after the
 # release); one dropped without close() (collected, or left open at interpreter exit) has
 # nobody to raise to, so the error is logged. The finalizer refers to the session, the
@@ -50,11 +51,16 @@ def shut_down(
         if abandon is not None:
             abandon()
         reported = session.close()
-        if reported is not None:
+        if reported is not None and reported.error is not None:
             log.error(
                 "a background save failed and nobody was left to raise it: %s", reported.error
             )
     except Exception as exc:
         log.error("closing a dropped Checkpointer failed: %s", exc)
     finally:
-        release(directory, hooks)
+        if session.may_release():
+            release(directory, hooks)
+        else:  # interrupted twice while the writer writes: the kernel drops the lock at exit
+            log.error(
+                "%s stays locked until this process exits: a save is in flight", directory.path
+            )

@@ -235,29 +235,41 @@ class Checkpointer:
     def close(self) -> None:
         """Publish what is in flight, release the directory lock; idempotent.
 
-        Raises the error of a background save that failed, after releasing everything.
+        Raises the error of a background save that failed, after releasing everything. The lock
+        is never released while a writer may still write: a Ctrl-C while close() waits for one
+        lets it finish first, then is raised; a second Ctrl-C is raised at once, and the
+        directory stays locked until close() is called again (or the process ends).
         """
         if not self._finalizer.alive:
             return
-        self._finalizer.detach()
 
         def close() -> None:
             try:
                 reported = self._session.close()
             finally:
-                release(self._directory, self._hooks)
+                if self._session.may_release():  # no writer may still write to the directory
+                    self._finalizer.detach()
+                    release(self._directory, self._hooks)
             self._saver.raise_failed(reported)
 
+        interrupted = False
         try:
             if self._shards is not None:  # every rank: the sharded save in flight, published
                 self._shards.settle(block=True)
+        except BaseException as exc:
+            # Interrupted, the sharded save stays in flight: only a later settle publishes it.
+            interrupted = not isinstance(exc, Exception)
+            raise
         finally:
-            try:
-                self._ranks.lead(close)
-            finally:
-                for hook in self._hooks:  # other ranks' hooks
-                    hook.remove()
-                self._hooks.clear()
+            if not interrupted:
+                try:
+                    self._ranks.lead(close)
+                finally:
+                    if not self._ranks.leader:  # nothing written here, nothing to wait for
+                        self._finalizer.detach()
+                        for hook in self._hooks:
+                            hook.remove()
+                        self._hooks.clear()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -125,10 +124,12 @@ class Saver:
         self.raise_failed(self._session.enter(request))
 
     def raise_failed(self, reported: Reported | None) -> None:
-        """Raise the error of a failed background save, after putting its undo back."""
+        """Raise the error of a failed background save, after putting its undo back (an
+        interrupted one's error was raised already: only undone)."""
         if reported is not None:
             self.schedule, self.pointers = reported.undo
-            raise reported.error
+            if reported.error is not None:
+                raise reported.error
 
     def decide(
         self,
@@ -397,9 +398,7 @@ def carry_out(
         try:
             finish_copy(guard)
         except BaseException:
-            with contextlib.suppress(Exception):  # what was queued lands before reuse
-                pool.ready()
-            pool.release()
+            pool.give_back()
             raise
 
     def write() -> None:
@@ -409,4 +408,8 @@ def carry_out(
         finally:
             pool.release()
 
-    session.hand_over(write, copy if defer else None)
+    try:
+        session.hand_over(write, copy if defer else None)
+    except BaseException:  # nothing was handed over (no writer thread): the buffers go back
+        pool.give_back()
+        raise

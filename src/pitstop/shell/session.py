@@ -7,7 +7,11 @@
 # record of which save failed and raised by the next call of any kind, as a SaveError naming
 # the step and the file. Deferred copies (overlap mode) are taken by whichever thread needs
 # them first: the writer when it gets to them, or the loop at its next optimizer step — so the
-# loop never waits for a writer thread that has not been scheduled yet.
+# loop never waits for a writer thread that has not been scheduled yet; a Ctrl-C while the loop
+# makes them is raised there, the save abandoned (undone by the next call). A Ctrl-C while close()
+# waits for the writer does not stop the writer: close waits on, then raises it; a second one is
+# raised at once, with the save still in flight, so the directory must stay locked
+# (may_release) until a later close() has waited for it.
 # Nothing here refers to the Checkpointer: a dropped Checkpointer is collected (and its
 # directory unlocked) even while a job or an optimizer hook still refers to its session.
 # How: a condition variable, one daemon worker thread started at the first background save
@@ -36,8 +40,10 @@ from pitstop.core.session import (
     Session,
     Until,
     advance,
+    after_failed_copy,
     claim_copy,
     gate,
+    may_release,
     satisfied,
     save_status,
 )
@@ -53,9 +59,10 @@ Copy = Callable[[bool], None]
 
 @attrs.frozen(kw_only=True)
 class Reported:
-    """A failed background save, handed to the caller to raise: the error and what to undo."""
+    """A failed background save, handed to the caller: the error to raise (``None``: its
+    thread raised it already, an interrupt) and what to undo."""
 
-    error: BaseException
+    error: BaseException | None
     undo: Any
 
 
@@ -106,10 +113,12 @@ class SaveSession:
     def _report(self) -> Reported:
         failure = self._state.failure
         assert failure is not NO_FAILURE
-        assert self._error is not None
         error, undo = self._error, self._undo
         self._error = self._undo = None
         self._state = advance(self._state, Event.REPORTED)
+        if failure.raised:  # an interrupt, raised on the loop's thread already: only undone
+            return Reported(error=None, undo=undo)
+        assert error is not None
         if isinstance(error, Exception):
             where = self._directory / failure.name
             wrapped = SaveError(f"background save of step {failure.step} ({where}) failed: {error}")
@@ -135,21 +144,60 @@ class SaveSession:
             self._cond.notify_all()
 
     def hand_over(self, write: Callable[[], None], copy: Copy | None) -> None:
-        """Hand the captured save to the writer thread; ``copy``: the copies left to do."""
+        """Hand the captured save to the writer thread; ``copy``: the copies left to do.
+
+        The writer thread starts at the first background save, before anything is handed to
+        it. Raises :class:`~pitstop.errors.SaveError` naming the step and the file when it
+        cannot start: nothing was handed over, and the caller aborts the save.
+        """
         with self._cond:
+            if self._thread is None:
+                self._thread = self._start_writer()
             self._state = advance(self._state, Event.DEFER if copy else Event.CAPTURED)
             self._copy = copy
             self._job = write
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=_work, args=(self,), name="pitstop-writer", daemon=True
-                )
-                self._thread.start()
             self._cond.notify_all()
 
+    def _start_writer(self) -> threading.Thread:
+        thread = threading.Thread(target=_work, args=(self,), name="pitstop-writer", daemon=True)
+        try:
+            thread.start()
+        except Exception as exc:  # RuntimeError: can't start new thread
+            where = self._directory / self._state.name
+            raise SaveError(
+                f"background save of step {self._state.step} ({where}) failed: its writer "
+                f"thread could not start: {exc}"
+            ) from exc
+        return thread
+
     def close(self) -> Reported | None:
-        """Wait for the save in flight, stop the writer thread; return a failure to raise."""
-        reported = self.enter(Request.CLOSE)
+        """Wait for the save in flight, stop the writer thread; return a failure to raise.
+
+        An interrupt while it waits (a KeyboardInterrupt: any BaseException that is not an
+        Exception) does not stop the writer, so close still waits for it, then closes and
+        raises the interrupt (a failure of that save is logged). A second interrupt ends that
+        wait too: it is raised at once, with the save still in flight and the session open —
+        :meth:`may_release` says so — for a later close() to finish.
+        """
+        try:
+            reported = self.enter(Request.CLOSE)
+        except Exception:
+            raise
+        except BaseException:
+            with self._cond:
+                while not satisfied(self._state, Until.SETTLED):
+                    self._cond.wait()
+                failure, error = self._state.failure, self._error
+            if failure is not NO_FAILURE and not failure.raised:
+                where = self._directory / failure.name
+                log.error("background save of step %d (%s) failed: %s", failure.step, where, error)
+            self._shut()
+            raise
+        self._shut()
+        return reported
+
+    def _shut(self) -> None:
+        """Close the session (a failure not raised yet is dropped) and end the writer thread."""
         with self._cond:
             if self._state.phase is not Phase.CLOSED:
                 self._state = advance(self._state, Event.CLOSE)
@@ -158,7 +206,11 @@ class SaveSession:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        return reported
+
+    def may_release(self) -> bool:
+        """Whether the directory may be unlocked: no writer may still write to it."""
+        with self._cond:
+            return may_release(self._state)
 
     def status(self, ticket: int) -> SaveStatus:
         """What became of save number ``ticket``."""
@@ -176,7 +228,12 @@ class SaveSession:
     # --- both sides ------------------------------------------------------------------------
 
     def _take_copy(self, *, guard: bool) -> None:
-        """Run the deferred copies on this thread if nobody has taken them yet."""
+        """Run the deferred copies on this thread if nobody has taken them yet.
+
+        A copy that fails fails the save (the writer then writes nothing). Its error waits for
+        the next call — except an interrupt on the loop's thread (a KeyboardInterrupt: any
+        BaseException that is not an Exception), raised here once the session is consistent.
+        """
         with self._cond:
             if not claim_copy(self._state):
                 return
@@ -186,20 +243,29 @@ class SaveSession:
         try:
             copy(guard)
         except BaseException as exc:
-            self.fail(exc)
-            if threading.current_thread() is self._thread:
+            event = after_failed_copy(
+                on_loop=threading.current_thread() is not self._thread,
+                interrupt=not isinstance(exc, Exception),
+            )
+            self.fail(exc, event)
+            if event is Event.INTERRUPTED:
                 raise
             return
         self.event(Event.COPIED)
 
-    def fail(self, exc: BaseException) -> None:
-        """The save in flight failed with ``exc``: kept, and raised by the next call."""
+    def fail(self, exc: BaseException, event: Event = Event.FAILED) -> None:
+        """The save in flight failed with ``exc``: kept, and raised by the next call
+        (``event`` INTERRUPTED: this thread raises it; the next call only undoes the save)."""
         with self._cond:
             if self._state.phase in (Phase.FAILED, Phase.IDLE, Phase.CLOSED):
                 return
-            self._error = exc
-            self._state = advance(self._state, Event.FAILED)
+            self._error = exc if event is Event.FAILED else None
+            self._state = advance(self._state, event)
             self._cond.notify_all()
+            step, name = self._state.step, self._state.name
+        if event is Event.INTERRUPTED:
+            where = self._directory / name
+            log.warning("background save of step %d (%s) abandoned: interrupted", step, where)
 
     # --- the writer's side -----------------------------------------------------------------
 

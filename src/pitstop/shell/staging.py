@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -139,6 +140,13 @@ class StagingPool:
         """Wait until the last snapshot's device-to-host copies have landed."""
         for event in self._events:
             event.synchronize()
+
+    def give_back(self) -> None:
+        """The last snapshot will not be written (its save failed): once what was queued has
+        landed, its buffers go back to the pool (an error waiting for them is not raised)."""
+        with contextlib.suppress(Exception):
+            self.ready()
+        self.release()
 
     def _lend(self, needs: list[tuple[int, bool]]) -> list[torch.Tensor]:
         """A buffer for each ``(nbytes, pinned)`` need: reused where one fits, else new."""
