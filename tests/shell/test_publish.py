@@ -143,6 +143,65 @@ def test_a_failed_publish_of_a_replacement_keeps_the_old_file(tmp_path: Path) ->
         assert snapshot(tmp_path) == before
 
 
+class FailsAfterReplacing(LocalStorage):
+    """A local directory whose directory fsync right after a rename onto ``name`` raises
+    ``error`` (once): the moment a replacement has taken the old file's place."""
+
+    def __init__(self, root: Path, name: str, error: BaseException) -> None:
+        super().__init__(root)
+        self.name, self.error = name, error
+        self.renamed: str | None = None
+        self.armed = False
+
+    def replace(self, source: str, target: str) -> None:
+        super().replace(source, target)
+        self.renamed = target
+
+    def sync_directory(self) -> None:
+        if self.armed and self.renamed == self.name:
+            self.armed = False
+            raise self.error
+        super().sync_directory()
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(errno.EIO, "injected fault"), KeyboardInterrupt()], ids=["EIO", "Ctrl-C"]
+)
+def test_a_replacement_whose_directory_fsync_fails_stays_and_the_directory_knows_it(
+    tmp_path: Path, error: BaseException
+) -> None:
+    """Before, the undo removed the step's file: the rename had already taken the old one, so
+    the directory held neither, and `last` named a missing file."""
+    name = "step_000000000005.pitstop"
+    storage = FailsAfterReplacing(tmp_path, name, error)
+    with _directory(tmp_path, storage) as directory:
+        save(directory, 4)
+        save(directory, 5)
+        old = fileformat.read_manifest(tmp_path / name).meta["seq"]
+        storage.armed = True
+        expected = SaveError if isinstance(error, OSError) else KeyboardInterrupt
+        with pytest.raises(expected) as raised:
+            save(directory, 5, tree={"weights": {"raw": {}}, "step": "again"})
+        if expected is SaveError:
+            message = str(raised.value)
+            assert f"could not fsync the directory of {tmp_path / name}: " in message
+            assert f"{tmp_path / name} holds the new file, complete and fsynced" in message
+        # The new checkpoint is in place, whole; nothing names a missing file.
+        fileformat.verify(tmp_path / name)
+        assert fileformat.load(tmp_path / name)["step"] == "again"
+        found = scan(LocalStorage(tmp_path))
+        assert [e.name for e in found.catalog] == [name]
+        assert found.pointers.targets() == {name}
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+        # The directory's own view is what is on disk: the next save numbers after it.
+        assert directory.catalog == found.catalog
+        assert directory.catalog.get(name).seq == old + 1  # type: ignore[union-attr]
+        save(directory, 6)
+    found = scan(LocalStorage(tmp_path))
+    assert [(e.step, e.seq) for e in found.catalog] == [(6, old + 2)]  # keep_last=1
+    assert found.warnings == ()
+
+
 def test_a_filesystem_without_symlinks_keeps_pointers_in_latest_json(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -2,16 +2,17 @@
 # pitstop.shell.scanning's, re-exported here).
 #
 # Rules: scanning reads names (classified by the core) and each checkpoint's footer and manifest
-# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks
-# and latest.json, both untrusted — to the core to reconcile. A symlink is only followed when
-# its target is a plain checkpoint file name of this directory that is a regular file. Writing
-# happens under the directory lock: leftover temp files of dead writers are removed on opening;
-# a save is carried out exactly as the core planned it — checkpoint, then pointers, then
-# retention's deletions — and a failure in the pointer phase rolls the directory back to how it
-# was. Choosing a resume point tries the core's resume order until a file verifies, warning
-# about each one skipped. A sharded checkpoint is a directory (pitstop.shell.sharddir): listed
-# once its manifest reads back, published by writing the manifest last and renaming the temp
-# directory, deleted manifest first; a dead writer's temp directory is removed on opening.
+# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks and
+# latest.json, both untrusted — to the core to reconcile. A symlink is only followed when its target
+# is a plain checkpoint file name of this directory that is a regular file. Writing happens under
+# the directory lock: leftover temp files of dead writers are removed on opening; a save is carried
+# out exactly as the core planned it — checkpoint, then pointers, then retention's deletions — and a
+# failure in the pointer phase rolls the directory back to how it was (a file that replaced one of
+# its name stays: the rename took the old one away, and the catalog holds the new one from that
+# moment). Choosing a resume point tries the core's resume order until a file verifies, warning
+# about each one skipped. A sharded checkpoint is a directory (pitstop.shell.sharddir): listed once
+# its manifest reads back, published by writing the manifest last and renaming the temp directory,
+# deleted manifest first; a dead writer's temp directory is removed on opening.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -239,7 +240,11 @@ class CheckpointDirectory:
             self._publish_directory(plan, entry)
         elif entry is not NO_CHECKPOINT:
             publish_file(
-                self.storage, entry.name, self.run_id, lambda f, sync: write(f, entry, sync)
+                self.storage,
+                entry.name,
+                self.run_id,
+                lambda f, sync: write(f, entry, sync),
+                replaced=lambda: self._replaced(entry),
             )
         try:
             self._symlinks = publish_pointers(
@@ -254,6 +259,11 @@ class CheckpointDirectory:
             self._roll_back(plan)
             raise
         self._had_latest = True
+
+    def _replaced(self, entry: CheckpointEntry) -> None:
+        """``entry``'s file has taken the place of the old file of its name, for good (even if
+        the save fails from here on): the catalog holds it, not the file that is gone."""
+        self.catalog = self.catalog.with_entry(entry)
 
     def publish(
         self,
