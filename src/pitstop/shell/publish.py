@@ -30,7 +30,13 @@ from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, 
 from pitstop.errors import SaveError
 from pitstop.shell.storage import FileKind, Storage
 
-__all__ = ["WriteFile", "delete_checkpoints", "publish_file", "publish_pointers"]
+__all__ = [
+    "WriteFile",
+    "delete_checkpoints",
+    "publish_file",
+    "publish_pointers",
+    "remove_checkpoint",
+]
 
 log = logging.getLogger("pitstop")
 
@@ -182,14 +188,7 @@ def delete_checkpoints(storage: Storage, names: Iterable[str]) -> list[str]:
     deleted = []
     for name in names:
         try:
-            if storage.kind(name) is FileKind.DIRECTORY:  # a sharded checkpoint
-                from pitstop.shell.sharddir import delete_sharded  # it publishes through here
-
-                delete_sharded(storage, name)
-            else:
-                storage.remove(name)
-            deleted.append(name)
-        except FileNotFoundError:
+            remove_checkpoint(storage, name)
             deleted.append(name)
         except OSError as exc:
             log.warning("retention could not delete %s: %s", storage.path(name), exc)
@@ -197,3 +196,15 @@ def delete_checkpoints(storage: Storage, names: Iterable[str]) -> list[str]:
         with contextlib.suppress(OSError):
             storage.sync_directory()
     return deleted
+
+
+def remove_checkpoint(storage: Storage, name: str) -> None:
+    """Remove the checkpoint ``name``: a file, or a sharded checkpoint's directory (manifest
+    first). One already gone is no error. The caller fsyncs the directory."""
+    with contextlib.suppress(FileNotFoundError):
+        if storage.kind(name) is FileKind.DIRECTORY:
+            from pitstop.shell.sharddir import delete_sharded  # it publishes through here
+
+            delete_sharded(storage, name)
+        else:
+            storage.remove(name)
