@@ -9,11 +9,12 @@
 # out exactly as the core planned it — checkpoint, then pointers, then retention's deletions — and a
 # failure in the pointer phase rolls the directory back to how it was (a file that replaced one of
 # its name stays: the rename took the old one away, and the catalog holds the new one from that
-# moment; so does a new file when the old pointers cannot be put back: one of them may name it).
-# Choosing a resume point tries the core's resume order until a file verifies, warning about each
-# one skipped. A sharded checkpoint is a directory (pitstop.shell.sharddir): listed once its
-# manifest reads back, published by writing the manifest last and renaming the temp directory,
-# deleted manifest first; a dead writer's temp directory is removed on opening.
+# moment; so does a new file when the old pointers cannot be put back: one of them may name it). The
+# catalog follows each deletion, so an interrupted retention leaves it as the disk is. Choosing a
+# resume point tries the core's resume order until a file verifies, warning about each one skipped.
+# A sharded checkpoint is a directory (pitstop.shell.sharddir): listed once its manifest reads back,
+# published by writing the manifest last and renaming the temp directory, deleted manifest first; a
+# dead writer's temp directory is removed on opening.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -236,9 +237,12 @@ class CheckpointDirectory:
             raise SaveError(
                 f"could not save step {step} ({self.storage.path(name)}): {exc}"
             ) from exc
-        deleted = delete_checkpoints(self.storage, plan.retention.delete)
-        self.catalog = plan.catalog.without(deleted)
-        self.pointers = plan.pointers
+        self.catalog, self.pointers = plan.catalog, plan.pointers  # published, pointers too
+        deleted: list[str] = []
+        try:
+            delete_checkpoints(self.storage, plan.retention.delete, deleted)
+        finally:  # an interrupt (Ctrl-C) part-way: the catalog still lists what is left
+            self.catalog = plan.catalog.without(deleted)
         return deleted
 
     def _publish(self, plan: SavePlan, write: WriteCheckpoint) -> None:

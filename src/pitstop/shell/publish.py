@@ -27,6 +27,7 @@ from typing import BinaryIO
 from pitstop.core.metadata import latest_json
 from pitstop.core.naming import LATEST_JSON, temp_name
 from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, Policy
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
 from pitstop.shell.storage import FileKind, Storage
 
@@ -179,23 +180,42 @@ def publish_pointers(
     return symlinks
 
 
-def delete_checkpoints(storage: Storage, names: Iterable[str]) -> list[str]:
+def delete_checkpoints(
+    storage: Storage, names: Iterable[str], deleted: list[str] | None = None
+) -> list[str]:
     """Delete the checkpoints ``names`` (retention's plan), then fsync the directory.
 
     A deletion that fails is logged, not raised: the checkpoint stays and the next save's
-    retention plans it again. Returns the names actually deleted.
+    retention plans it again. Returns the names actually deleted, appended to ``deleted`` (if
+    given) as each goes, so that a caller interrupted part-way (``KeyboardInterrupt``) knows
+    which are gone — the one in progress included, if the interrupt came just after it went.
     """
-    deleted = []
+    deleted = [] if deleted is None else deleted
     for name in names:
         try:
             remove_checkpoint(storage, name)
             deleted.append(name)
         except OSError as exc:
             log.warning("retention could not delete %s: %s", storage.path(name), exc)
+        except BaseException:
+            if _gone(storage, name):
+                deleted.append(name)
+            raise
     if deleted:
         with contextlib.suppress(OSError):
             storage.sync_directory()
     return deleted
+
+
+def _gone(storage: Storage, name: str) -> bool:
+    """Whether ``name`` is no checkpoint any more: removed, or a sharded directory whose
+    manifest is (what remains of it is not listed)."""
+    with contextlib.suppress(OSError, ValueError):
+        kind = storage.kind(name)
+        if kind is FileKind.DIRECTORY:
+            return not (storage.path(name) / MANIFEST_NAME).exists()
+        return kind is FileKind.MISSING
+    return False
 
 
 def remove_checkpoint(storage: Storage, name: str) -> None:
