@@ -341,6 +341,24 @@ def test_verify_of_a_pointer_whose_file_is_gone_is_corrupt(
     assert out.strip() == f"CORRUPT {newest} (last points to it): the file does not exist"
 
 
+@pytest.mark.parametrize("symlinks", [True, False])
+@pytest.mark.parametrize(("argument", "step"), [("", 4), ("last", 4), ("best", 2)])
+def test_inspect_of_a_pointer_whose_file_is_gone_is_one_error_line_naming_both(
+    run: Path, argument: str, step: int, symlinks: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a raw FileNotFoundError: `error: DIR/last: No such file or directory (...)`."""
+    gone = run / f"step_{step:012d}.pitstop"
+    gone.unlink()
+    pointer = argument or "last"
+    if not symlinks:
+        (run / pointer).unlink()  # latest.json still names it
+    code, out, err = main_(capsys, "inspect", str(run / argument) if argument else str(run))
+    assert code == 1
+    said = f"{run / pointer} points to" if symlinks else f"{run / 'latest.json'} says {pointer} is"
+    assert _error_lines(out + err) == [f"error: {said} {gone}, which does not exist"]
+    assert "Traceback" not in out + err
+
+
 def test_verify_says_what_it_checked(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = main_(capsys, "verify", str(run / "best"))
     assert code == 0

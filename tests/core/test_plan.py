@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.plan import plan_save
+from pitstop.core.plan import plan_save, rollback_removals
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -125,3 +125,48 @@ def test_pointer_only_plans_write_nothing_and_may_release_an_old_best() -> None:
     assert plan.entry is NO_CHECKPOINT
     assert plan.pointers.best == _name(2)
     assert plan.retention.delete == (_name(1),)
+
+
+@given(
+    st.data(),
+    catalogs(),
+    policies,
+    st.integers(0, 10_000),
+    st.sets(st.sampled_from([SaveReason.INTERVAL, SaveReason.FINAL, SaveReason.BEST]), min_size=1),
+    st.booleans(),
+)
+def test_a_rollback_takes_out_only_a_new_checkpoint_that_no_pointer_names(
+    data: st.DataObject,
+    catalog: Catalog,
+    policy: Policy,
+    step: int,
+    reasons: set[SaveReason],
+    write: bool,
+) -> None:
+    """Undoing a save whose pointer phase failed, however far putting the old pointers back
+    got (on disk: any mix of old and new targets): the new file goes only if none of them
+    names it and it replaced nothing — then the directory is as before; else it stays, listed.
+    Either way every pointer on disk names a file that is there."""
+    pointers = data.draw(pointers_into(catalog))
+    if catalog and data.draw(st.booleans()):  # the step of a file there: a replacement
+        step = data.draw(st.sampled_from([e.step for e in catalog]))
+    plan = plan_save(
+        catalog,
+        pointers,
+        _decision(*reasons, write=write),
+        progress=Progress(step=step),
+        policy=policy,
+    )
+    candidates = sorted(pointers.targets() | plan.pointers.targets())
+    on_disk = data.draw(st.sets(st.sampled_from(candidates))) if candidates else set()
+    named = plan.entry is not NO_CHECKPOINT and plan.entry.name in on_disk
+    removed = rollback_removals(plan, named_on_disk=named)
+    after = plan.catalog.without(removed)
+    assert on_disk <= {e.name for e in after}  # nothing points at a missing checkpoint
+    assert not set(removed) & {e.name for e in catalog}  # nothing that was there before goes
+    if plan.entry is NO_CHECKPOINT or plan.replaces or named:
+        assert removed == ()
+        assert after == plan.catalog  # what stays is listed
+    else:
+        assert removed == (plan.entry.name,)
+        assert after == catalog  # the directory is as it was

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import BinaryIO
 
@@ -113,3 +114,42 @@ def test_it_goes_through_the_publish_sequence(
         "sync_directory",
     ]
     assert durability_problems(ops) == []
+
+
+def _directory_fsync_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.fsync`` of a directory descriptor raises EIO; of a file, it works."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "injected directory fsync fault")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_replacement_whose_directory_fsync_fails_keeps_the_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename took the old file away: taking the new one out too (as before) left
+    neither. The new one, complete and fsynced, stays, and the error says so."""
+    target = tmp_path / "weights.pt"
+    target.write_bytes(b"before")
+    _directory_fsync_fails(monkeypatch)
+    with pytest.raises(SaveError) as info:
+        write_atomically(target, lambda f: f.write(b"after"))
+    message = str(info.value)
+    assert message.startswith(f"could not fsync the directory of {target}: ")
+    assert f"{target} holds the new file, complete and fsynced" in message
+    assert target.read_bytes() == b"after"
+    assert os.listdir(tmp_path) == ["weights.pt"]
+
+
+def test_a_new_file_whose_directory_fsync_fails_is_taken_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _directory_fsync_fails(monkeypatch)
+    with pytest.raises(SaveError, match="could not fsync the directory of") as info:
+        write_atomically(tmp_path / "weights.pt", lambda f: f.write(b"after"))
+    assert "holds the new file" not in str(info.value)
+    assert os.listdir(tmp_path) == []

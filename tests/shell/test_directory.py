@@ -184,6 +184,53 @@ def test_retention_deletes_only_after_the_new_save(tmp_path: Path) -> None:
     assert names == [_name(3), _name(4)]
 
 
+class InterruptedRemoval(LocalStorage):
+    """A local directory whose ``at``-th removal raises KeyboardInterrupt (Ctrl-C), before the
+    unlink or, with ``after``, just after it (where a signal lands once the syscall returns)."""
+
+    def __init__(self, root: Path, at: int, *, after: bool) -> None:
+        super().__init__(root)
+        self.at, self.after = at, after
+        self.removals = 0
+
+    def remove(self, name: str) -> None:
+        self.removals += 1
+        if self.removals != self.at:
+            super().remove(name)
+        elif self.after:
+            super().remove(name)
+            raise KeyboardInterrupt
+        else:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-unlink", "after-unlink"])
+def test_an_interrupted_retention_leaves_the_catalog_as_the_disk_is(
+    tmp_path: Path, after: bool
+) -> None:
+    """Before, Ctrl-C during retention's deletions left the catalog as it was before the save:
+    the save just published missing from it, the deleted files still in it — so the next save
+    reused a sequence number and never deleted the orphans."""
+    with CheckpointDirectory(tmp_path, policy=Policy(keep_last=None)) as directory:
+        for step in (1, 2, 3):
+            save(directory, step)
+    storage = InterruptedRemoval(tmp_path, at=2, after=after)
+    with CheckpointDirectory(tmp_path, policy=Policy(keep_last=1), storage=storage) as directory:
+        with pytest.raises(KeyboardInterrupt):
+            save(directory, 4)  # retention deletes 1, 2, 3: interrupted at 2
+        found = scan(LocalStorage(tmp_path))
+        on_disk = [e.step for e in found.catalog]
+        assert on_disk == ([3, 4] if after else [2, 3, 4])
+        assert [(e.name, e.seq) for e in directory.catalog] == [
+            (e.name, e.seq) for e in found.catalog
+        ]
+        assert directory.pointers.last == _name(4) == found.pointers.last
+        save(directory, 5)  # the next save numbers after 4 and deletes what is left
+    found = scan(LocalStorage(tmp_path))
+    assert [(e.step, e.seq) for e in found.catalog] == [(5, 5)]
+    assert found.warnings == ()
+
+
 # --- what a writer refuses before it writes (issue 11) ----------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,3 +205,51 @@ def test_a_lock_whose_file_cannot_be_removed_is_still_dropped(
     assert not lock.held
     with DirectoryLock(tmp_path, run_id="b") as again:  # the same process takes it again
         assert again.held
+
+
+# --- a checkpoint directory that cannot be created or written ----------------------------------
+
+
+def _refuse(monkeypatch: pytest.MonkeyPatch, name: str, refused_path: Path, error: int) -> None:
+    """Make ``os.<name>`` fail with ``error`` for ``refused_path`` (as the kernel would for a
+    directory the user may not write into, a read-only or a full filesystem)."""
+    real = getattr(os, name)
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fsdecode(path) == str(refused_path):
+            raise OSError(error, os.strerror(error), os.fsdecode(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, name, refused)
+
+
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EROFS, errno.ENOSPC])
+def test_a_checkpoint_directory_that_cannot_be_created_is_a_pitstop_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """Before, mkdir's PermissionError (or any OSError but "a file is in the way") came out
+    raw, naming neither the checkpoint directory nor pitstop."""
+    directory = tmp_path / "locked" / "run" / "checkpoints"
+    _refuse(monkeypatch, "mkdir", tmp_path / "locked", error)  # mkdir -p fails at the first
+    with pytest.raises(SaveError) as raised:
+        DirectoryLock(directory, run_id="x").acquire()
+    message = str(raised.value)
+    assert message.startswith(f"could not create the checkpoint directory {directory}: ")
+    assert os.strerror(error) in message
+    assert f"({tmp_path / 'locked'})" in message  # the parent that could not be made
+    assert not (tmp_path / "locked").exists()
+
+
+def test_a_checkpoint_directory_whose_lock_cannot_be_created_is_a_pitstop_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory that exists but cannot be written (read-only, not the user's)."""
+    _refuse(monkeypatch, "open", tmp_path / ".lock", errno.EACCES)
+    lock = DirectoryLock(tmp_path, run_id="x")
+    with pytest.raises(SaveError) as raised:
+        lock.acquire()
+    assert str(raised.value) == (
+        f"could not open the lock file {tmp_path / '.lock'}: Permission denied; the checkpoint "
+        "directory must be writable"
+    )
+    assert not lock.held

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 from pathlib import Path
@@ -11,11 +12,17 @@ from typing import BinaryIO
 import pytest
 
 from dirtools import save, snapshot
-from pitstop.core.records import Policy
+from pitstop.core.records import Best, Policy
+from pitstop.core.schedule import Call
 from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.storage import LocalStorage
+
+
+def _name(step: int) -> str:
+    return f"step_{step:012d}.pitstop"
+
 
 FAULTY_OPS = (
     "create_exclusive",
@@ -141,6 +148,149 @@ def test_a_failed_publish_of_a_replacement_keeps_the_old_file(tmp_path: Path) ->
         with pytest.raises(SaveError, match=r"step_000000000005\.pitstop"):
             save(directory, 5)
         assert snapshot(tmp_path) == before
+
+
+class FailsAfterReplacing(LocalStorage):
+    """A local directory whose directory fsync right after a rename onto ``name`` raises
+    ``error`` (once): the moment a replacement has taken the old file's place."""
+
+    def __init__(self, root: Path, name: str, error: BaseException) -> None:
+        super().__init__(root)
+        self.name, self.error = name, error
+        self.renamed: str | None = None
+        self.armed = False
+
+    def replace(self, source: str, target: str) -> None:
+        super().replace(source, target)
+        self.renamed = target
+
+    def sync_directory(self) -> None:
+        if self.armed and self.renamed == self.name:
+            self.armed = False
+            raise self.error
+        super().sync_directory()
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(errno.EIO, "injected fault"), KeyboardInterrupt()], ids=["EIO", "Ctrl-C"]
+)
+def test_a_replacement_whose_directory_fsync_fails_stays_and_the_directory_knows_it(
+    tmp_path: Path, error: BaseException
+) -> None:
+    """Before, the undo removed the step's file: the rename had already taken the old one, so
+    the directory held neither, and `last` named a missing file."""
+    name = "step_000000000005.pitstop"
+    storage = FailsAfterReplacing(tmp_path, name, error)
+    with _directory(tmp_path, storage) as directory:
+        save(directory, 4)
+        save(directory, 5)
+        old = fileformat.read_manifest(tmp_path / name).meta["seq"]
+        storage.armed = True
+        expected = SaveError if isinstance(error, OSError) else KeyboardInterrupt
+        with pytest.raises(expected) as raised:
+            save(directory, 5, tree={"weights": {"raw": {}}, "step": "again"})
+        if expected is SaveError:
+            message = str(raised.value)
+            assert f"could not fsync the directory of {tmp_path / name}: " in message
+            assert f"{tmp_path / name} holds the new file, complete and fsynced" in message
+        # The new checkpoint is in place, whole; nothing names a missing file.
+        fileformat.verify(tmp_path / name)
+        assert fileformat.load(tmp_path / name)["step"] == "again"
+        found = scan(LocalStorage(tmp_path))
+        assert [e.name for e in found.catalog] == [name]
+        assert found.pointers.targets() == {name}
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+        # The directory's own view is what is on disk: the next save numbers after it.
+        assert directory.catalog == found.catalog
+        assert directory.catalog.get(name).seq == old + 1  # type: ignore[union-attr]
+        save(directory, 6)
+    found = scan(LocalStorage(tmp_path))
+    assert [(e.step, e.seq) for e in found.catalog] == [(6, old + 2)]  # keep_last=1
+    assert found.warnings == ()
+
+
+class FillsUp(LocalStorage):
+    """A local directory whose rename onto ``name`` fails with EIO, after which the disk is
+    full — nothing can be created (ENOSPC), renames and removals still work — until
+    ``healed`` (``interrupt``: the first creation after the fault raises KeyboardInterrupt):
+    a disk failing in the middle of a save's pointer phase."""
+
+    def __init__(self, root: Path, name: str, interrupt: bool = False) -> None:
+        super().__init__(root)
+        self.name, self.interrupt = name, interrupt
+        self.armed = self.full = False
+
+    def _create(self) -> None:
+        if self.full and self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        if self.full:
+            raise OSError(errno.ENOSPC, "no space left on device")
+
+    def create_exclusive(self, name: str) -> BinaryIO:
+        self._create()
+        return super().create_exclusive(name)
+
+    def symlink(self, target: str, name: str) -> None:
+        self._create()
+        super().symlink(target, name)
+
+    def replace(self, source: str, target: str) -> None:
+        if self.armed and target == self.name:
+            self.armed, self.full = False, True
+            raise OSError(errno.EIO, "injected fault")
+        super().replace(source, target)
+
+    def healed(self) -> None:
+        self.full = False
+
+
+def _dangling(path: Path) -> list[str]:
+    """Every pointer on disk (symlink or latest.json entry) that names a missing file."""
+    found = [p for p in ("last", "best", "final") if (path / p).is_symlink()]
+    dangling = [p for p in found if not (path / os.readlink(path / p)).is_file()]
+    latest = json.loads((path / "latest.json").read_text())
+    return dangling + [
+        f"latest.json:{p}"
+        for p, target in latest["pointers"].items()
+        if target is not None and not (path / target).is_file()
+    ]
+
+
+@pytest.mark.parametrize("fails_at", ["best", "latest.json"])
+@pytest.mark.parametrize("interrupt", [False, True], ids=["ENOSPC", "Ctrl-C"])
+def test_a_rollback_that_cannot_put_the_pointers_back_keeps_the_new_file(
+    tmp_path: Path, fails_at: str, interrupt: bool
+) -> None:
+    """Before, the rollback removed the new file even when restoring the pointers failed:
+    `last` (already moved) named a deleted file."""
+    storage = FillsUp(tmp_path, fails_at, interrupt=interrupt)
+    policy = Policy(keep_last=None, best=Best("loss"))
+    new = tmp_path / "step_000000000002.pitstop"
+    with CheckpointDirectory(tmp_path, policy=policy, storage=storage) as directory:
+        save(directory, 1, call=Call.MAYBE, metrics={"loss": 1.0})
+        storage.armed = True
+        with pytest.raises(KeyboardInterrupt if interrupt else SaveError) as raised:
+            save(directory, 2, call=Call.MAYBE, metrics={"loss": 0.5})
+        assert _dangling(tmp_path) == []
+        fileformat.verify(new)
+        if not interrupt:
+            message = str(raised.value)
+            assert "injected fault" in message
+            assert "the pointers could not be put back (" in message
+            assert "no space left on device" in message
+            assert f"so {new} stays: it is complete and durable" in message
+        found = scan(LocalStorage(tmp_path))
+        assert [e.step for e in found.catalog] == [1, 2]
+        assert [(e.name, e.seq) for e in directory.catalog] == [
+            (e.name, e.seq) for e in found.catalog
+        ]
+        storage.healed()
+        save(directory, 3, call=Call.MAYBE, metrics={"loss": 0.25})
+    found = scan(LocalStorage(tmp_path))
+    assert [(e.step, e.seq) for e in found.catalog] == [(1, 1), (2, 2), (3, 3)]
+    assert (found.pointers.last, found.pointers.best) == (_name(3), _name(3))
+    assert found.warnings == ()
 
 
 def test_a_filesystem_without_symlinks_keeps_pointers_in_latest_json(

@@ -78,6 +78,26 @@ def test_verify_of_a_truncated_last_checks_that_file_and_never_an_older_one(
     assert pitstop.load(run)["step"] == 2  # loading falls back, as it must
 
 
+@pytest.mark.parametrize("symlinks", [True, False])
+@pytest.mark.parametrize(("pointer", "step"), [("last", 3), ("best", 1)])
+@pytest.mark.parametrize("call", [pitstop.info, pitstop.verify], ids=["info", "verify"])
+def test_info_and_verify_of_a_pointer_to_a_missing_checkpoint_name_the_pointer_and_the_file(
+    run: Path, pointer: str, step: int, symlinks: bool, call: Any
+) -> None:
+    """Before, a raw FileNotFoundError naming only the missing file."""
+    gone = run / _name(step)
+    gone.unlink()
+    if not symlinks:
+        (run / pointer).unlink()  # latest.json still names it
+    said = f"{run / pointer} points to" if symlinks else f"{run / 'latest.json'} says {pointer} is"
+    arguments = [run / pointer, run] if pointer == "last" else [run / pointer]
+    for argument in arguments:
+        with pytest.raises(CheckpointNotFound) as raised:
+            call(argument)
+        assert str(raised.value) == f"{said} {gone}, which does not exist"
+    assert pitstop.load(run / pointer)["step"] != step  # loading falls back, as it must
+
+
 @pytest.mark.parametrize("where", ["missing-dir/last", "nope.pitstop"])
 def test_nothing_there_is_a_clear_error(tmp_path: Path, where: str) -> None:
     with pytest.raises(CheckpointNotFound, match="no checkpoint at"):

@@ -9,6 +9,11 @@
 # A decision that only moves pointers goes to the existing file of that step; if that file is
 # gone (removed by hand), the decision is carried out as a write instead, so no pointer is ever
 # planned to a missing file.
+# A save whose pointer phase fails is rolled back: the old pointers are put back first, then
+# the new checkpoint is taken out again — only if no pointer on disk may name it (putting the
+# old pointers back can fail too) and only if it replaced nothing (else it is the only file of
+# its name). What stays is complete and durable, and is in the catalog from then on
+# (`catalog.without(removed)`).
 # How: the shell executes the plan in order: write the entry (temp, fsync, rename, fsync dir),
 # replace pointers the same way, then delete `retention.delete`.
 
@@ -34,7 +39,7 @@ from pitstop.core.records import (
 from pitstop.core.retention import RetentionPlan, plan_retention
 from pitstop.core.schedule import SaveDecision
 
-__all__ = ["SavePlan", "plan_save"]
+__all__ = ["SavePlan", "plan_save", "rollback_removals"]
 
 
 @attrs.frozen(kw_only=True)
@@ -101,3 +106,14 @@ def plan_save(
         catalog=after,
         retention=plan_retention(after, pointers, policy),
     )
+
+
+def rollback_removals(plan: SavePlan, *, named_on_disk: bool) -> tuple[str, ...]:
+    """What undoing ``plan`` after its pointer phase failed takes out again: its new checkpoint,
+    when no pointer on disk may name it once the old pointers were put back (``named_on_disk``:
+    one may — putting them back failed part-way) and it replaced no file; else nothing — a
+    pointer would name a missing file, or it is the only file of its name."""
+    entry = plan.entry
+    if entry is NO_CHECKPOINT or plan.replaces or named_on_disk:
+        return ()
+    return (entry.name,)

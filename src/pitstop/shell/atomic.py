@@ -4,7 +4,8 @@
 # an exclusive temp file beside the target → write → fsync → close → rename over the target →
 # fsync the directory. Until the rename, what was at the path stays as it was; after the call,
 # the new file and its name are on disk. Any failure raises SaveError naming the path asked
-# for (not the temp file) and leaves no temp file behind. Files are created 0o666 less the
+# for (not the temp file) and leaves no temp file behind; a failure after the rename over an
+# old file keeps the new one (the old one is gone). Files are created 0o666 less the
 # umask, like any file the user creates. The writer gets a buffered file that writes every
 # byte it is given (a raw write may write fewer, and torch.save does not check).
 # How: a LocalStorage on the target's directory and publish_file; the checkpoint directory uses
@@ -36,7 +37,9 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
     ``write`` gets a binary file (buffered, seekable) positioned at its start; it need not
     flush or close it. The parent directory is created if needed. Raises
     :class:`~pitstop.errors.SaveError` naming ``path`` when any step fails; then ``path`` is
-    as it was and no temp file is left.
+    as it was and no temp file is left — unless only the directory fsync after the new file
+    replaced an old one failed: the old one is gone, so ``path`` keeps the new one (complete,
+    fsynced) and the message says so.
     """
     target = Path(path)
     if target.name in {"", ".", ".."}:

@@ -2,16 +2,19 @@
 # pitstop.shell.scanning's, re-exported here).
 #
 # Rules: scanning reads names (classified by the core) and each checkpoint's footer and manifest
-# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks
-# and latest.json, both untrusted — to the core to reconcile. A symlink is only followed when
-# its target is a plain checkpoint file name of this directory that is a regular file. Writing
-# happens under the directory lock: leftover temp files of dead writers are removed on opening;
-# a save is carried out exactly as the core planned it — checkpoint, then pointers, then
-# retention's deletions — and a failure in the pointer phase rolls the directory back to how it
-# was. Choosing a resume point tries the core's resume order until a file verifies, warning
-# about each one skipped. A sharded checkpoint is a directory (pitstop.shell.sharddir): listed
-# once its manifest reads back, published by writing the manifest last and renaming the temp
-# directory, deleted manifest first; a dead writer's temp directory is removed on opening.
+# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks and
+# latest.json, both untrusted — to the core to reconcile. A symlink is only followed when its target
+# is a plain checkpoint file name of this directory that is a regular file. Writing happens under
+# the directory lock: leftover temp files of dead writers are removed on opening; a save is carried
+# out exactly as the core planned it — checkpoint, then pointers, then retention's deletions — and a
+# failure in the pointer phase rolls the directory back to how it was (a file that replaced one of
+# its name stays: the rename took the old one away, and the catalog holds the new one from that
+# moment; so does a new file when the old pointers cannot be put back: one of them may name it). The
+# catalog follows each deletion, so an interrupted retention leaves it as the disk is. Choosing a
+# resume point tries the core's resume order until a file verifies, warning about each one skipped.
+# A sharded checkpoint is a directory (pitstop.shell.sharddir): listed once its manifest reads back,
+# published by writing the manifest last and renaming the temp directory, deleted manifest first; a
+# dead writer's temp directory is removed on opening.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -45,7 +48,7 @@ from pitstop.core.naming import (
     parse_checkpoint,
     temp_name,
 )
-from pitstop.core.plan import SavePlan
+from pitstop.core.plan import SavePlan, rollback_removals
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -56,16 +59,22 @@ from pitstop.core.records import (
     Policy,
 )
 from pitstop.core.sharded import ShardedLayout
-from pitstop.errors import PitstopError, SaveError
+from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.lock import DirectoryLock
-from pitstop.shell.publish import delete_checkpoints, publish_file, publish_pointers
+from pitstop.shell.publish import (
+    delete_checkpoints,
+    publish_file,
+    publish_pointers,
+    remove_checkpoint,
+)
 from pitstop.shell.scanning import (
     LATEST_JSON_LIMIT,
     ResumeChoice,
     Scan,
     choose_resume,
     is_sharded_path,
+    named_by_pointers,
     read_latest_json,
     scan,
     verify_any,
@@ -228,9 +237,12 @@ class CheckpointDirectory:
             raise SaveError(
                 f"could not save step {step} ({self.storage.path(name)}): {exc}"
             ) from exc
-        deleted = delete_checkpoints(self.storage, plan.retention.delete)
-        self.catalog = plan.catalog.without(deleted)
-        self.pointers = plan.pointers
+        self.catalog, self.pointers = plan.catalog, plan.pointers  # published, pointers too
+        deleted: list[str] = []
+        try:
+            delete_checkpoints(self.storage, plan.retention.delete, deleted)
+        finally:  # an interrupt (Ctrl-C) part-way: the catalog still lists what is left
+            self.catalog = plan.catalog.without(deleted)
         return deleted
 
     def _publish(self, plan: SavePlan, write: WriteCheckpoint) -> None:
@@ -239,7 +251,11 @@ class CheckpointDirectory:
             self._publish_directory(plan, entry)
         elif entry is not NO_CHECKPOINT:
             publish_file(
-                self.storage, entry.name, self.run_id, lambda f, sync: write(f, entry, sync)
+                self.storage,
+                entry.name,
+                self.run_id,
+                lambda f, sync: write(f, entry, sync),
+                replaced=lambda: self._replaced(entry),
             )
         try:
             self._symlinks = publish_pointers(
@@ -250,10 +266,17 @@ class CheckpointDirectory:
                 policy=self.policy,
                 symlinks=self._symlinks,
             )
-        except BaseException:
-            self._roll_back(plan)
+        except BaseException as exc:
+            kept = self._roll_back(plan)
+            if kept is not None and isinstance(exc, Exception):
+                raise SaveError(f"{exc}; {kept}") from exc
             raise
         self._had_latest = True
+
+    def _replaced(self, entry: CheckpointEntry) -> None:
+        """``entry``'s file has taken the place of the old file of its name, for good (even if
+        the save fails from here on): the catalog holds it, not the file that is gone."""
+        self.catalog = self.catalog.with_entry(entry)
 
     def publish(
         self,
@@ -331,9 +354,13 @@ class CheckpointDirectory:
         """Carry out a plan that writes no file, only moves pointers."""
         self.execute(plan, lambda file, entry, sync: None)
 
-    def _roll_back(self, plan: SavePlan) -> None:
+    def _roll_back(self, plan: SavePlan) -> str | None:
         """Undo a save whose pointers failed: old pointers back, then the new file out (in this
-        order, so that no pointer ever names a missing file, even after a crash in between)."""
+        order, so that no pointer ever names a missing file, even after a crash in between) —
+        as the core's :func:`rollback_removals` says. If the pointers cannot be put back and one
+        on disk may name the new file, it stays (it is complete and durable): returns what the
+        error must say about that (``None``: the directory is as it was)."""
+        problem = None
         try:
             publish_pointers(
                 self.storage,
@@ -344,15 +371,31 @@ class CheckpointDirectory:
                 symlinks=self._symlinks,
                 latest=self._had_latest,  # a directory that had no latest.json gets none
             )
-        except PitstopError as exc:
+        except Exception as exc:
+            problem = str(exc)
             log.error("could not restore the pointers of %s: %s", self.path, exc)
+        except BaseException:  # interrupted while restoring: the new file stays, listed
+            self.catalog = plan.catalog
+            raise
         entry = plan.entry
-        if entry is not NO_CHECKPOINT and not plan.replaces:
+        named = False
+        if problem is not None and entry is not NO_CHECKPOINT:  # does one name the new file?
+            on_disk = named_by_pointers(self.storage)
+            named = on_disk is None or entry.name in on_disk
+        removed = []
+        for name in rollback_removals(plan, named_on_disk=named):
+            try:
+                remove_checkpoint(self.storage, name)
+                removed.append(name)
+            except OSError as exc:
+                log.warning("could not remove %s again: %s", self.storage.path(name), exc)
+        if removed:
             with contextlib.suppress(OSError):
-                if entry.sharded:
-                    from pitstop.shell.sharddir import delete_sharded
-
-                    delete_sharded(self.storage, entry.name)
-                else:
-                    self.storage.remove(entry.name)
-                    self.storage.sync_directory()
+                self.storage.sync_directory()
+        self.catalog = plan.catalog.without(removed)  # what stays is listed: it is on disk
+        if not named or entry is NO_CHECKPOINT:
+            return None
+        return (
+            f"the pointers could not be put back ({problem}), so {self.storage.path(entry.name)} "
+            "stays: it is complete and durable, and no pointer names a missing file"
+        )

@@ -51,7 +51,8 @@ def info(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     weights. The tensor bytes are not checked; :func:`pitstop.verify` does that.
 
     Raises :class:`~pitstop.errors.CheckpointCorrupt` for a file whose manifest does not read
-    back and :class:`~pitstop.errors.CheckpointNotFound` when ``checkpoint`` names nothing.
+    back and :class:`~pitstop.errors.CheckpointNotFound` when ``checkpoint`` names nothing, or
+    names a pointer whose checkpoint does not exist (naming the pointer and the file).
     """
     path = resolve_checkpoint(checkpoint, fallback=False)
     sharded = is_sharded_path(path)

@@ -53,6 +53,15 @@ def _describe(holder: dict[str, Any]) -> str:
     )
 
 
+def _reason(exc: OSError, subject: Path) -> str:
+    """What ``exc`` says went wrong, and where, when that is not ``subject`` itself."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    where = exc.filename
+    if where is None or os.fsdecode(where) == str(subject):
+        return reason
+    return f"{reason} ({os.fsdecode(where)})"
+
+
 def _not_a_lock(path: Path, what: str) -> str:
     return (
         f"{path} is {what}, not pitstop's lock file; remove it (pitstop creates its own) "
@@ -105,7 +114,8 @@ class DirectoryLock:
         """Take the lock, or raise :class:`~pitstop.errors.DirectoryLocked` naming the holder.
 
         Raises :class:`~pitstop.errors.SaveError` when the directory cannot hold a lock: it is
-        a file, or its ``.lock`` is not a regular file.
+        a file, it cannot be created (naming it and why: permission denied, a read-only
+        filesystem), or its ``.lock`` is not a regular file.
         """
         if self._fd is not None:
             return
@@ -117,6 +127,10 @@ class DirectoryLock:
                 f"{directory} is not a directory; a checkpoint directory must be one "
                 "(give a directory path, or remove the file)"
             ) from None
+        except OSError as exc:  # permission denied, a read-only filesystem, a full disk
+            raise SaveError(
+                f"could not create the checkpoint directory {directory}: {_reason(exc, directory)}"
+            ) from exc
         with _gate(directory):
             fd, previous = self._take()
         if previous:
@@ -184,7 +198,10 @@ class DirectoryLock:
         except OSError as exc:
             if exc.errno in {errno.ELOOP, errno.EISDIR, errno.ENXIO}:
                 raise SaveError(_not_a_lock(self.path, "not a regular file")) from None
-            raise
+            raise SaveError(
+                f"could not open the lock file {self.path}: {_reason(exc, self.path)}; the "
+                "checkpoint directory must be writable"
+            ) from exc
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)

@@ -4,10 +4,12 @@
 # close → rename to the final name → fsync the directory. Pointers (relative symlinks, then
 # latest.json) are replaced the same way, only after the checkpoint they name is durable.
 # Deletions planned by retention run only after that. Any error aborts the step with SaveError:
-# the temp file is removed, a file renamed into place whose directory fsync failed is taken out
-# again, and what was published before stays exactly as it was. A failed fsync is never retried
-# on the same descriptor and then published (its data may be lost: the kernel can drop the dirty
-# pages and clear the error).
+# the temp file is removed, and a new file renamed into place whose directory fsync failed is
+# taken out again, so what was published before stays exactly as it was. A file that replaced
+# one of the same name is the exception: the rename took the old one away for good, so the new
+# one — complete, and fsynced before the rename — stays, and the error says so (taking it out
+# too would leave neither). A failed fsync is never retried on the same descriptor and then
+# published (its data may be lost: the kernel can drop the dirty pages and clear the error).
 # How: each step is one Storage call, so a fault-injecting Storage can fail any of them.
 
 """Publishing: atomic, durable creation and replacement of checkpoint files and pointers."""
@@ -25,10 +27,17 @@ from typing import BinaryIO
 from pitstop.core.metadata import latest_json
 from pitstop.core.naming import LATEST_JSON, temp_name
 from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, Policy
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
 from pitstop.shell.storage import FileKind, Storage
 
-__all__ = ["WriteFile", "delete_checkpoints", "publish_file", "publish_pointers"]
+__all__ = [
+    "WriteFile",
+    "delete_checkpoints",
+    "publish_file",
+    "publish_pointers",
+    "remove_checkpoint",
+]
 
 log = logging.getLogger("pitstop")
 
@@ -44,15 +53,25 @@ what it has written so far durable early (for example while it computes checksum
 :func:`publish_file` syncs the whole file after it in any case."""
 
 
-def publish_file(storage: Storage, name: str, token: str, write: WriteFile) -> None:
+def publish_file(
+    storage: Storage,
+    name: str,
+    token: str,
+    write: WriteFile,
+    *,
+    replaced: Callable[[], None] | None = None,
+) -> None:
     """Publish ``name`` with the contents ``write`` puts into a file, durably and atomically.
 
     Raises :class:`~pitstop.errors.SaveError` naming the file and the failed step; then
-    neither ``name`` nor its temp file has changed from before the call.
+    neither ``name`` nor its temp file has changed from before the call — unless the new file
+    had already replaced an existing ``name`` (only the directory fsync after the rename
+    failed, or an interrupt came after it): then ``name`` holds the new contents, complete and
+    fsynced, and the message says so. ``replaced()`` is called the moment that happens.
     """
     temp = temp_name(name, token)
     step = "create"
-    renamed = False
+    renamed = replacing = False
     try:
         file = storage.create_exclusive(temp)
         try:
@@ -63,19 +82,30 @@ def publish_file(storage: Storage, name: str, token: str, write: WriteFile) -> N
         finally:
             file.close()
         step = "rename"
+        replacing = storage.kind(name) is not FileKind.MISSING
         storage.replace(temp, name)
         renamed = True
+        if replacing and replaced is not None:
+            replaced()
         step = "fsync the directory of"
         storage.sync_directory()
     except BaseException as exc:
-        _undo(storage, temp, name if renamed else None)
+        kept = renamed and replacing  # the old file is gone: the new one is all there is
+        _undo(storage, temp, name if renamed and not kept else None)
         if isinstance(exc, Exception) and not isinstance(exc, SaveError):
-            raise SaveError(f"could not {step} {storage.path(name)}: {exc}") from exc
+            note = (
+                f"; {storage.path(name)} holds the new file, complete and fsynced (the file it "
+                "replaced is gone; the rename may not be durable)"
+                if kept
+                else ""
+            )
+            raise SaveError(f"could not {step} {storage.path(name)}: {exc}{note}") from exc
         raise
 
 
 def _undo(storage: Storage, temp: str, published: str | None) -> None:
-    """Best-effort removal of what a failed publish left behind."""
+    """Best-effort removal of what a failed publish left behind: the temp file, and
+    ``published``, a new name renamed into place."""
     for leftover in (temp, published):
         if leftover is None:
             continue
@@ -150,27 +180,51 @@ def publish_pointers(
     return symlinks
 
 
-def delete_checkpoints(storage: Storage, names: Iterable[str]) -> list[str]:
+def delete_checkpoints(
+    storage: Storage, names: Iterable[str], deleted: list[str] | None = None
+) -> list[str]:
     """Delete the checkpoints ``names`` (retention's plan), then fsync the directory.
 
     A deletion that fails is logged, not raised: the checkpoint stays and the next save's
-    retention plans it again. Returns the names actually deleted.
+    retention plans it again. Returns the names actually deleted, appended to ``deleted`` (if
+    given) as each goes, so that a caller interrupted part-way (``KeyboardInterrupt``) knows
+    which are gone — the one in progress included, if the interrupt came just after it went.
     """
-    deleted = []
+    deleted = [] if deleted is None else deleted
     for name in names:
         try:
-            if storage.kind(name) is FileKind.DIRECTORY:  # a sharded checkpoint
-                from pitstop.shell.sharddir import delete_sharded  # it publishes through here
-
-                delete_sharded(storage, name)
-            else:
-                storage.remove(name)
-            deleted.append(name)
-        except FileNotFoundError:
+            remove_checkpoint(storage, name)
             deleted.append(name)
         except OSError as exc:
             log.warning("retention could not delete %s: %s", storage.path(name), exc)
+        except BaseException:
+            if _gone(storage, name):
+                deleted.append(name)
+            raise
     if deleted:
         with contextlib.suppress(OSError):
             storage.sync_directory()
     return deleted
+
+
+def _gone(storage: Storage, name: str) -> bool:
+    """Whether ``name`` is no checkpoint any more: removed, or a sharded directory whose
+    manifest is (what remains of it is not listed)."""
+    with contextlib.suppress(OSError, ValueError):
+        kind = storage.kind(name)
+        if kind is FileKind.DIRECTORY:
+            return not (storage.path(name) / MANIFEST_NAME).exists()
+        return kind is FileKind.MISSING
+    return False
+
+
+def remove_checkpoint(storage: Storage, name: str) -> None:
+    """Remove the checkpoint ``name``: a file, or a sharded checkpoint's directory (manifest
+    first). One already gone is no error. The caller fsyncs the directory."""
+    with contextlib.suppress(FileNotFoundError):
+        if storage.kind(name) is FileKind.DIRECTORY:
+            from pitstop.shell.sharddir import delete_sharded  # it publishes through here
+
+            delete_sharded(storage, name)
+        else:
+            storage.remove(name)

@@ -24,6 +24,7 @@ from pitstop.core.metadata import (
     policy_from_latest_json,
 )
 from pitstop.core.naming import (
+    LATEST_JSON,
     NOT_A_CHECKPOINT,
     POINTER_NAMES,
     checkpoint_name,
@@ -127,6 +128,15 @@ def pointer_on_disk(storage: Storage, pointer: PointerName) -> tuple[str | None,
     return None, ""
 
 
+def _missing_target(storage: Storage, pointer: PointerName, named: str, source: str) -> str:
+    """Why ``pointer`` (read from ``source``: its symlink or ``latest.json``) names nothing."""
+    if source == "symlink":
+        where = f"{storage.path(pointer.value)} points to"
+    else:
+        where = f"{storage.path(LATEST_JSON)} says {pointer.value} is"
+    return f"{where} {storage.path(named)}, which does not exist"
+
+
 def resolve_checkpoint(
     checkpoint: str | os.PathLike[str],
     *,
@@ -140,15 +150,18 @@ def resolve_checkpoint(
     is the check (a caller may pass one that also loads, reading the file once). Without
     it, the file the pointer names on disk (:func:`pointer_on_disk`), even a damaged one;
     with no pointer on disk, the directory's reconciled one.
-    Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches.
+    Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches, and (without
+    ``fallback``) when the pointer names a checkpoint that does not exist, naming both.
     """
     directory, pointer = split_argument(checkpoint)
     if pointer is None:
         return directory
     storage = LocalStorage(directory)
     if not fallback:
-        named, _ = pointer_on_disk(storage, pointer)
+        named, source = pointer_on_disk(storage, pointer)
         if named is not None:
+            if storage.kind(named) is FileKind.MISSING:
+                raise CheckpointNotFound(_missing_target(storage, pointer, named, source))
             return storage.path(named)
     policy = recorded_policy(directory)
     best = None if policy is None else policy.best
@@ -205,8 +218,9 @@ def _load_sharded(path: Path) -> Any:
 def verify(checkpoint: str | os.PathLike[str]) -> Path:
     """Check every byte of ``checkpoint``; raise :class:`~pitstop.errors.CheckpointCorrupt`.
 
-    A pointer or directory is checked at its target, without falling back. Returns the path
-    of the file that was verified.
+    A pointer or directory is checked at its target, without falling back (a target that
+    does not exist is :class:`~pitstop.errors.CheckpointNotFound`, naming the pointer and the
+    file). Returns the path of the file that was verified.
     """
     path = resolve_checkpoint(checkpoint, fallback=False)
     verify_any(path)

@@ -56,6 +56,7 @@ __all__ = [
     "Scan",
     "choose_resume",
     "is_sharded_path",
+    "named_by_pointers",
     "read_latest_json",
     "scan",
     "verify_any",
@@ -131,6 +132,26 @@ def read_latest_json(storage: Storage) -> tuple[object, str | None]:
         return json.loads(storage.read_bytes(LATEST_JSON, LATEST_JSON_LIMIT).decode("utf-8")), None
     except (OSError, ValueError, RecursionError) as exc:
         return None, f"{storage.path(LATEST_JSON)} is unreadable ({exc}); ignored"
+
+
+def named_by_pointers(storage: Storage) -> frozenset[str] | None:
+    """Every name a pointer on disk holds — each symlink's target and each name in
+    ``latest.json`` — as written, followed or not; ``None`` when that cannot be read whole."""
+    names = set()
+    try:
+        for pointer in PointerName:
+            if storage.kind(pointer.value) is FileKind.SYMLINK:
+                names.add(storage.read_link(pointer.value))
+        data, problem = read_latest_json(storage)
+    except OSError:
+        return None
+    if problem is not None:
+        return None
+    if isinstance(data, Mapping):
+        names |= pointers_from_latest_json(data)[0].targets()
+        if isinstance(data.get("path"), str):
+            names.add(data["path"])
+    return frozenset(names)
 
 
 def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
