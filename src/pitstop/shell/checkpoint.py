@@ -7,7 +7,10 @@
 # its save session, so it can say whether it is published yet and wait for it; equality ignores
 # it.
 # Metrics are floats (numbers, 0-d tensors, NumPy scalars; never str or bool). A save's reason
-# is a SaveReason (by value) or the caller's own words, recorded as a manual save's detail.
+# is a SaveReason (by value) or the caller's own words, recorded as a manual save's detail. A
+# run's config must be a mapping every save can store: it is walked once at construction by
+# the same walk every save's meta goes through (pitstop.shell.treewalk), so a value no
+# checkpoint can hold is refused then, by key path, not at the first save.
 # How: attrs records and small functions; errors are ConfigError naming the argument.
 
 """Checkpoint: one checkpoint as the Checkpointer reports it."""
@@ -17,16 +20,27 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
+from pitstop.core.arguments import describe_value
 from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.session import RemoteTicket, SaveTicket
+from pitstop.shell.treewalk import walk
 
-__all__ = ["Checkpoint", "TensorInfo", "call_input", "manual_reason", "metrics_of", "stop_detail"]
+__all__ = [
+    "Checkpoint",
+    "TensorInfo",
+    "call_input",
+    "config_of",
+    "manual_reason",
+    "metrics_of",
+    "stop_detail",
+]
 
 Ticket = SaveTicket | RemoteTicket
 
@@ -109,6 +123,28 @@ class Checkpoint:
             detail=entry.detail,
             ticket=ticket,
         )
+
+
+def config_of(config: object) -> dict[str, Any] | None:
+    """``Checkpointer(config=...)`` as the copy every save stores (``None``: no config).
+
+    Raises :class:`~pitstop.errors.ConfigError` unless it is a mapping a checkpoint can hold,
+    naming the key path of the first value it cannot (``Checkpointer.config: config.run.out:
+    cannot store a value of type pathlib.PosixPath ...``).
+    """
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"Checkpointer.config must be a mapping of the run's settings (such as "
+            f"{{'lr': 0.1}}) or None, got {describe_value(config)}"
+        )
+    try:
+        stored = walk(dict(config), on_tensor=None, root="config")  # a copy of every container
+    except SaveError as exc:
+        raise ConfigError(f"Checkpointer.config cannot be stored in a checkpoint: {exc}") from exc
+    assert isinstance(stored, dict)
+    return stored
 
 
 def metrics_of(metrics: Mapping[str, object] | None) -> dict[str, float] | None:

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import weakref
@@ -35,6 +34,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from pitstop.core.arguments import CheckpointerOptions, describe_value
 from pitstop.core.compat import may_change_patterns
 from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
@@ -42,7 +42,7 @@ from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import ConfigError
 from pitstop.shell.capture import LiveState, rank_state
-from pitstop.shell.checkpoint import Checkpoint, call_input, manual_reason
+from pitstop.shell.checkpoint import Checkpoint, call_input, config_of, manual_reason
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import GATHER_BOX, Ranks
 from pitstop.shell.lifetime import release, shut_down
@@ -110,44 +110,59 @@ class Checkpointer:
         overwrite: bool = False,
         storage: Storage | None = None,
     ) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(
+                f"Checkpointer.directory must be a path (str or os.PathLike), got "
+                f"{describe_value(directory)}"
+            )
         if not isinstance(model, nn.Module):
             raise ConfigError(
-                f"Checkpointer model must be an nn.Module, got {type(model).__name__}"
+                f"Checkpointer.model must be an nn.Module (the model itself, not its "
+                f"state_dict()), got {type(model).__name__}"
             )
         if ema is not None and not isinstance(ema, nn.Module):
-            raise ConfigError(f"Checkpointer ema must be an nn.Module, got {type(ema).__name__}")
-        if not (isinstance(async_save, bool) or async_save == "overlap"):
+            raise ConfigError(f"Checkpointer.ema must be an nn.Module, got {type(ema).__name__}")
+        if state is not None and not isinstance(state, Mapping):
             raise ConfigError(
-                f"Checkpointer async_save must be False, True or 'overlap', got {async_save!r}"
+                f"Checkpointer.state must be a mapping of names to components (objects with "
+                f"state_dict() and load_state_dict()), such as {{'optimizer': optimizer}}, got "
+                f"{describe_value(state)}"
             )
-        names = [per_rank] if isinstance(per_rank, str) else list(per_rank)
-        if not all(isinstance(n, str) and n for n in names):
-            raise ConfigError(f"Checkpointer per_rank must be component names, got {per_rank!r}")
+        if storage is not None and not isinstance(storage, Storage):
+            raise ConfigError(
+                f"Checkpointer.storage must implement pitstop.shell.storage.Storage (or be "
+                f"None: the local filesystem), got {describe_value(storage)}"
+            )
+        options = CheckpointerOptions(
+            policy=policy,
+            timeout_s=timeout_s,
+            async_save=async_save,
+            overwrite=overwrite,
+            per_rank=per_rank,
+        )
         self._config_may_change = may_change_patterns(config_may_change)
-        self.async_save = async_save
-        self.policy = policy if policy is not None else Policy()
+        self.async_save = options.async_save
+        self.policy = options.policy
         self._live = LiveState(
             model=unwrap_model(model),
             ema=ema,
             components={},
-            config=copy.deepcopy(dict(config)) if config is not None else None,
-            per_rank=set(names),
+            config=config_of(config),
+            per_rank=set(options.per_rank),
         )
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
         sharded = holds_sharded(self._live)
-        self._ranks = Ranks.current(timeout_s)
-        if not isinstance(overwrite, bool):
-            raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")
+        self._ranks = Ranks.current(options.timeout_s)
         self._directory = CheckpointDirectory(
-            directory, policy=self.policy, storage=storage, protect=not overwrite
+            directory, policy=self.policy, storage=storage, protect=not options.overwrite
         )
         self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
         schedule = ScheduleState(timer_start=time.monotonic())
         self.last_blocking_s = 0.0
         """Seconds the last save held the training loop (capture, and the copy when async)."""
-        background = bool(async_save) and self._ranks.leader
+        background = bool(options.async_save) and self._ranks.leader
         self._session = SaveSession(self._directory.path, background=background)
         self._saver = Saver(
             schedule=schedule,
@@ -159,7 +174,7 @@ class Checkpointer:
         )
         self._remote: RemoteTicket | None = None
         self._shards = ShardedSaves.of(
-            self._saver, self._ranks, background=async_save, timeout_s=timeout_s
+            self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for obj in self._live.optimizers():

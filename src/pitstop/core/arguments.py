@@ -1,0 +1,80 @@
+# The public calls' plain arguments, checked before anything is touched.
+#
+# Rules: a Checkpointer's settings are one frozen record whose validators name the argument as
+# the caller wrote it (`Checkpointer.timeout_s must be ...`): a policy is a Policy (None: the
+# default), the collectives' timeout a positive, finite number of seconds, async_save False,
+# True or "overlap", overwrite a bool, per_rank component names (one str is one name).
+# How: attrs validators (pitstop.core.validators) and small functions that return or raise.
+
+"""Argument checks of the public calls: the Checkpointer's settings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Literal
+
+import attrs
+
+from pitstop.core.records import Policy
+from pitstop.core.validators import fail, is_bool, positive_seconds
+from pitstop.errors import InvalidValue
+
+__all__ = ["CheckpointerOptions", "describe_value"]
+
+
+def describe_value(value: object, limit: int = 60) -> str:
+    """``value`` for a message: its type's name and its repr (cut to ``limit`` characters)."""
+    text = repr(value)
+    if len(text) > limit:
+        text = f"{text[: limit - 3]}..."
+    return f"{type(value).__qualname__} {text}"
+
+
+def _policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, Policy):
+        raise fail(
+            instance,
+            attribute,
+            f"must be a pitstop.Policy (e.g. Policy(every_steps=100, keep_last=3)) or None, "
+            f"got {describe_value(value)}",
+        )
+
+
+def _async_save(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "overlap")):
+        raise fail(instance, attribute, f"must be False, True or 'overlap', got {value!r}")
+
+
+def _default_policy(value: Policy | None) -> Policy:
+    return Policy() if value is None else value
+
+
+def _per_rank(value: object) -> tuple[str, ...]:
+    """``per_rank`` as names: one str is one name, any other iterable its items."""
+    names: object = (value,) if isinstance(value, str) else value
+    if isinstance(names, Iterable) and not isinstance(names, (bytes, Mapping)):
+        names = tuple(names)
+        if all(isinstance(n, str) and n for n in names):
+            return names
+    raise InvalidValue(
+        f"{CheckpointerOptions.error_name}.per_rank", f"must be component names, got {value!r}"
+    )
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointerOptions:
+    """The Checkpointer's plain settings, checked at construction.
+
+    A bad value raises :class:`~pitstop.errors.InvalidValue` naming the argument
+    (``Checkpointer.timeout_s must be a positive, finite number of seconds, got -1``).
+    """
+
+    error_name: ClassVar[str] = "Checkpointer"
+    """How messages name the record: after the call the user wrote."""
+
+    policy: Policy = attrs.field(factory=Policy, converter=_default_policy, validator=_policy)
+    timeout_s: float = attrs.field(default=600.0, validator=positive_seconds)
+    async_save: bool | Literal["overlap"] = attrs.field(default=False, validator=_async_save)
+    overwrite: bool = attrs.field(default=False, validator=is_bool)
+    per_rank: tuple[str, ...] = attrs.field(default=(), converter=_per_rank)
+    """Names of components whose state differs per rank (one str is one name)."""

@@ -1,0 +1,88 @@
+"""The public calls' argument checks: the Checkpointer's settings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pitstop.core.arguments import CheckpointerOptions
+from pitstop.core.records import Policy
+from pitstop.errors import InvalidValue
+from strategies import policies
+
+seconds = st.floats(min_value=1e-6, max_value=1e9) | st.integers(min_value=1, max_value=10**9)
+not_seconds = (
+    st.floats(max_value=0.0)
+    | st.sampled_from([math.nan, math.inf, -math.inf])
+    | st.integers(max_value=0)
+    | st.booleans()
+    | st.text(max_size=5)
+    | st.none()
+    | st.lists(st.integers(), max_size=2)
+)
+
+
+@given(seconds)
+def test_a_positive_finite_timeout_is_accepted_as_given(timeout: float) -> None:
+    assert CheckpointerOptions(timeout_s=timeout).timeout_s == timeout
+
+
+@given(not_seconds)
+def test_any_other_timeout_is_refused_naming_the_argument_and_the_value(value: object) -> None:
+    with pytest.raises(InvalidValue) as caught:
+        CheckpointerOptions(timeout_s=value)  # type: ignore[arg-type]
+    assert caught.value.field == "Checkpointer.timeout_s"
+    assert str(caught.value) == (
+        f"Checkpointer.timeout_s must be a positive, finite number of seconds, got {value!r}"
+    )
+
+
+@given(policies)
+def test_a_policy_is_kept_and_none_is_the_default(policy: Policy) -> None:
+    assert CheckpointerOptions(policy=policy).policy is policy
+    assert CheckpointerOptions(policy=None).policy == Policy()  # type: ignore[arg-type]
+
+
+@given(
+    st.dictionaries(st.sampled_from(["keep_last", "every_steps"]), st.integers(1, 5))
+    | st.integers()
+    | st.text(max_size=5)
+)
+def test_anything_but_a_policy_is_refused_with_its_type(value: object) -> None:
+    with pytest.raises(InvalidValue, match=r"^Checkpointer\.policy must be a pitstop\.Policy") as e:
+        CheckpointerOptions(policy=value)  # type: ignore[arg-type]
+    assert f"got {type(value).__qualname__} " in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "async_save",
+            "yes",
+            "Checkpointer.async_save must be False, True or 'overlap', got 'yes'",
+        ),
+        ("async_save", None, "Checkpointer.async_save must be False, True or 'overlap', got None"),
+        ("overwrite", 1, "Checkpointer.overwrite must be a bool, got 1"),
+        ("per_rank", 3, "Checkpointer.per_rank must be component names, got 3"),
+        ("per_rank", [""], "Checkpointer.per_rank must be component names, got ['']"),
+        ("per_rank", b"ab", "Checkpointer.per_rank must be component names, got b'ab'"),
+    ],
+)
+def test_the_other_settings_name_themselves(field: str, value: object, message: str) -> None:
+    with pytest.raises(InvalidValue) as caught:
+        CheckpointerOptions(**{field: value})
+    assert str(caught.value) == message
+
+
+@given(st.text(min_size=1, max_size=8))
+def test_one_str_is_one_component_name(name: str) -> None:
+    assert CheckpointerOptions(per_rank=name).per_rank == (name,)
+
+
+@given(st.lists(st.text(min_size=1, max_size=8), max_size=4))
+def test_an_iterable_of_names_is_its_items(names: list[str]) -> None:
+    assert CheckpointerOptions(per_rank=iter(names)).per_rank == tuple(names)
