@@ -158,33 +158,37 @@ class Checkpointer:
         self._directory = CheckpointDirectory(
             directory, policy=self.policy, storage=storage, protect=not options.overwrite
         )
-        self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
-        schedule = ScheduleState(timer_start=time.monotonic())
-        self.last_blocking_s = 0.0
-        """Seconds the last save held the training loop (capture, and the copy when async)."""
-        background = bool(options.async_save) and self._ranks.leader
-        self._session = SaveSession(self._directory.path, background=background)
-        self._saver = Saver(
-            schedule=schedule,
-            live=self._live,
-            directory=self._directory,
-            session=self._session,
-            pool=StagingPool() if background else None,
-            sharded=sharded,
-        )
-        self._remote: RemoteTicket | None = None
-        self._shards = ShardedSaves.of(
-            self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
-        )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        for obj in self._live.optimizers():
-            self._hook(obj)
-        # A Checkpointer dropped or left open at exit still publishes what is in flight. The
-        # finalizer refers to the session, the directory and the hooks — never to self.
-        abandon = self._shards.abandon if self._shards is not None else None
-        self._finalizer = weakref.finalize(
-            self, shut_down, self._session, self._directory, self._hooks, abandon
-        )
+        self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
+        try:
+            schedule = ScheduleState(timer_start=time.monotonic())
+            self.last_blocking_s = 0.0
+            """Seconds the last save held the training loop (capture, and the copy when async)."""
+            background = bool(options.async_save) and self._ranks.leader
+            self._session = SaveSession(self._directory.path, background=background)
+            self._saver = Saver(
+                schedule=schedule,
+                live=self._live,
+                directory=self._directory,
+                session=self._session,
+                pool=StagingPool() if background else None,
+                sharded=sharded,
+            )
+            self._remote: RemoteTicket | None = None
+            self._shards = ShardedSaves.of(
+                self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
+            )
+            for obj in self._live.optimizers():
+                self._hook(obj)
+            # A Checkpointer dropped or left open at exit still publishes what is in flight. The
+            # finalizer refers to the session, the directory and the hooks — never to self.
+            abandon = self._shards.abandon if self._shards is not None else None
+            self._finalizer = weakref.finalize(
+                self, shut_down, self._session, self._directory, self._hooks, abandon
+            )
+        except BaseException:  # whatever failed, nothing stays locked or hooked
+            release(self._directory, self._hooks)
+            raise
 
     def _open(self) -> None:  # what it finds stays on rank 0
         self._directory.open()
