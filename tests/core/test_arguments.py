@@ -1,4 +1,4 @@
-"""The public calls' argument checks: the Checkpointer's settings."""
+"""The public calls' argument checks: the Checkpointer's settings and a save's metrics."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.arguments import CheckpointerOptions
+from pitstop.core.arguments import CheckpointerOptions, call_metrics
 from pitstop.core.records import Policy
-from pitstop.errors import InvalidValue
+from pitstop.errors import ConfigError, InvalidValue
 from strategies import policies
 
 seconds = st.floats(min_value=1e-6, max_value=1e9) | st.integers(min_value=1, max_value=10**9)
@@ -86,3 +86,76 @@ def test_one_str_is_one_component_name(name: str) -> None:
 @given(st.lists(st.text(min_size=1, max_size=8), max_size=4))
 def test_an_iterable_of_names_is_its_items(names: list[str]) -> None:
     assert CheckpointerOptions(per_rank=iter(names)).per_rank == tuple(names)
+
+
+# --- a save call's metrics ----------------------------------------------------------------------
+
+calls = st.sampled_from(["maybe_save", "save", "finish"])
+names = st.text(min_size=1, max_size=8)
+numbers_ = (
+    st.floats(allow_nan=True, allow_infinity=True)
+    | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.decimals(allow_nan=False, allow_infinity=False, places=3)
+)
+not_numbers = (
+    st.text(max_size=4)
+    | st.binary(max_size=4)
+    | st.booleans()
+    | st.none()
+    | st.lists(st.floats(), max_size=2)
+    | st.complex_numbers(max_magnitude=10)
+)
+
+
+@given(st.dictionaries(names, numbers_, max_size=4), calls, st.integers(0, 10**6))
+def test_real_numbers_come_back_as_floats_under_their_names(
+    metrics: dict[str, object], call: str, step: int
+) -> None:
+    out = call_metrics(metrics, call=call, step=step)
+    assert out is not None
+    assert list(out) == list(metrics)
+    for name, value in out.items():
+        assert type(value) is float
+        expected = float(metrics[name])  # type: ignore[arg-type]
+        assert value == expected or (math.isnan(value) and math.isnan(expected))
+
+
+@given(calls, st.integers(0, 10**6))
+def test_no_metrics_are_none(call: str, step: int) -> None:
+    assert call_metrics(None, call=call, step=step) is None
+
+
+@given(
+    st.dictionaries(names, numbers_, max_size=3), names, not_numbers, calls, st.integers(0, 10**6)
+)
+def test_a_value_that_is_no_number_names_the_call_the_step_and_the_metric(
+    good: dict[str, object], name: str, bad: object, call: str, step: int
+) -> None:
+    metrics = {**good, name: bad}
+    with pytest.raises(ConfigError) as caught:
+        call_metrics(metrics, call=call, step=step)
+    message = str(caught.value)
+    assert message.startswith(f"{call}(step={step}): metrics[{name!r}] must be a number")
+    assert f"got {type(bad).__qualname__} " in message
+
+
+@given(
+    st.lists(st.floats(), max_size=2) | st.text(max_size=4) | st.integers() | st.floats(),
+    calls,
+    st.integers(0, 10**6),
+)
+def test_metrics_that_are_no_mapping_are_refused_with_their_type(
+    metrics: object, call: str, step: int
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        call_metrics(metrics, call=call, step=step)
+    assert str(caught.value).startswith(
+        f"{call}(step={step}): metrics must be a mapping of metric names to numbers"
+    )
+    assert f"got {type(metrics).__qualname__} " in str(caught.value)
+
+
+@given(st.integers() | st.none() | st.just(""), calls, st.integers(0, 10**6))
+def test_a_metric_name_that_is_no_str_is_refused(key: object, call: str, step: int) -> None:
+    with pytest.raises(ConfigError, match=r"metric names must be non-empty str, got "):
+        call_metrics({key: 1.0}, call=call, step=step)

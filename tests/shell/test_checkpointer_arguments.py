@@ -1,5 +1,6 @@
 """The Checkpointer's arguments: a wrong one is a pitstop error naming it, raised before the
-directory is touched. Real files in tmp_path; no sleeps, no timing.
+directory is touched; a save call's metrics are checked the same way, naming the call and the
+step. Real files in tmp_path; no sleeps, no timing.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -134,3 +136,55 @@ def test_a_storable_config_is_kept_as_a_copy_and_saved(tmp_path: Path) -> None:
         assert ckpt.config == {"lr": 0.1, "layers": [16, 8], "tags": {"a"}, "pair": (1, 2.5)}
         saved = ckpt.save(Progress(step=1))
     assert pitstop.info(saved.path).config == ckpt.config
+
+
+# --- a save call's metrics ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "metrics", "message"),
+    [
+        (
+            "save",
+            {"val_loss": "0.25"},
+            "save(step=3): metrics['val_loss'] must be a number (an int, a float, a one-element "
+            "tensor or a NumPy scalar), got str '0.25'",
+        ),
+        (
+            "maybe_save",
+            {"val_loss": torch.ones(3)},
+            "maybe_save(step=3): metrics['val_loss'] must be a number (an int, a float, a "
+            "one-element tensor or a NumPy scalar), got Tensor tensor([1., 1., 1.])",
+        ),
+        ("finish", {"acc": None}, "finish(step=3): metrics['acc'] must be a number"),
+        (
+            "save",
+            [("val_loss", 0.25)],
+            "save(step=3): metrics must be a mapping of metric names to numbers, such as "
+            "{'val_loss': 0.25}, got list [('val_loss', 0.25)]",
+        ),
+        ("maybe_save", 0.25, "maybe_save(step=3): metrics must be a mapping"),
+        ("save", {1: 0.25}, "save(step=3): metric names must be non-empty str, got int 1"),
+    ],
+    ids=["str value", "tensor of 3", "None value", "list", "bare float", "int name"],
+)
+def test_bad_metrics_name_the_call_the_step_and_the_metric_and_nothing_is_saved(
+    tmp_path: Path, call: str, metrics: object, message: str
+) -> None:
+    policy = Policy(every_steps=1, best=pitstop.Best("val_loss"))
+    with Checkpointer(tmp_path, model=_model(), policy=policy) as ckpt:
+        with pytest.raises(ConfigError) as caught:
+            getattr(ckpt, call)(Progress(step=3), metrics=metrics)
+        assert message in str(caught.value)
+        assert ckpt.checkpoints() == []
+
+
+def test_numbers_of_every_kind_are_recorded_as_floats_without_an_autograd_warning(
+    tmp_path: Path,
+) -> None:
+    loss = (torch.ones(2, requires_grad=True) * 0.5).sum()  # a live loss, still in the graph
+    metrics = {"loss": loss, "acc": np.float32(0.25), "n": 3, "val": torch.tensor([0.5])}
+    with Checkpointer(tmp_path, model=_model()) as ckpt:
+        saved = ckpt.save(Progress(step=1), metrics=metrics)
+    assert dict(saved.metrics) == {"loss": 1.0, "acc": 0.25, "n": 3.0, "val": 0.5}
+    assert all(type(v) is float for v in saved.metrics.values())

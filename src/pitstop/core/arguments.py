@@ -3,13 +3,20 @@
 # Rules: a Checkpointer's settings are one frozen record whose validators name the argument as
 # the caller wrote it (`Checkpointer.timeout_s must be ...`): a policy is a Policy (None: the
 # default), the collectives' timeout a positive, finite number of seconds, async_save False,
-# True or "overlap", overwrite a bool, per_rank component names (one str is one name).
-# How: attrs validators (pitstop.core.validators) and small functions that return or raise.
+# True or "overlap", overwrite a bool, per_rank component names (one str is one name). A save
+# call's metrics are a mapping of non-empty str names to real numbers (never str, bytes, bool
+# or None; NaN and infinities pass, as Best treats them), and a bad one names the call, the
+# step and the metric. (A Best metric missing from a call's metrics is no error: that call is
+# no candidate for best — pitstop.core.schedule.)
+# How: attrs validators (pitstop.core.validators) and small functions that return or raise;
+# the shell turns tensors into Python numbers first, the core only judges.
 
-"""Argument checks of the public calls: the Checkpointer's settings."""
+"""Argument checks of the public calls: the Checkpointer's settings and a save's metrics."""
 
 from __future__ import annotations
 
+import decimal
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Literal
 
@@ -17,9 +24,9 @@ import attrs
 
 from pitstop.core.records import Policy
 from pitstop.core.validators import fail, is_bool, positive_seconds
-from pitstop.errors import InvalidValue
+from pitstop.errors import ConfigError, InvalidValue
 
-__all__ = ["CheckpointerOptions", "describe_value"]
+__all__ = ["CheckpointerOptions", "call_metrics", "describe_value"]
 
 
 def describe_value(value: object, limit: int = 60) -> str:
@@ -78,3 +85,43 @@ class CheckpointerOptions:
     overwrite: bool = attrs.field(default=False, validator=is_bool)
     per_rank: tuple[str, ...] = attrs.field(default=(), converter=_per_rank)
     """Names of components whose state differs per rank (one str is one name)."""
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float when it is a real number (not a bool), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, decimal.Decimal)):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError):  # an int too large for a float; a signalling Decimal
+        return None
+
+
+def call_metrics(metrics: object, *, call: str, step: int) -> dict[str, float] | None:
+    """Check the ``metrics=`` of ``call`` at ``step``; return them as floats (``None``: none).
+
+    Raises :class:`~pitstop.errors.ConfigError` naming the call, the step and the offending
+    metric: a mapping of non-empty str names to real numbers is required.
+    """
+    if metrics is None:
+        return None
+    where = f"{call}(step={step})"
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(
+            f"{where}: metrics must be a mapping of metric names to numbers, such as "
+            f"{{'val_loss': 0.25}}, got {describe_value(metrics)}"
+        )
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(
+                f"{where}: metric names must be non-empty str, got {describe_value(key)}"
+            )
+        number = _number(value)
+        if number is None:
+            raise ConfigError(
+                f"{where}: metrics[{key!r}] must be a number (an int, a float, a one-element "
+                f"tensor or a NumPy scalar), got {describe_value(value)}"
+            )
+        out[key] = number
+    return out

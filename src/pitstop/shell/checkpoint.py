@@ -6,11 +6,13 @@
 # catalog entry alone leaves them empty. One returned by a background save carries a ticket to
 # its save session, so it can say whether it is published yet and wait for it; equality ignores
 # it.
-# Metrics are floats (numbers, 0-d tensors, NumPy scalars; never str or bool). A save's reason
-# is a SaveReason (by value) or the caller's own words, recorded as a manual save's detail. A
-# run's config must be a mapping every save can store: it is walked once at construction by
-# the same walk every save's meta goes through (pitstop.shell.treewalk), so a value no
-# checkpoint can hold is refused then, by key path, not at the first save.
+# Metrics are floats (numbers, one-element tensors, NumPy scalars; never str or bool): a tensor
+# is read here, the rules are pitstop.core.arguments.call_metrics', and a bad one names the call
+# and the step. A save's reason is a SaveReason (by value) or the caller's own words, recorded
+# as a manual save's detail. A run's config must be a mapping every save can store: it is
+# walked once at construction by the same walk every save's meta goes through
+# (pitstop.shell.treewalk), so a value no checkpoint can hold is refused then, by key path, not
+# at the first save.
 # How: attrs records and small functions; errors are ConfigError naming the argument.
 
 """Checkpoint: one checkpoint as the Checkpointer reports it."""
@@ -24,13 +26,12 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.arguments import describe_value
+from pitstop.core.arguments import call_metrics, describe_value
 from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.session import RemoteTicket, SaveTicket
-from pitstop.shell.treewalk import walk
 
 __all__ = [
     "Checkpoint",
@@ -139,6 +140,8 @@ def config_of(config: object) -> dict[str, Any] | None:
             f"Checkpointer.config must be a mapping of the run's settings (such as "
             f"{{'lr': 0.1}}) or None, got {describe_value(config)}"
         )
+    from pitstop.shell.treewalk import walk  # torch: only once a Checkpointer is made
+
     try:
         stored = walk(dict(config), on_tensor=None, root="config")  # a copy of every container
     except SaveError as exc:
@@ -147,28 +150,37 @@ def config_of(config: object) -> dict[str, Any] | None:
     return stored
 
 
-def metrics_of(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
-    """Metrics as floats: numbers, 0-d tensors and NumPy scalars; never str or bool."""
-    if metrics is None:
-        return None
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, (str, bytes, bool)):
-            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}")
-        try:
-            out[str(key)] = float(value)  # type: ignore[arg-type]  # tensors, numpy scalars
-        except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}") from None
-    return out
+def metrics_of(metrics: object, *, call: str = "save", step: int = 0) -> dict[str, float] | None:
+    """Metrics as floats: numbers, one-element tensors and NumPy scalars; never str or bool.
+
+    A tensor is read here (``.item()``, detached); the core's :func:`call_metrics` judges the
+    rest and raises :class:`~pitstop.errors.ConfigError` naming ``call``, ``step`` and the
+    metric.
+    """
+    if isinstance(metrics, Mapping):
+        metrics = {key: _plain_number(value) for key, value in metrics.items()}
+    return call_metrics(metrics, call=call, step=step)
 
 
-def call_input(progress: object, stop: object, metrics: Mapping[str, object] | None) -> CallInput:
-    """What this rank brings to a save call: its stop request, metrics and clock."""
+def _plain_number(value: object) -> object:
+    """A one-element tensor's value (detached: no autograd warning); anything else as it is."""
+    import torch  # imported by then: a Checkpointer made the call
+
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach().item()
+    return value
+
+
+def call_input(progress: object, stop: object, metrics: object, *, call: str = "save") -> CallInput:
+    """What this rank brings to a save ``call``: its stop request, metrics and clock."""
     if not isinstance(progress, Progress):
         raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
     stopped, stopped_by = stop_detail(stop)
     return CallInput(
-        stop=stopped, reason=stopped_by, metrics=metrics_of(metrics), now=time.monotonic()
+        stop=stopped,
+        reason=stopped_by,
+        metrics=metrics_of(metrics, call=call, step=progress.step),
+        now=time.monotonic(),
     )
 
 

@@ -386,7 +386,7 @@ class Checkpointer:
         # start and settle it on every rank).
         done = shards.done() if shards is not None else None
         saver = self._saver
-        each = partial(call_input, progress, stop, metrics)
+        each = partial(call_input, progress, stop, metrics, call=call.value)
 
         def decide(asked: CallInput) -> bool:
             return saver.decide(self.policy, call, progress, asked, manual)
