@@ -1,5 +1,6 @@
 """The Checkpointer when something fails part-way: a constructor that fails after locking the
-directory releases it. Real files in tmp_path; no sleeps, no timing.
+directory releases it; a component whose own state_dict() / load_state_dict() raises is named
+in a pitstop error, chained to what it raised. Real files in tmp_path; no sleeps, no timing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 import pitstop.shell.directory as directory_module
 import pitstop.shell.manager as manager
-from pitstop import Checkpointer, Progress
+from pitstop import Checkpointer, IncompatibleCheckpoint, Progress, SaveError
 from pitstop.core.naming import LATEST_JSON, LOCK_NAME
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.storage import FileKind, LocalStorage
@@ -97,3 +98,128 @@ def test_a_directory_whose_open_fails_after_its_scan_is_not_left_locked(
     assert not (tmp_path / LOCK_NAME).exists()
     with CheckpointDirectory(tmp_path):  # not DirectoryLocked
         pass
+
+
+# --- a component's own state_dict() / load_state_dict() that raises -----------------------------
+
+
+class Scheduler:
+    """A component that raises from state_dict() after ``saves`` calls, or from
+    load_state_dict() (always, and so its own put-back fails too) when ``loads`` is False."""
+
+    def __init__(self, value: int = 0, *, saves: int | None = None, loads: bool = True) -> None:
+        self.value, self.saves, self.loads = value, saves, loads
+
+    def state_dict(self) -> dict[str, int]:
+        if self.saves is not None:
+            if self.saves <= 0:
+                raise RuntimeError("lr_lambda is a closure")
+            self.saves -= 1
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if not self.loads:
+            raise KeyError("last_epoch")
+        self.value = state["value"]
+
+
+class Judges(Scheduler):
+    """A component whose own compatibility judge raises."""
+
+    def state_differences(self, stored: object) -> list[str]:
+        raise ValueError("cannot judge")
+
+
+@pytest.mark.parametrize("async_save", [False, True, "overlap"])
+@pytest.mark.parametrize("per_rank", [False, True], ids=["replicated", "per-rank"])
+def test_a_component_whose_state_dict_raises_fails_the_save_naming_it(
+    tmp_path: Path, async_save: bool | str, per_rank: bool
+) -> None:
+    model = _model()
+    scheduler = Scheduler(saves=0)
+    state = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "scheduler": scheduler}
+    names = ["scheduler"] if per_rank else []
+    with Checkpointer(
+        tmp_path, model=model, state=state, async_save=async_save, per_rank=names
+    ) as ckpt:
+        with pytest.raises(SaveError) as caught:
+            ckpt.save(Progress(step=1))
+        assert (
+            str(caught.value) == "component 'scheduler': state_dict failed: lr_lambda is a closure"
+        )
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert ckpt.checkpoints() == []
+        scheduler.saves = None  # fixed: the next save is written
+        assert ckpt.save(Progress(step=1)).step == 1
+
+
+def _saved(tmp_path: Path, **state: Any) -> nn.Module:
+    model = _model()
+    with Checkpointer(tmp_path, model=model, state=state or {"scheduler": Scheduler(7)}) as ckpt:
+        ckpt.save(Progress(step=2))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("saves", "message"),
+    [
+        (0, "step_000000000002.pitstop: component 'scheduler': state_dict failed: lr_lambda is"),
+        (1, "step_000000000002.pitstop: component 'scheduler': state_dict failed: lr_lambda is"),
+    ],
+    ids=["while compared", "while snapshotted"],
+)
+def test_a_component_whose_state_dict_raises_fails_the_resume_naming_it(
+    tmp_path: Path, saves: int, message: str
+) -> None:
+    _saved(tmp_path)
+    model = _model()
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    scheduler = Scheduler(1, saves=saves)
+    with Checkpointer(tmp_path, model=model, state={"scheduler": scheduler}) as ckpt:
+        with pytest.raises(IncompatibleCheckpoint) as caught:
+            ckpt.resume()
+        assert len(caught.value.differences) == 1
+        assert caught.value.differences[0].startswith(message)
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert ckpt.resumed_from is None
+    assert torch.equal(model.weight, torch.full_like(model.weight, 0.5))  # untouched
+    assert scheduler.value == 1
+
+
+def test_a_deferred_component_whose_load_raises_is_named_and_not_registered(
+    tmp_path: Path,
+) -> None:
+    _saved(tmp_path)
+    with Checkpointer(tmp_path, model=_model()) as ckpt:
+        ckpt.resume()
+        broken = Scheduler(1, loads=False)  # its put-back raises too: logged, not raised
+        with pytest.raises(IncompatibleCheckpoint) as caught:
+            ckpt.register("scheduler", broken)
+        assert caught.value.differences == (
+            "component 'scheduler': load_state_dict failed: 'last_epoch'",
+        )
+        assert isinstance(caught.value.__cause__, KeyError)
+        fixed = Scheduler(1)
+        ckpt.register("scheduler", fixed)  # not registered before: this one is restored
+        assert fixed.value == 7
+
+
+@pytest.mark.parametrize(
+    ("component", "message"),
+    [
+        (Scheduler(1, saves=0), "component 'scheduler': state_dict failed: lr_lambda is a closure"),
+        (Judges(1), "component 'scheduler': state_differences failed: cannot judge"),
+    ],
+    ids=["state_dict", "its own judge"],
+)
+def test_a_deferred_component_whose_own_code_raises_while_checked_is_named(
+    tmp_path: Path, component: Scheduler, message: str
+) -> None:
+    _saved(tmp_path)
+    with Checkpointer(tmp_path, model=_model()) as ckpt:
+        ckpt.resume()
+        with pytest.raises(IncompatibleCheckpoint) as caught:
+            ckpt.register("scheduler", component)
+        assert caught.value.differences == (message,)
+        assert component.value == 1
