@@ -1,4 +1,5 @@
-"""The public calls' argument checks: the Checkpointer's settings and a save's metrics."""
+"""The public calls' argument checks: the Checkpointer's settings, a save's metrics, and the
+device a load places tensors on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.arguments import CheckpointerOptions, call_metrics
+from pitstop.core.arguments import CheckpointerOptions, call_metrics, device_problem
 from pitstop.core.records import Policy
 from pitstop.errors import ConfigError, InvalidValue
 from strategies import policies
@@ -159,3 +160,36 @@ def test_metrics_that_are_no_mapping_are_refused_with_their_type(
 def test_a_metric_name_that_is_no_str_is_refused(key: object, call: str, step: int) -> None:
     with pytest.raises(ConfigError, match=r"metric names must be non-empty str, got "):
         call_metrics({key: 1.0}, call=call, step=step)
+
+
+# --- the device a load places tensors on --------------------------------------------------------
+
+kinds = st.sampled_from(["cuda", "xpu", "mps", "hpu", "privateuseone"])
+
+
+@given(st.none() | st.integers(0, 16), st.integers(0, 16))
+def test_the_cpu_always_takes_tensors_and_meta_never(index: int | None, count: int) -> None:
+    assert device_problem("map_location", "cpu", kind="cpu", index=index, count=count) is None
+    problem = device_problem("map_location", "meta", kind="meta", index=index, count=count)
+    assert problem is not None
+    assert problem.startswith("map_location='meta': the meta device holds no data")
+
+
+@given(kinds, st.none() | st.integers(0, 16), st.integers(-1, 16))
+def test_another_device_takes_tensors_exactly_when_this_process_has_it(
+    kind: str, index: int | None, count: int
+) -> None:
+    device = kind if index is None else f"{kind}:{index}"
+    problem = device_problem(
+        "load_weights map_location", device, kind=kind, index=index, count=count
+    )
+    has_it = count > 0 and (index is None or index < count)
+    assert (problem is None) == has_it
+    if problem is not None:
+        assert problem.startswith(f"load_weights map_location={device!r}: ")
+        if count <= 0:
+            assert f"this process has no {kind} device" in problem
+        else:
+            assert (
+                f"there is no {kind}:{index}; this process has {count} {kind} device(s)" in problem
+            )

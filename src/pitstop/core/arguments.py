@@ -7,11 +7,14 @@
 # call's metrics are a mapping of non-empty str names to real numbers (never str, bytes, bool
 # or None; NaN and infinities pass, as Best treats them), and a bad one names the call, the
 # step and the metric. (A Best metric missing from a call's metrics is no error: that call is
-# no candidate for best — pitstop.core.schedule.)
+# no candidate for best — pitstop.core.schedule.) A device a load places tensors on must exist
+# and hold data: "meta" never does; "cpu" always exists; any other type needs a device of that
+# type, and an index below how many this process has.
 # How: attrs validators (pitstop.core.validators) and small functions that return or raise;
-# the shell turns tensors into Python numbers first, the core only judges.
+# the shell turns tensors into Python numbers and counts devices first, the core only judges.
 
-"""Argument checks of the public calls: the Checkpointer's settings and a save's metrics."""
+"""Argument checks of the public calls: the Checkpointer's settings, a save's metrics, and the
+device a load places tensors on."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from pitstop.core.records import Policy
 from pitstop.core.validators import fail, is_bool, positive_seconds
 from pitstop.errors import ConfigError, InvalidValue
 
-__all__ = ["CheckpointerOptions", "call_metrics", "describe_value"]
+__all__ = ["CheckpointerOptions", "call_metrics", "describe_value", "device_problem"]
 
 
 def describe_value(value: object, limit: int = 60) -> str:
@@ -125,3 +128,33 @@ def call_metrics(metrics: object, *, call: str, step: int) -> dict[str, float] |
             )
         out[key] = number
     return out
+
+
+def device_problem(
+    argument: str, device: str, *, kind: str, index: int | None, count: int
+) -> str | None:
+    """Why ``device`` (of type ``kind``, number ``index``) cannot take a load's tensors.
+
+    ``argument`` names the argument (``load_weights map_location``); ``count`` is how many
+    devices of that type this process can use, as the shell counted them. ``None``: it can.
+    """
+    if kind == "meta":
+        return (
+            f"{argument}={device!r}: the meta device holds no data, so the model would be left "
+            f"without its weights; pass a real device such as 'cpu' or 'cuda' (a model built on "
+            f"the meta device loads with one of those)"
+        )
+    if kind == "cpu":
+        return None
+    if count <= 0:
+        return (
+            f"{argument}={device!r}: this process has no {kind} device (none is available or "
+            f"torch was built without {kind} support); pass 'cpu' or a device it has"
+        )
+    if index is not None and not 0 <= index < count:
+        last = f"{kind}:0" if count == 1 else f"{kind}:0 to {kind}:{count - 1}"
+        return (
+            f"{argument}={device!r}: there is no {kind}:{index}; this process has {count} "
+            f"{kind} device(s) ({last})"
+        )
+    return None
