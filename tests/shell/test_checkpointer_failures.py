@@ -1,6 +1,7 @@
 """The Checkpointer when something fails part-way: a constructor that fails after locking the
 directory releases it; a component whose own state_dict() / load_state_dict() raises is named
-in a pitstop error, chained to what it raised. Real files in tmp_path; no sleeps, no timing.
+in a pitstop error, chained to what it raised; a call after close() names itself. Real files in
+tmp_path; no sleeps, no timing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 import pitstop.shell.directory as directory_module
 import pitstop.shell.manager as manager
-from pitstop import Checkpointer, IncompatibleCheckpoint, Progress, SaveError
+from pitstop import Checkpointer, IncompatibleCheckpoint, PitstopError, Progress, SaveError
 from pitstop.core.naming import LATEST_JSON, LOCK_NAME
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.storage import FileKind, LocalStorage
@@ -223,3 +224,35 @@ def test_a_deferred_component_whose_own_code_raises_while_checked_is_named(
             ckpt.register("scheduler", component)
         assert caught.value.differences == (message,)
         assert component.value == 1
+
+
+# --- calls after close() --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize(
+    ("call", "make"),
+    [
+        ("save", lambda c: c.save(Progress(step=2))),
+        ("maybe_save", lambda c: c.maybe_save(Progress(step=2), stop=True)),
+        ("finish", lambda c: c.finish(Progress(step=2))),
+        ("resume", lambda c: c.resume()),
+        ("register", lambda c: c.register("scheduler", Scheduler())),
+        ("wait", lambda c: c.wait()),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_a_call_on_a_closed_checkpointer_is_refused_naming_the_call(
+    tmp_path: Path, async_save: bool, call: str, make: Any
+) -> None:
+    ckpt = Checkpointer(tmp_path, model=_model(), async_save=async_save)
+    ckpt.save(Progress(step=1))
+    ckpt.close()
+    with pytest.raises(PitstopError) as caught:
+        make(ckpt)
+    assert str(caught.value) == (
+        f"{call}(): the Checkpointer of {tmp_path} is closed; make a new Checkpointer on it "
+        "(and resume()) to go on"
+    )
+    assert [c.step for c in ckpt.checkpoints()] == [1]  # listing still works; nothing written
+    ckpt.close()  # still idempotent

@@ -18,6 +18,7 @@
 # background one copies them into staging buffers and hands the write to the session's writer
 # thread. The directory lock is held from construction to close(); a Checkpointer dropped
 # without close() is collected and unlocks its directory (nothing in flight refers to it).
+# After close(), every call but close() and checkpoints() raises a PitstopError naming it.
 
 """The Checkpointer: save and restore a whole training state from a custom loop."""
 
@@ -40,7 +41,7 @@ from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, PitstopError
 from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import Checkpoint, call_input, config_of, manual_reason
 from pitstop.shell.directory import CheckpointDirectory, scan
@@ -247,8 +248,17 @@ class Checkpointer:
             self._remote.settle(status)
             self._remote = None
 
+    def _check_open(self, call: str) -> None:
+        """Raise a PitstopError naming ``call`` once close() has run (on this rank)."""
+        if not self._finalizer.alive:
+            raise PitstopError(
+                f"{call}(): the Checkpointer of {self.directory} is closed; make a new "
+                f"Checkpointer on it (and resume()) to go on"
+            )
+
     def wait(self) -> None:
         """Wait until every save is published; raise the error of one that failed."""
+        self._check_open("wait")
         self._settle(Request.WAIT)
 
     def close(self) -> None:
@@ -315,6 +325,7 @@ class Checkpointer:
         mismatch it raises :class:`~pitstop.errors.IncompatibleCheckpoint` and is not added.
         ``per_rank``: its state differs per rank. With several ranks, every rank registers.
         """
+        self._check_open("register")
         self._settle(Request.REGISTER)
         register_component(
             self._live,
@@ -379,6 +390,7 @@ class Checkpointer:
         detail: str = "",
         manual: SaveReason = SaveReason.MANUAL,
     ) -> Checkpoint | None:
+        self._check_open(call.value)
         started = time.perf_counter()  # what the caller waits for, the previous save included
         ranks = self._ranks
         shards = self._shards
@@ -450,6 +462,7 @@ class Checkpointer:
         (never shape or dtype differences). With several ranks, rank 0 chooses the checkpoint
         and every rank restores it, or none does.
         """
+        self._check_open("resume")
         self._settle(Request.RESUME)
         path, entry = resume_from(
             source,
