@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.arguments import call_metrics, describe_value
+from pitstop.core.arguments import CheckpointerOptions, call_metrics, describe_value
 from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
@@ -37,6 +38,7 @@ __all__ = [
     "Checkpoint",
     "TensorInfo",
     "call_input",
+    "checked_options",
     "config_of",
     "manual_reason",
     "metrics_of",
@@ -124,6 +126,60 @@ class Checkpoint:
             detail=entry.detail,
             ticket=ticket,
         )
+
+
+def checked_options(
+    directory: object,
+    *,
+    model: object,
+    ema: object,
+    state: object,
+    storage: object,
+    policy: Any,
+    timeout_s: Any,
+    async_save: Any,
+    overwrite: Any,
+    per_rank: object,
+) -> CheckpointerOptions:
+    """Check the Checkpointer's arguments, before anything is touched; its plain settings.
+
+    Raises :class:`~pitstop.errors.ConfigError` naming the first argument that is not what it
+    must be (the settings' own checks are :class:`~pitstop.core.arguments.CheckpointerOptions`').
+    """
+    from torch import nn  # imported by then: the caller holds a model
+
+    from pitstop.shell.storage import Storage
+
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ConfigError(
+            f"Checkpointer.directory must be a path (str or os.PathLike), got "
+            f"{describe_value(directory)}"
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"Checkpointer.model must be an nn.Module (the model itself, not its "
+            f"state_dict()), got {type(model).__name__}"
+        )
+    if ema is not None and not isinstance(ema, nn.Module):
+        raise ConfigError(f"Checkpointer.ema must be an nn.Module, got {type(ema).__name__}")
+    if state is not None and not isinstance(state, Mapping):
+        raise ConfigError(
+            f"Checkpointer.state must be a mapping of names to components (objects with "
+            f"state_dict() and load_state_dict()), such as {{'optimizer': optimizer}}, got "
+            f"{describe_value(state)}"
+        )
+    if storage is not None and not isinstance(storage, Storage):
+        raise ConfigError(
+            f"Checkpointer.storage must implement pitstop.shell.storage.Storage (or be "
+            f"None: the local filesystem), got {describe_value(storage)}"
+        )
+    return CheckpointerOptions(
+        policy=policy,
+        timeout_s=timeout_s,
+        async_save=async_save,
+        overwrite=overwrite,
+        per_rank=per_rank,
+    )
 
 
 def config_of(config: object) -> dict[str, Any] | None:

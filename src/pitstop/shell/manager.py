@@ -35,15 +35,20 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from pitstop.core.arguments import CheckpointerOptions, describe_value
 from pitstop.core.compat import may_change_patterns
 from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
-from pitstop.errors import ConfigError, PitstopError
+from pitstop.errors import PitstopError
 from pitstop.shell.capture import LiveState, rank_state
-from pitstop.shell.checkpoint import Checkpoint, call_input, config_of, manual_reason
+from pitstop.shell.checkpoint import (
+    Checkpoint,
+    call_input,
+    checked_options,
+    config_of,
+    manual_reason,
+)
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import GATHER_BOX, Ranks
 from pitstop.shell.lifetime import release, shut_down
@@ -111,30 +116,12 @@ class Checkpointer:
         overwrite: bool = False,
         storage: Storage | None = None,
     ) -> None:
-        if not isinstance(directory, (str, os.PathLike)):
-            raise ConfigError(
-                f"Checkpointer.directory must be a path (str or os.PathLike), got "
-                f"{describe_value(directory)}"
-            )
-        if not isinstance(model, nn.Module):
-            raise ConfigError(
-                f"Checkpointer.model must be an nn.Module (the model itself, not its "
-                f"state_dict()), got {type(model).__name__}"
-            )
-        if ema is not None and not isinstance(ema, nn.Module):
-            raise ConfigError(f"Checkpointer.ema must be an nn.Module, got {type(ema).__name__}")
-        if state is not None and not isinstance(state, Mapping):
-            raise ConfigError(
-                f"Checkpointer.state must be a mapping of names to components (objects with "
-                f"state_dict() and load_state_dict()), such as {{'optimizer': optimizer}}, got "
-                f"{describe_value(state)}"
-            )
-        if storage is not None and not isinstance(storage, Storage):
-            raise ConfigError(
-                f"Checkpointer.storage must implement pitstop.shell.storage.Storage (or be "
-                f"None: the local filesystem), got {describe_value(storage)}"
-            )
-        options = CheckpointerOptions(
+        options = checked_options(
+            directory,
+            model=model,
+            ema=ema,
+            state=state,
+            storage=storage,
             policy=policy,
             timeout_s=timeout_s,
             async_save=async_save,
