@@ -210,9 +210,53 @@ def test_an_import_never_replaces_a_published_checkpoint(tmp_path: Path) -> None
     torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "c.pt")
     first = pitstop.import_checkpoint(tmp_path / "c.pt", tmp_path / "run")
     before = first.path.read_bytes()
-    with pytest.raises(SaveError, match="already exists"):
+    with pytest.raises(SaveError, match=r"already holds 1 checkpoint\(s\) \(the newest is step 3"):
         pitstop.import_checkpoint(tmp_path / "c.pt", tmp_path / "run")
     assert first.path.read_bytes() == before
+
+
+def _contents(directory: Path) -> dict[str, bytes | str]:
+    """Every entry of ``directory``: a file's bytes, a symlink's target."""
+    return {
+        p.name: str(p.readlink()) if p.is_symlink() else p.read_bytes()
+        for p in sorted(directory.iterdir())
+    }
+
+
+@pytest.mark.parametrize("step", [5, 40], ids=["older than the run", "newer than the run"])
+def test_an_import_into_a_run_is_refused_and_the_run_keeps_every_file_and_pointer(
+    tmp_path: Path, step: int
+) -> None:
+    run = tmp_path / "run"
+    model = Net(seed=1)
+    with Checkpointer(run, model=model, policy=pitstop.Policy(keep_last=2)) as ckpt:
+        for saved in (10, 20, 30):
+            ckpt.save(pitstop.Progress(step=saved))
+    before = _contents(run)
+    torch.save({"model": model.state_dict(), "step": step}, tmp_path / "c.pt")
+    with pytest.raises(SaveError) as caught:
+        pitstop.import_checkpoint(tmp_path / "c.pt", run)
+    assert str(caught.value).startswith(
+        f"{run} already holds 2 checkpoint(s) (the newest is step 30, step_000000000030.pitstop)"
+    )
+    assert _contents(run) == before  # nothing moved, nothing deleted, no new file
+    assert pitstop.info(run).step == 30  # last still names the run's newest
+
+
+def test_pitstop_import_into_a_run_is_one_error_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pitstop.cli import main
+
+    model, _, _ = _trained()
+    torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "c.pt")
+    pitstop.import_checkpoint(tmp_path / "c.pt", tmp_path / "run")
+    torch.save({"model": model.state_dict(), "step": 9}, tmp_path / "d.pt")
+    assert main(["import", str(tmp_path / "d.pt"), str(tmp_path / "run")]) == 1
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert f"{tmp_path / 'run'} already holds 1 checkpoint(s)" in errors[0]
+    assert not (tmp_path / "run" / "step_000000000009.pitstop").exists()
 
 
 def test_a_missing_source_is_not_found(tmp_path: Path) -> None:

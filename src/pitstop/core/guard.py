@@ -8,6 +8,9 @@
 # not resume (or ask to overwrite) — before a byte is written — naming the directory, its newest
 # step and the three ways out. (3) A component the resumed checkpoint holds but the run never
 # registered is carried forward into every save unchanged; the first save says so, by name.
+# (4) An import writes only into a directory that holds no checkpoint: over a run's checkpoints
+# it would move `last` off that run's newest and let retention delete what it kept — so it is
+# refused under the lock, before a byte is written, naming the directory and its newest step.
 # How: pure functions over names, kinds and catalog entries; the shell looks, asks and raises.
 
 """Guards before writing: reserved names, another run's checkpoints, unregistered components."""
@@ -23,6 +26,7 @@ __all__ = [
     "RESERVED_NAMES",
     "carried_forward_warning",
     "foreign_save_problem",
+    "import_target_problem",
     "reserved_entry_problem",
 ]
 
@@ -71,6 +75,25 @@ def foreign_save_problem(
         f"{step}, {name}), and this run did not resume: saving would replace "
         f"what that run published. To continue it, {resume}; otherwise use another "
         f"checkpoint directory, or {overwrite} to replace them"
+    )
+
+
+def import_target_problem(
+    newest: tuple[int, str] | None, *, directory: str, count: int
+) -> str | None:
+    """Why an import may not write into ``directory`` (``None``: it may).
+
+    ``newest`` is the step and name of the newest checkpoint the directory holds (``None``: it
+    holds none), ``count`` how many it holds.
+    """
+    if newest is None:
+        return None
+    step, name = newest
+    return (
+        f"{directory} already holds {count} checkpoint(s) (the newest is step {step}, {name}); "
+        f"an import there would move its 'last' pointer off that run and let its retention "
+        f"delete checkpoints, so pitstop refuses it and changes nothing. Import into a new or "
+        f"empty checkpoint directory"
     )
 
 

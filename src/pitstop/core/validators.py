@@ -2,7 +2,8 @@
 #
 # Rules: a validator accepts exactly the documented type (a bool is not an int here) and raises
 # ConfigError naming the record, the field and the value, e.g.
-# "Policy.keep_last must be a positive int or None, got 0".
+# "Policy.keep_last must be a positive int or None, got 0". A record that stands for a call's
+# arguments names itself after the call (its `error_name`: "Checkpointer.timeout_s ...").
 # How: attrs validator signature (instance, attribute, value); the name comes from both.
 
 """attrs field validators that raise ConfigError with the field's full name."""
@@ -27,15 +28,20 @@ __all__ = [
     "non_empty_str",
     "positive_int",
     "positive_int_or_none",
+    "positive_seconds",
     "positive_seconds_or_none",
     "where",
 ]
 
 
 def where(instance: object, attribute: attrs.Attribute[Any]) -> str:
-    """Return ``Record.field`` for error messages (``instance`` may be the class itself)."""
+    """Return ``Record.field`` for error messages (``instance`` may be the class itself).
+
+    A record with an ``error_name`` class attribute is called that instead of its class name.
+    """
     cls = instance if isinstance(instance, type) else type(instance)
-    return f"{cls.__name__}.{attribute.name}"
+    name = getattr(cls, "error_name", None)
+    return f"{name if isinstance(name, str) else cls.__name__}.{attribute.name}"
 
 
 def fail(instance: object, attribute: attrs.Attribute[Any], requirement: str) -> InvalidValue:
@@ -75,6 +81,14 @@ def positive_int_or_none(instance: object, attribute: attrs.Attribute[Any], valu
     """Require a positive int or None."""
     if value is not None and (not is_int(value) or value < 1):
         raise fail(instance, attribute, f"must be a positive int or None, got {value!r}")
+
+
+def positive_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """Require a positive, finite number of seconds (an int or a float, not a bool)."""
+    if not is_real(value) or not math.isfinite(value) or value <= 0:
+        raise fail(
+            instance, attribute, f"must be a positive, finite number of seconds, got {value!r}"
+        )
 
 
 def positive_seconds_or_none(

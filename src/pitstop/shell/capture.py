@@ -8,6 +8,8 @@
 # the storages that only optimizer.step() changes may be copied later (deferrable): the
 # model's parameters and the optimizers' state, never a buffer or the EMA (an EMA update may
 # run when a GradScaler skips the step, and with it the pre-hook that waits for the copy).
+# A component whose state_dict() raises fails the save with a SaveError naming the component,
+# chained to what it raised.
 # How: state_dict() of each object, plus the manifest meta the restore checks read.
 
 """Capture: the live state as a checkpoint tree and its manifest meta."""
@@ -34,7 +36,7 @@ from pitstop.core.schema import (
     WeightsMeta,
     encode_weights_meta,
 )
-from pitstop.errors import CheckpointCorrupt
+from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.sampler import ResumableSampler
 from pitstop.shell.staging import storage_keys
 from pitstop.shell.state import capture_rng, optimizer_groups
@@ -43,6 +45,7 @@ from pitstop.shell.unwrap import unwrap_model
 __all__ = [
     "LiveState",
     "capture",
+    "component_state",
     "deferrable",
     "rank_state",
     "ranked_state",
@@ -93,11 +96,20 @@ class LiveState:
         return [o for o in self.components.values() if isinstance(o, torch.optim.Optimizer)]
 
 
+def component_state(name: str, obj: Any) -> Any:
+    """``obj.state_dict()``; a :class:`~pitstop.errors.SaveError` naming component ``name``
+    (chained to the error) if it raises."""
+    try:
+        return obj.state_dict()
+    except Exception as exc:
+        raise SaveError(f"component {name!r}: state_dict failed: {exc}") from exc
+
+
 def rank_state(live: LiveState) -> dict[str, Any]:
     """This rank's own part of a checkpoint: its RNG streams and per-rank components."""
     per_rank = live.per_rank_names()
     components = {n: s for n, s in live.pending.items() if n in live.pending_per_rank}
-    components.update({n: live.components[n].state_dict() for n in sorted(per_rank)})
+    components.update({n: component_state(n, live.components[n]) for n in sorted(per_rank)})
     return {RNG: capture_rng(), RANKED: components}
 
 
@@ -130,7 +142,7 @@ def capture(
         STATE: {
             **{n: s for n, s in live.pending.items() if n not in live.pending_per_rank},
             **{
-                n: o.state_dict()
+                n: component_state(n, o)
                 for n, o in live.components.items()
                 if n not in per_rank and n not in through_dcp
             },

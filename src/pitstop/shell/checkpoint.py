@@ -6,27 +6,44 @@
 # catalog entry alone leaves them empty. One returned by a background save carries a ticket to
 # its save session, so it can say whether it is published yet and wait for it; equality ignores
 # it.
-# Metrics are floats (numbers, 0-d tensors, NumPy scalars; never str or bool). A save's reason
-# is a SaveReason (by value) or the caller's own words, recorded as a manual save's detail.
+# Metrics are floats (numbers, one-element tensors, NumPy scalars; never str or bool): a tensor
+# is read here, the rules are pitstop.core.arguments.call_metrics', and a bad one names the call
+# and the step. A save's reason is a SaveReason (by value) or the caller's own words, recorded
+# as a manual save's detail. A run's config must be a mapping every save can store: it is
+# walked once at construction by the same walk every save's meta goes through
+# (pitstop.shell.treewalk), so a value no checkpoint can hold is refused then, by key path, not
+# at the first save.
 # How: attrs records and small functions; errors are ConfigError naming the argument.
 
 """Checkpoint: one checkpoint as the Checkpointer reports it."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
+from pitstop.core.arguments import CheckpointerOptions, call_metrics, describe_value
 from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.session import RemoteTicket, SaveTicket
 
-__all__ = ["Checkpoint", "TensorInfo", "call_input", "manual_reason", "metrics_of", "stop_detail"]
+__all__ = [
+    "Checkpoint",
+    "TensorInfo",
+    "call_input",
+    "checked_options",
+    "config_of",
+    "manual_reason",
+    "metrics_of",
+    "stop_detail",
+]
 
 Ticket = SaveTicket | RemoteTicket
 
@@ -111,28 +128,115 @@ class Checkpoint:
         )
 
 
-def metrics_of(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
-    """Metrics as floats: numbers, 0-d tensors and NumPy scalars; never str or bool."""
-    if metrics is None:
+def checked_options(
+    directory: object,
+    *,
+    model: object,
+    ema: object,
+    state: object,
+    storage: object,
+    policy: Any,
+    timeout_s: Any,
+    async_save: Any,
+    overwrite: Any,
+    per_rank: object,
+) -> CheckpointerOptions:
+    """Check the Checkpointer's arguments, before anything is touched; its plain settings.
+
+    Raises :class:`~pitstop.errors.ConfigError` naming the first argument that is not what it
+    must be (the settings' own checks are :class:`~pitstop.core.arguments.CheckpointerOptions`').
+    """
+    from torch import nn  # imported by then: the caller holds a model
+
+    from pitstop.shell.storage import Storage
+
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ConfigError(
+            f"Checkpointer.directory must be a path (str or os.PathLike), got "
+            f"{describe_value(directory)}"
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"Checkpointer.model must be an nn.Module (the model itself, not its "
+            f"state_dict()), got {type(model).__name__}"
+        )
+    if ema is not None and not isinstance(ema, nn.Module):
+        raise ConfigError(f"Checkpointer.ema must be an nn.Module, got {type(ema).__name__}")
+    if state is not None and not isinstance(state, Mapping):
+        raise ConfigError(
+            f"Checkpointer.state must be a mapping of names to components (objects with "
+            f"state_dict() and load_state_dict()), such as {{'optimizer': optimizer}}, got "
+            f"{describe_value(state)}"
+        )
+    if storage is not None and not isinstance(storage, Storage):
+        raise ConfigError(
+            f"Checkpointer.storage must implement pitstop.shell.storage.Storage (or be "
+            f"None: the local filesystem), got {describe_value(storage)}"
+        )
+    return CheckpointerOptions(
+        policy=policy,
+        timeout_s=timeout_s,
+        async_save=async_save,
+        overwrite=overwrite,
+        per_rank=per_rank,
+    )
+
+
+def config_of(config: object) -> dict[str, Any] | None:
+    """``Checkpointer(config=...)`` as the copy every save stores (``None``: no config).
+
+    Raises :class:`~pitstop.errors.ConfigError` unless it is a mapping a checkpoint can hold,
+    naming the key path of the first value it cannot (``Checkpointer.config: config.run.out:
+    cannot store a value of type pathlib.PosixPath ...``).
+    """
+    if config is None:
         return None
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, (str, bytes, bool)):
-            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}")
-        try:
-            out[str(key)] = float(value)  # type: ignore[arg-type]  # tensors, numpy scalars
-        except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"metrics[{key!r}] must be a number, got {value!r}") from None
-    return out
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"Checkpointer.config must be a mapping of the run's settings (such as "
+            f"{{'lr': 0.1}}) or None, got {describe_value(config)}"
+        )
+    from pitstop.shell.treewalk import walk  # torch: only once a Checkpointer is made
+
+    try:
+        stored = walk(dict(config), on_tensor=None, root="config")  # a copy of every container
+    except SaveError as exc:
+        raise ConfigError(f"Checkpointer.config cannot be stored in a checkpoint: {exc}") from exc
+    assert isinstance(stored, dict)
+    return stored
 
 
-def call_input(progress: object, stop: object, metrics: Mapping[str, object] | None) -> CallInput:
-    """What this rank brings to a save call: its stop request, metrics and clock."""
+def metrics_of(metrics: object, *, call: str = "save", step: int = 0) -> dict[str, float] | None:
+    """Metrics as floats: numbers, one-element tensors and NumPy scalars; never str or bool.
+
+    A tensor is read here (``.item()``, detached); the core's :func:`call_metrics` judges the
+    rest and raises :class:`~pitstop.errors.ConfigError` naming ``call``, ``step`` and the
+    metric.
+    """
+    if isinstance(metrics, Mapping):
+        metrics = {key: _plain_number(value) for key, value in metrics.items()}
+    return call_metrics(metrics, call=call, step=step)
+
+
+def _plain_number(value: object) -> object:
+    """A one-element tensor's value (detached: no autograd warning); anything else as it is."""
+    import torch  # imported by then: a Checkpointer made the call
+
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach().item()
+    return value
+
+
+def call_input(progress: object, stop: object, metrics: object, *, call: str = "save") -> CallInput:
+    """What this rank brings to a save ``call``: its stop request, metrics and clock."""
     if not isinstance(progress, Progress):
         raise ConfigError(f"progress must be a pitstop.Progress, got {progress!r}")
     stopped, stopped_by = stop_detail(stop)
     return CallInput(
-        stop=stopped, reason=stopped_by, metrics=metrics_of(metrics), now=time.monotonic()
+        stop=stopped,
+        reason=stopped_by,
+        metrics=metrics_of(metrics, call=call, step=progress.step),
+        now=time.monotonic(),
     )
 
 

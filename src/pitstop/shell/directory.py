@@ -160,14 +160,15 @@ class CheckpointDirectory:
                         else:
                             self.storage.remove(name)
             found = scan(self.storage, self.policy.best)
-        except BaseException:
+            had_latest = self.storage.kind(LATEST_JSON) is not FileKind.MISSING
+        except BaseException:  # whatever failed, the directory is not left locked
             self._lock.release()
             raise
         for warning in found.warnings:
             log.warning("%s", warning)
         self.catalog, self.pointers = found.catalog, found.pointers
         self._foreign = (found.catalog.newest(), len(found.catalog))
-        self._had_latest = self.storage.kind(LATEST_JSON) is not FileKind.MISSING
+        self._had_latest = had_latest
         return found
 
     def _check_reserved(self) -> None:

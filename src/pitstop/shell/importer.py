@@ -11,7 +11,8 @@
 # (without module./_orig_mod. or a shared Lightning model. prefix), components by name
 # (optimizer, scheduler, scaler, anything else with tensors), the progress the source recorded,
 # and everything else that is plain data as the config — written into the destination
-# directory as a manual save, under its lock, never over a checkpoint already there. The
+# directory as a manual save, under its lock, and only into a directory that holds no
+# checkpoint yet (pitstop.core.guard: never over a run, so nothing of it is moved or deleted). The
 # optimizers' parameter groups are recorded by position (their parameters were never named),
 # which the resume check compares by size, as torch's load_state_dict matches them.
 # How: read_foreign() (pitstop.shell.foreign, re-exported here) parses the source into a
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pitstop.core.guard import import_target_problem
 from pitstop.core.plan import plan_save
 from pitstop.core.records import NO_CHECKPOINT, Policy, SaveReason
 from pitstop.core.schedule import Call, ScheduleState, decide_save
@@ -67,9 +69,9 @@ def _meta(foreign: Foreign) -> dict[str, Any]:
 def write_foreign(foreign: Foreign, directory: str | os.PathLike[str]) -> Checkpoint:
     """Publish ``foreign`` into the checkpoint directory ``directory`` as a manual save.
 
-    The directory is locked for the write; a checkpoint of the same step already there is never
-    replaced (:class:`~pitstop.errors.SaveError` names it). Returns the new checkpoint's record
-    (:func:`pitstop.info`).
+    The directory is locked for the write and must hold no checkpoint: one that does (a run's)
+    is refused with a :class:`~pitstop.errors.SaveError` naming it and its newest step, before
+    anything is written or moved. Returns the new checkpoint's record (:func:`pitstop.info`).
     """
     target = Path(directory)
     policy = (recorded_policy(target) if target.is_dir() else None) or Policy(keep_last=None)
@@ -79,6 +81,14 @@ def write_foreign(foreign: Foreign, directory: str | os.PathLike[str]) -> Checkp
     tree = {WEIGHTS: weights, STATE: foreign.components, RNG: {}}
     prepared = fileformat.prepare(tree)  # refuses what pitstop cannot store, before any write
     with CheckpointDirectory(target, policy=policy) as opened:
+        newest = opened.catalog.newest()
+        problem = import_target_problem(
+            None if newest is NO_CHECKPOINT else (newest.step, newest.name),
+            directory=str(target),
+            count=len(opened.catalog),
+        )
+        if problem is not None:
+            raise SaveError(problem)
         progress = foreign.progress
         decision = decide_save(
             policy,
@@ -99,11 +109,6 @@ def write_foreign(foreign: Foreign, directory: str | os.PathLike[str]) -> Checkp
         )
         entry = plan.entry
         assert entry is not NO_CHECKPOINT  # a manual save always writes
-        if entry.name in opened.catalog:
-            raise SaveError(
-                f"{target / entry.name} already exists: pitstop never replaces a published "
-                f"checkpoint with an import; import into another directory"
-            )
         opened.publish(plan, entry, lambda: prepared, _meta(foreign))
     return info(target / entry.name)
 
@@ -116,7 +121,9 @@ def import_checkpoint(src: str | os.PathLike[str], directory: str | os.PathLike[
     ``save_state`` directory. Files are read with ``torch.load(weights_only=True)`` only: one
     that needs more is refused (:class:`~pitstop.errors.ImportRefused`, saying why) and never
     unpickled; Accelerate's ``*.pkl`` files
-    are skipped. What was skipped or guessed is logged as a warning. A ``Checkpointer`` on
+    are skipped. What was skipped or guessed is logged as a warning. ``directory`` must hold no
+    checkpoint yet: a run's directory is refused (:class:`~pitstop.errors.SaveError`, naming
+    it and its newest step) and left as it was. A ``Checkpointer`` on
     ``directory`` then resumes from it (``strict=False`` when the run has components the
     source did not hold, such as a sampler). Returns the new checkpoint's record.
     """

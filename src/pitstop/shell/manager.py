@@ -18,12 +18,12 @@
 # background one copies them into staging buffers and hands the write to the session's writer
 # thread. The directory lock is held from construction to close(); a Checkpointer dropped
 # without close() is collected and unlocks its directory (nothing in flight refers to it).
+# After close(), every call but close() and checkpoints() raises a PitstopError naming it.
 
 """The Checkpointer: save and restore a whole training state from a custom loop."""
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import weakref
@@ -40,9 +40,15 @@ from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
-from pitstop.errors import ConfigError
+from pitstop.errors import PitstopError
 from pitstop.shell.capture import LiveState, rank_state
-from pitstop.shell.checkpoint import Checkpoint, call_input, manual_reason
+from pitstop.shell.checkpoint import (
+    Checkpoint,
+    call_input,
+    checked_options,
+    config_of,
+    manual_reason,
+)
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.distributed import GATHER_BOX, Ranks
 from pitstop.shell.lifetime import release, shut_down
@@ -110,66 +116,67 @@ class Checkpointer:
         overwrite: bool = False,
         storage: Storage | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigError(
-                f"Checkpointer model must be an nn.Module, got {type(model).__name__}"
-            )
-        if ema is not None and not isinstance(ema, nn.Module):
-            raise ConfigError(f"Checkpointer ema must be an nn.Module, got {type(ema).__name__}")
-        if not (isinstance(async_save, bool) or async_save == "overlap"):
-            raise ConfigError(
-                f"Checkpointer async_save must be False, True or 'overlap', got {async_save!r}"
-            )
-        names = [per_rank] if isinstance(per_rank, str) else list(per_rank)
-        if not all(isinstance(n, str) and n for n in names):
-            raise ConfigError(f"Checkpointer per_rank must be component names, got {per_rank!r}")
+        options = checked_options(
+            directory,
+            model=model,
+            ema=ema,
+            state=state,
+            storage=storage,
+            policy=policy,
+            timeout_s=timeout_s,
+            async_save=async_save,
+            overwrite=overwrite,
+            per_rank=per_rank,
+        )
         self._config_may_change = may_change_patterns(config_may_change)
-        self.async_save = async_save
-        self.policy = policy if policy is not None else Policy()
+        self.async_save = options.async_save
+        self.policy = options.policy
         self._live = LiveState(
             model=unwrap_model(model),
             ema=ema,
             components={},
-            config=copy.deepcopy(dict(config)) if config is not None else None,
-            per_rank=set(names),
+            config=config_of(config),
+            per_rank=set(options.per_rank),
         )
         for name, obj in (state or {}).items():
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
         sharded = holds_sharded(self._live)
-        self._ranks = Ranks.current(timeout_s)
-        if not isinstance(overwrite, bool):
-            raise ConfigError(f"Checkpointer overwrite must be True or False, got {overwrite!r}")
+        self._ranks = Ranks.current(options.timeout_s)
         self._directory = CheckpointDirectory(
-            directory, policy=self.policy, storage=storage, protect=not overwrite
-        )
-        self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
-        schedule = ScheduleState(timer_start=time.monotonic())
-        self.last_blocking_s = 0.0
-        """Seconds the last save held the training loop (capture, and the copy when async)."""
-        background = bool(async_save) and self._ranks.leader
-        self._session = SaveSession(self._directory.path, background=background)
-        self._saver = Saver(
-            schedule=schedule,
-            live=self._live,
-            directory=self._directory,
-            session=self._session,
-            pool=StagingPool() if background else None,
-            sharded=sharded,
-        )
-        self._remote: RemoteTicket | None = None
-        self._shards = ShardedSaves.of(
-            self._saver, self._ranks, background=async_save, timeout_s=timeout_s
+            directory, policy=self.policy, storage=storage, protect=not options.overwrite
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        for obj in self._live.optimizers():
-            self._hook(obj)
-        # A Checkpointer dropped or left open at exit still publishes what is in flight. The
-        # finalizer refers to the session, the directory and the hooks — never to self.
-        abandon = self._shards.abandon if self._shards is not None else None
-        self._finalizer = weakref.finalize(
-            self, shut_down, self._session, self._directory, self._hooks, abandon
-        )
+        self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
+        try:
+            schedule = ScheduleState(timer_start=time.monotonic())
+            self.last_blocking_s = 0.0
+            """Seconds the last save held the training loop (capture, and the copy when async)."""
+            background = bool(options.async_save) and self._ranks.leader
+            self._session = SaveSession(self._directory.path, background=background)
+            self._saver = Saver(
+                schedule=schedule,
+                live=self._live,
+                directory=self._directory,
+                session=self._session,
+                pool=StagingPool() if background else None,
+                sharded=sharded,
+            )
+            self._remote: RemoteTicket | None = None
+            self._shards = ShardedSaves.of(
+                self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
+            )
+            for obj in self._live.optimizers():
+                self._hook(obj)
+            # A Checkpointer dropped or left open at exit still publishes what is in flight. The
+            # finalizer refers to the session, the directory and the hooks — never to self.
+            abandon = self._shards.abandon if self._shards is not None else None
+            self._finalizer = weakref.finalize(
+                self, shut_down, self._session, self._directory, self._hooks, abandon
+            )
+        except BaseException:  # whatever failed, nothing stays locked or hooked
+            release(self._directory, self._hooks)
+            raise
 
     def _open(self) -> None:  # what it finds stays on rank 0
         self._directory.open()
@@ -228,8 +235,17 @@ class Checkpointer:
             self._remote.settle(status)
             self._remote = None
 
+    def _check_open(self, call: str) -> None:
+        """Raise a PitstopError naming ``call`` once close() has run (on this rank)."""
+        if not self._finalizer.alive:
+            raise PitstopError(
+                f"{call}(): the Checkpointer of {self.directory} is closed; make a new "
+                f"Checkpointer on it (and resume()) to go on"
+            )
+
     def wait(self) -> None:
         """Wait until every save is published; raise the error of one that failed."""
+        self._check_open("wait")
         self._settle(Request.WAIT)
 
     def close(self) -> None:
@@ -308,6 +324,7 @@ class Checkpointer:
         mismatch it raises :class:`~pitstop.errors.IncompatibleCheckpoint` and is not added.
         ``per_rank``: its state differs per rank. With several ranks, every rank registers.
         """
+        self._check_open("register")
         self._settle(Request.REGISTER)
         register_component(
             self._live,
@@ -372,6 +389,7 @@ class Checkpointer:
         detail: str = "",
         manual: SaveReason = SaveReason.MANUAL,
     ) -> Checkpoint | None:
+        self._check_open(call.value)
         started = time.perf_counter()  # what the caller waits for, the previous save included
         ranks = self._ranks
         shards = self._shards
@@ -379,7 +397,7 @@ class Checkpointer:
         # start and settle it on every rank).
         done = shards.done() if shards is not None else None
         saver = self._saver
-        each = partial(call_input, progress, stop, metrics)
+        each = partial(call_input, progress, stop, metrics, call=call.value)
 
         def decide(asked: CallInput) -> bool:
             return saver.decide(self.policy, call, progress, asked, manual)
@@ -448,6 +466,7 @@ class Checkpointer:
         (never shape or dtype differences). With several ranks, rank 0 chooses the checkpoint
         and every rank restores it, or none does.
         """
+        self._check_open("resume")
         self._settle(Request.RESUME)
         path, entry = resume_from(
             source,

@@ -5,7 +5,8 @@
 # it is checked as the constructor's are (pitstop.shell.restore's component differences) and
 # restored on the spot; one the checkpoint does not hold starts fresh, with a warning. With
 # several ranks every rank registers, and the outcome is agreed: refused or failed on any rank,
-# the component is neither added nor loaded anywhere (a rank that loaded it puts it back).
+# the component is neither added nor loaded anywhere (a rank that loaded it puts it back). A
+# put-back that fails too is logged, so the error raised is the one that named the component.
 # How: functions over the live state and the ranks; the Checkpointer calls register_component().
 
 """Registration: adding a component, and restoring a deferred one when it is registered."""
@@ -22,7 +23,7 @@ import torch
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell.capture import LiveState
 from pitstop.shell.distributed import Ranks
-from pitstop.shell.restore import component_differences, component_undo, load_component
+from pitstop.shell.restore import component_differences, load_component, undo_all
 
 __all__ = ["add_component", "register_component"]
 
@@ -74,8 +75,7 @@ def register_component(
     try:
         ranks.each(partial(_restore_deferred, live, resumed_from, name, obj, undo))
     except BaseException:
-        for action in undo:  # loaded here, failed on another rank
-            action()
+        undo_all(undo, f"component {name!r}")  # loaded here, failed on another rank
         del live.components[name]
         live.per_rank.discard(name)
         raise
@@ -95,7 +95,6 @@ def _restore_deferred(
         found = component_differences(live, name, obj, stored, live.pending_groups)
         if found:
             raise IncompatibleCheckpoint(str(d) for d in found)
-        undo.append(component_undo(obj))
-        load_component(name, obj, stored)
+        undo.append(load_component(name, obj, stored))
     elif resumed_from is not None:
         log.warning("component %r is not in %s; it starts fresh", name, resumed_from.name)

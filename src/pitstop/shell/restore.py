@@ -11,6 +11,9 @@
 # load override — their tensors are cloned first), then the RNG, and last the modules whose
 # loading is only torch's checked copy into tensors of the same names, shapes and dtypes, which
 # cannot fail once the checks passed — so no second copy of the weights is ever made for them.
+# A component's own code that raises — state_dict() while it is compared or snapshotted,
+# load_state_dict(), a state_differences() judge — is an IncompatibleCheckpoint naming the
+# component and the call, chained to what it raised.
 # How: a list of undo actions, run in reverse on failure.
 
 """Restore: compatibility checks, then an all-or-nothing load into the live objects."""
@@ -53,6 +56,7 @@ __all__ = [
     "component_undo",
     "differences",
     "load_component",
+    "undo_all",
 ]
 
 log = logging.getLogger("pitstop")
@@ -97,7 +101,11 @@ def differences(
     stored_groups = meta.get("optimizers", {})
     for name, obj in comparable.items():
         if name in stored_state:
-            out += component_differences(live, name, obj, stored_state[name], stored_groups)
+            try:
+                out += component_differences(live, name, obj, stored_state[name], stored_groups)
+            except IncompatibleCheckpoint as exc:  # its own code raised: say where it was
+                raised = IncompatibleCheckpoint(f"{where}: {d}" for d in exc.differences)
+                raise raised from exc.__cause__
     if live.config is not None or meta.get("config") is not None:
         compared = compare_config(meta.get("config"), live.config, may_change=may_change)
         out += compared.differences
@@ -128,28 +136,44 @@ def component_differences(
             *diff_hyperparameters(f"optimizer {name!r}", groups, obj.param_groups),
         ]
     out = layout_differences(
-        diff_tensors(f"component {name!r}", describe(stored), describe(obj.state_dict()))
+        diff_tensors(
+            f"component {name!r}",
+            describe(stored),
+            describe(_own(name, "state_dict", obj.state_dict)),
+        )
     )
     judge = getattr(obj, "state_differences", None)  # a component may judge for itself
     if callable(judge):
         out += [
             Difference(kind=Kind.COMPONENT, message=f"component {name!r}: {m}")
-            for m in judge(stored)
+            for m in _own(name, "state_differences", judge, stored)
         ]
     return out
 
 
-def load_component(name: str, obj: Any, stored: Any) -> None:
-    """``obj.load_state_dict(stored)``, undone if it raises; IncompatibleCheckpoint then."""
-    undo: list[Callable[[], object]] = []
+def _own(name: str, call: str, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``: component ``name``'s own ``call``; an IncompatibleCheckpoint naming
+    both, chained to the error, if it raises."""
     try:
-        undo.append(component_undo(obj))
+        return function(*args)
+    except Exception as exc:
+        raise IncompatibleCheckpoint([f"component {name!r}: {call} failed: {exc}"]) from exc
+
+
+def load_component(name: str, obj: Any, stored: Any) -> Callable[[], None]:
+    """``obj.load_state_dict(stored)``, undone if it raises; IncompatibleCheckpoint then.
+
+    Returns how to put ``obj`` back as it was before (when another rank failed).
+    """
+    undo: Callable[[], None] = _own(name, "state_dict", component_undo, obj)
+    try:
         obj.load_state_dict(stored)
     except Exception as exc:
-        _undo_all(undo, f"component {name!r}")
+        undo_all([undo], f"component {name!r}")
         raise IncompatibleCheckpoint(
             [f"component {name!r}: load_state_dict failed: {exc}"]
         ) from exc
+    return undo
 
 
 class Restore:
@@ -200,17 +224,19 @@ class Restore:
         rngs = tree.get(RNG) if self._per_rank else None
         mine = rngs.get(self._rank) if isinstance(rngs, Mapping) else None
         self._rng_before = capture_rng(cuda=isinstance(mine, Mapping) and "cuda" in mine)
-        what = "the model"
+        what, call = "the model", "load_state_dict"
         try:
             for name, stored in self._stored_components().items():
                 obj = live.components[name]
-                what = f"component {name!r}"
+                what, call = f"component {name!r}", "state_dict"  # the snapshot to undo with
                 undo.append(component_undo(obj))
+                call = "load_state_dict"
                 obj.load_state_dict(stored)
             with torch.no_grad():
                 for module, stored, label in self._own_code:
-                    what = label
+                    what, call = label, "state_dict"
                     undo.append(_module_undo(module))
+                    call = "load_state_dict"
                     module.load_state_dict(stored)
                 if isinstance(live.ema, AveragedModel) and EMA_COUNT in tree:
                     what = "the EMA's n_averaged"
@@ -223,12 +249,12 @@ class Restore:
                     restore_rng(rng)
         except Exception as exc:
             self.undo()
-            message = f"{self._path.name}: {what}: load_state_dict failed: {exc}"
+            message = f"{self._path.name}: {what}: {call} failed: {exc}"
             raise IncompatibleCheckpoint([message]) from exc
 
     def undo(self) -> None:
         """Put back everything :meth:`prepare` loaded."""
-        _undo_all(self._undo, "the run")
+        undo_all(self._undo, "the run")
         self._undo.clear()
         if self._rng_before is not None:
             restore_rng(self._rng_before)
@@ -248,7 +274,9 @@ def apply(live: LiveState, tree: Mapping[str, Any], path: Path) -> None:
     restore.commit()
 
 
-def _undo_all(undo: list[Callable[[], object]], what: str) -> None:
+def undo_all(undo: list[Callable[[], object]], what: str) -> None:
+    """Run the ``undo`` actions, last first; one that raises is logged (naming ``what``) and
+    the others still run, so the error being handled is the one raised."""
     for action in reversed(undo):
         try:
             with torch.no_grad():

@@ -7,8 +7,10 @@
 # and unexpected names through and returns them (shapes and dtypes must still match). Values
 # are copied into the model's own tensors, or, with map_location, the model takes the
 # checkpoint's tensors placed on that device (one transfer from the file's memory map, no
-# second copy; a model built on the meta device loads this way). The other pieces, each with
-# one reason to change, and re-exported here:
+# second copy; a model built on the meta device loads this way) — a device this process has:
+# "meta" (no data) and a device it lacks are refused first, naming map_location (the rule is
+# pitstop.core.arguments.device_problem). The other pieces, each with one reason to change,
+# and re-exported here:
 #   pitstop.shell.unwrap      unwrap_model, plain_state_dict: wrappers and their key prefixes
 #   pitstop.shell.weightview  weights_view: a checkpoint's parameter set, only its bytes read
 #   pitstop.shell.exporter    export_weights: the set as a plain .pt / .safetensors file
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -25,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from pitstop.core.arguments import describe_value, device_problem
 from pitstop.core.compat import Kind, diff_tensors
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell.exporter import export_weights
@@ -59,15 +63,61 @@ class IncompatibleKeys(NamedTuple):
 def _map_location(map_location: str | torch.device | None) -> torch.device | None:
     if map_location is None:
         return None
+    device = None
     if isinstance(map_location, (str, torch.device)):
-        try:
-            return torch.device(map_location)
-        except (RuntimeError, ValueError):
-            pass
-    raise ConfigError(
-        f"map_location must be a device such as 'cpu', 'cuda' or torch.device('cuda', 0), "
-        f"got {map_location!r}"
+        with contextlib.suppress(RuntimeError, ValueError):
+            device = torch.device(map_location)
+    if device is None:
+        raise ConfigError(
+            f"load_weights map_location must be a device such as 'cpu', 'cuda' or "
+            f"torch.device('cuda', 0), got {map_location!r}"
+        )
+    problem = device_problem(
+        "load_weights map_location",
+        str(map_location),
+        kind=device.type,
+        index=device.index,
+        count=_device_count(device.type),
     )
+    if problem is not None:
+        raise ConfigError(problem)
+    return device
+
+
+def _device_count(kind: str) -> int:
+    """How many devices of type ``kind`` this process can place tensors on (0: none)."""
+    if kind in ("cpu", "meta"):
+        return 1
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = getattr(torch, kind, None)
+    try:
+        if backend is not None and callable(getattr(backend, "device_count", None)):
+            available = getattr(backend, "is_available", lambda: True)
+            return int(backend.device_count()) if available() else 0
+        torch.empty(0, device=kind)  # a backend without a count: try it
+    except Exception:  # not built in, no driver, ...: nothing to place tensors on
+        return 0
+    return 1
+
+
+def _check_arguments(model: object, checkpoint: object) -> None:
+    """Raise a ConfigError naming ``model`` or ``checkpoint`` when it is not what it must be."""
+    if isinstance(model, (str, os.PathLike)) and isinstance(checkpoint, nn.Module):
+        raise ConfigError(
+            "load_weights takes the model first and the checkpoint second: "
+            "load_weights(model, checkpoint)"
+        )
+    if not isinstance(model, nn.Module):
+        hint = " (a state dict? pass the module it belongs to)" if isinstance(model, dict) else ""
+        raise ConfigError(
+            f"load_weights model must be an nn.Module{hint}, got {type(model).__qualname__}"
+        )
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise ConfigError(
+            f"load_weights checkpoint must be a path (str or os.PathLike) to a checkpoint file, "
+            f"a pointer or a checkpoint directory, got {describe_value(checkpoint)}"
+        )
 
 
 def load_weights(
@@ -102,6 +152,7 @@ def load_weights(
 
     Returns the missing and unexpected keys (both empty under ``strict=True``).
     """
+    _check_arguments(model, checkpoint)
     kind = check_weights(weights)
     if not isinstance(strict, bool):
         raise ConfigError(f"load_weights strict must be a bool, got {strict!r}")
