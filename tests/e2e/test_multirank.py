@@ -310,7 +310,10 @@ def test_a_part_that_cannot_be_saved_on_rank_1_raises_on_every_rank(tmp_path: Pa
 
 def test_a_call_refused_on_rank_1_raises_on_every_rank(tmp_path: Path) -> None:
     found = fail_at(tmp_path, "--bad-metric-at", 3)  # a step that saves nothing
-    own = "metrics['loss'] must be a number, got 'high'"
+    own = (
+        "maybe_save(step=3): metrics['loss'] must be a number (an int, a float, a one-element "
+        "tensor or a NumPy scalar), got str 'high'"
+    )
     assert found == {1: ("ConfigError", own), 0: ("ConfigError", f"rank 1: {own}")}, found
 
 
