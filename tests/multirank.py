@@ -4,9 +4,11 @@ A :class:`Job` launches one script as ``ranks`` processes, either directly (one
 ``sys.executable script args`` per rank, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` set) or through one ``torchrun``
 (``python -m torch.distributed.run --nproc-per-node N --master-port P --max-restarts 0 ...``,
-whose ``--tee`` prefixes tell the ranks' lines apart). Every process gets
-``PYTHONUNBUFFERED=1`` and ``OMP_NUM_THREADS=1``. Reader threads collect each rank's output
-(stdout and stderr together) as it comes, so a test can wait for a marker line::
+whose ``--tee`` prefixes tell the ranks' lines apart; torchrun's stdout and stderr are read
+apart and each rebuilt into the ranks' whole lines by :class:`teejoin.TeeJoiner`, as torchrun
+forwards a line in parts when it catches a worker in the middle of writing it). Every process
+gets ``PYTHONUNBUFFERED=1`` and ``OMP_NUM_THREADS=1``. Reader threads collect each rank's
+output (stdout and stderr together) as it comes, so a test can wait for a marker line::
 
     with Job(script, "--report", ranks=2) as job:
         job.wait_for(1, "step 5")        # returns as soon as rank 1 printed it
@@ -44,6 +46,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import IO
+
+from teejoin import TeeJoiner
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -66,7 +71,6 @@ LAUNCHER = -1
 """The key of torchrun's own output (lines that no rank printed)."""
 
 _MARKER = "MULTIRANK_JOB"  # environment variable that tags every process of one job
-_TEE_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")  # torchrun --tee: "[default1]:step 5"
 _REAP_TIMEOUT = 30.0  # seconds to reap a process after SIGKILL
 DRAIN = 5.0
 """Seconds a rank's output may still arrive after its process exited (a child it left may
@@ -266,6 +270,7 @@ class Job:
         self._lines: dict[int, list[str]] = {r: [] for r in range(ranks)}
         self._lines[LAUNCHER] = []
         self._eof: set[int] = set()  # keys whose output has ended
+        self._open_streams: dict[int, int] = {}  # process key -> its pipes not yet at their end
         self._codes: dict[int, int] = {}  # process key -> exit code
         self._exited: dict[int, float] = {}  # process key -> time.monotonic() at its exit
         self._procs: dict[int, subprocess.Popen[str]] = {}  # rank (or LAUNCHER) -> process
@@ -307,12 +312,14 @@ class Job:
                 env[key] = value
         return env
 
-    def _popen(self, command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    def _popen(
+        self, command: list[str], env: dict[str, str], *, split: bool
+    ) -> subprocess.Popen[str]:
         return subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE if split else subprocess.STDOUT,
             env=env,
             cwd=self._cwd,
             text=True,
@@ -329,25 +336,7 @@ class Job:
         try:
             if self.torchrun:
                 self._log_dir = tempfile.mkdtemp(prefix="multirank-torchrun-")
-                command = [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nproc-per-node",
-                    str(self.ranks),
-                    "--master-addr",
-                    "127.0.0.1",
-                    "--master-port",
-                    str(self.port),
-                    "--max-restarts",
-                    "0",
-                    "--tee",
-                    "3",
-                    "--log-dir",
-                    self._log_dir,
-                    str(self.script),
-                    *self.args,
-                ]
+                command = self._launcher_command(self._log_dir)
                 # torchrun sets RANK and friends for each worker; none must leak in from here.
                 env = self._env({})
                 for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -368,35 +357,70 @@ class Job:
             self.close(raise_errors=False)
             raise
 
+    def _launcher_command(self, log_dir: str) -> list[str]:
+        """The torchrun command line of the job."""
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(self.ranks),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(self.port),
+            "--max-restarts",
+            "0",
+            "--tee",
+            "3",
+            "--log-dir",
+            log_dir,
+            str(self.script),
+            *self.args,
+        ]
+
     def _launch(self, key: int, command: list[str], env: dict[str, str]) -> None:
-        proc = self._popen(command, env)
+        proc = self._popen(command, env, split=key == LAUNCHER)
         self._procs[key] = proc
-        for target in (self._read, self._reap):
-            thread = threading.Thread(
-                target=target, args=(key, proc), name=f"multirank-{target.__name__}-{key}"
-            )
+        streams = [proc.stdout] + ([proc.stderr] if key == LAUNCHER else [])
+        self._open_streams[key] = len(streams)
+        threads = [
+            threading.Thread(target=self._read, args=(key, stream), name=f"multirank-read-{key}")
+            for stream in streams
+        ]
+        threads.append(
+            threading.Thread(target=self._reap, args=(key, proc), name=f"multirank-reap-{key}")
+        )
+        for thread in threads:
             thread.daemon = True  # a stuck pipe never blocks the interpreter's exit
             thread.start()
             self._threads.append(thread)
 
-    def _read(self, key: int, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        try:
-            for raw in proc.stdout:
-                line = raw.rstrip("\r\n")
-                target = key
-                if key == LAUNCHER:
-                    match = _TEE_PREFIX.match(line)
-                    if match and int(match.group(1)) in self._lines:
-                        target, line = int(match.group(1)), match.group(2)
-                with self._cond:
+    def _read(self, key: int, stream: IO[str] | None) -> None:
+        """Collect one pipe's lines: a rank's own, or (LAUNCHER) torchrun's stdout or stderr,
+        whose lines are each rank's parts, joined back into the rank's lines."""
+        assert stream is not None
+        joiner = TeeJoiner(range(self.ranks), LAUNCHER) if key == LAUNCHER else None
+
+        def add(lines: Iterable[tuple[int, str]]) -> None:
+            with self._cond:
+                for target, line in lines:
                     self._lines[target].append(line)
-                    self._cond.notify_all()
+                self._cond.notify_all()
+
+        try:
+            for raw in stream:
+                line = raw.rstrip("\r\n")
+                add(joiner.feed(line) if joiner is not None else [(key, line)])
         except (OSError, ValueError):  # the pipe was closed under us at shutdown
             pass
         finally:
+            if joiner is not None:
+                add(joiner.close())
             with self._cond:
-                self._eof.update(self._lines if key == LAUNCHER else (key,))
+                self._open_streams[key] -= 1
+                if not self._open_streams[key]:
+                    self._eof.update(self._lines if key == LAUNCHER else (key,))
                 self._cond.notify_all()
 
     def _reap(self, key: int, proc: subprocess.Popen[str]) -> None:
@@ -435,9 +459,10 @@ class Job:
         for thread in self._threads:
             thread.join(timeout=_JOIN_TIMEOUT)
         for proc in self._procs.values():
-            if proc.stdout is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdout.close()
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
         if self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
         if survivors and raise_errors:

@@ -1,15 +1,23 @@
-"""The public calls' argument checks: the Checkpointer's settings, a save's metrics, and the
-device a load places tensors on."""
+"""The public calls' argument checks: the Checkpointer's settings, a save's metrics, the
+device a load places tensors on, and path arguments."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import PurePosixPath, PureWindowsPath
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.arguments import CheckpointerOptions, call_metrics, device_problem
+from pitstop.core.arguments import (
+    CHECKPOINT_PATH,
+    CheckpointerOptions,
+    call_metrics,
+    check_path,
+    device_problem,
+)
 from pitstop.core.records import Policy
 from pitstop.errors import ConfigError, InvalidValue
 from strategies import policies
@@ -193,3 +201,55 @@ def test_another_device_takes_tensors_exactly_when_this_process_has_it(
             assert (
                 f"there is no {kind}:{index}; this process has {count} {kind} device(s)" in problem
             )
+
+
+# --- path arguments -------------------------------------------------------------------------
+
+
+class FsPath:
+    """An os.PathLike of the caller's own (the core sees only its ``__fspath__``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+class NoFsPath(FsPath):
+    __fspath__ = None  # type: ignore[assignment]  # opts out, as os.PathLike honours
+
+
+arguments = st.sampled_from(["verify checkpoint", "Checkpointer.directory", "export_weights path"])
+paths = st.text(max_size=8).flatmap(
+    lambda text: st.sampled_from([text, PurePosixPath(text), PureWindowsPath(text), FsPath(text)])
+)
+not_paths = (
+    st.none()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.binary(max_size=8)
+    | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
+    | st.lists(st.text(max_size=3), max_size=2)
+    | st.builds(NoFsPath, st.text(max_size=3))
+)
+
+
+@given(paths, arguments)
+def test_a_str_or_a_path_like_is_a_path(value: object, argument: str) -> None:
+    assert isinstance(value, (str, os.PathLike))
+    check_path(value, argument=argument, to=CHECKPOINT_PATH)
+
+
+@given(not_paths, arguments, st.sampled_from(["", CHECKPOINT_PATH]))
+def test_anything_else_names_the_argument_and_the_type_received(
+    value: object, argument: str, to: str
+) -> None:
+    assert not isinstance(value, (str, os.PathLike))
+    with pytest.raises(ConfigError) as caught:
+        check_path(value, argument=argument, to=to)
+    assert type(caught.value) is ConfigError
+    message = str(caught.value)
+    names = f" to {to}" if to else ""
+    assert message.startswith(f"{argument} must be a path (str or os.PathLike){names}, got ")
+    assert f", got {type(value).__qualname__} " in message

@@ -9,12 +9,15 @@
 # step and the metric. (A Best metric missing from a call's metrics is no error: that call is
 # no candidate for best — pitstop.core.schedule.) A device a load places tensors on must exist
 # and hold data: "meta" never does; "cpu" always exists; any other type needs a device of that
-# type, and an index below how many this process has.
+# type, and an index below how many this process has. A path argument (a checkpoint, a
+# directory, a file to write) is a str or an os.PathLike (bytes are not); anything else names
+# the call, the argument and the type received (`verify checkpoint must be a path ..., got int
+# 5`) — one check for every public call that takes a path.
 # How: attrs validators (pitstop.core.validators) and small functions that return or raise;
 # the shell turns tensors into Python numbers and counts devices first, the core only judges.
 
-"""Argument checks of the public calls: the Checkpointer's settings, a save's metrics, and the
-device a load places tensors on."""
+"""Argument checks of the public calls: the Checkpointer's settings, a save's metrics, the
+device a load places tensors on, and path arguments."""
 
 from __future__ import annotations
 
@@ -29,7 +32,17 @@ from pitstop.core.records import Policy
 from pitstop.core.validators import fail, is_bool, positive_seconds
 from pitstop.errors import ConfigError, InvalidValue
 
-__all__ = ["CheckpointerOptions", "call_metrics", "describe_value", "device_problem"]
+__all__ = [
+    "CHECKPOINT_PATH",
+    "CheckpointerOptions",
+    "call_metrics",
+    "check_path",
+    "describe_value",
+    "device_problem",
+]
+
+CHECKPOINT_PATH = "a checkpoint file, a pointer or a checkpoint directory"
+"""What a ``checkpoint`` argument names (for :func:`check_path`'s ``to``)."""
 
 
 def describe_value(value: object, limit: int = 60) -> str:
@@ -38,6 +51,24 @@ def describe_value(value: object, limit: int = 60) -> str:
     if len(text) > limit:
         text = f"{text[: limit - 3]}..."
     return f"{type(value).__qualname__} {text}"
+
+
+def check_path(value: object, *, argument: str, to: str = "") -> None:
+    """Raise a :class:`~pitstop.errors.ConfigError` unless ``value`` is a path.
+
+    A path is a str or an ``os.PathLike`` (an object whose type has ``__fspath__``: the core
+    imports no ``os``); bytes are not. ``argument`` names the call and the argument as the
+    message starts them (``"verify checkpoint"``, ``"Checkpointer.directory"``); ``to`` says
+    what the path names (``CHECKPOINT_PATH``). The message ends with the type and value
+    received: ``verify checkpoint must be a path (str or os.PathLike) to a checkpoint file, a
+    pointer or a checkpoint directory, got int 5``.
+    """
+    if isinstance(value, str) or getattr(type(value), "__fspath__", None) is not None:
+        return
+    names = f" to {to}" if to else ""
+    raise ConfigError(
+        f"{argument} must be a path (str or os.PathLike){names}, got {describe_value(value)}"
+    )
 
 
 def _policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,7 +26,12 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.arguments import CheckpointerOptions, call_metrics, describe_value
+from pitstop.core.arguments import (
+    CheckpointerOptions,
+    call_metrics,
+    check_path,
+    describe_value,
+)
 from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
@@ -150,11 +154,7 @@ def checked_options(
 
     from pitstop.shell.storage import Storage
 
-    if not isinstance(directory, (str, os.PathLike)):
-        raise ConfigError(
-            f"Checkpointer.directory must be a path (str or os.PathLike), got "
-            f"{describe_value(directory)}"
-        )
+    check_path(directory, argument="Checkpointer.directory")
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"Checkpointer.model must be an nn.Module (the model itself, not its "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.errors import ConfigError
 from pitstop.shell import progress
 from pitstop.shell.atomic import write_atomically
@@ -84,8 +85,12 @@ def export_weights(
     Raises :class:`~pitstop.errors.ConfigError` for another suffix, a bad ``dtype``, a bad
     ``weights`` or a missing ``safetensors``; :class:`~pitstop.errors.SaveError` naming
     ``path`` when writing fails (``path`` is then as it was); otherwise as
-    :func:`weights_view`.
+    :func:`weights_view`. A ``checkpoint`` or ``path`` that is no path (str or
+    ``os.PathLike``) is a :class:`~pitstop.errors.ConfigError` naming it, before anything is
+    read or written.
     """
+    check_path(checkpoint, argument="export_weights checkpoint", to=CHECKPOINT_PATH)
+    check_path(path, argument="export_weights path", to="the .pt or .safetensors file to write")
     target = Path(path)
     suffix = target.suffix.lower()
     if suffix not in _FORMATS:

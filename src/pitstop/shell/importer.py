@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pitstop.core.arguments import check_path
 from pitstop.core.guard import import_target_problem
 from pitstop.core.plan import plan_save
 from pitstop.core.records import NO_CHECKPOINT, Policy, SaveReason
@@ -125,8 +126,16 @@ def import_checkpoint(src: str | os.PathLike[str], directory: str | os.PathLike[
     checkpoint yet: a run's directory is refused (:class:`~pitstop.errors.SaveError`, naming
     it and its newest step) and left as it was. A ``Checkpointer`` on
     ``directory`` then resumes from it (``strict=False`` when the run has components the
-    source did not hold, such as a sampler). Returns the new checkpoint's record.
+    source did not hold, such as a sampler). Returns the new checkpoint's record. A ``src`` or
+    ``directory`` that is no path (str or ``os.PathLike``) is a
+    :class:`~pitstop.errors.ConfigError` naming it, before anything is read.
     """
+    check_path(
+        src,
+        argument="import_checkpoint src",
+        to="a torch.save or Lightning checkpoint file or an Accelerate save_state directory",
+    )
+    check_path(directory, argument="import_checkpoint directory", to="a checkpoint directory")
     foreign = read_foreign(src)
     for note in foreign.notes:
         log.warning("import: %s", note)

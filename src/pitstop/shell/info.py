@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.metadata import entry_from_meta
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint
 from pitstop.errors import CheckpointCorrupt
@@ -54,6 +55,7 @@ def info(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     back and :class:`~pitstop.errors.CheckpointNotFound` when ``checkpoint`` names nothing, or
     names a pointer whose checkpoint does not exist (naming the pointer and the file).
     """
+    check_path(checkpoint, argument="info checkpoint", to=CHECKPOINT_PATH)
     path = resolve_checkpoint(checkpoint, fallback=False)
     sharded = is_sharded_path(path)
     manifest = fileformat.read_manifest(manifest_path(path))

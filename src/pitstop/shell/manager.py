@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.compat import may_change_patterns
 from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
@@ -464,9 +465,13 @@ class Checkpointer:
         what failed while loading — with the run exactly as before; ``strict=False`` lets
         missing components, config differences and another world size pass with a warning
         (never shape or dtype differences). With several ranks, rank 0 chooses the checkpoint
-        and every rank restores it, or none does.
+        and every rank restores it, or none does. A ``source`` that is no path (str or
+        ``os.PathLike``) is a :class:`~pitstop.errors.ConfigError` naming it.
         """
         self._check_open("resume")
+        check_path(
+            source, argument="resume source", to=f"{CHECKPOINT_PATH}, or 'last', 'best' or 'final'"
+        )
         self._settle(Request.RESUME)
         path, entry = resume_from(
             source,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.metadata import (
     entry_from_meta,
     pointers_from_latest_json,
@@ -185,6 +186,7 @@ def load(checkpoint: str | os.PathLike[str]) -> Any:
     ``last``); a corrupt pointer target falls back to the previous valid checkpoint. Each
     file is read once: a pointer's candidates are checked whole as they are loaded.
     """
+    check_path(checkpoint, argument="load checkpoint", to=CHECKPOINT_PATH)
     loaded: dict[Path, Any] = {}
 
     def check_and_load(path: Path) -> None:
@@ -222,6 +224,7 @@ def verify(checkpoint: str | os.PathLike[str]) -> Path:
     does not exist is :class:`~pitstop.errors.CheckpointNotFound`, naming the pointer and the
     file). Returns the path of the file that was verified.
     """
+    check_path(checkpoint, argument="verify checkpoint", to=CHECKPOINT_PATH)
     path = resolve_checkpoint(checkpoint, fallback=False)
     verify_any(path)
     return path

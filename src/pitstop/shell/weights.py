@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pitstop.core.arguments import describe_value, device_problem
+from pitstop.core.arguments import CHECKPOINT_PATH, check_path, device_problem
 from pitstop.core.compat import Kind, diff_tensors
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell.exporter import export_weights
@@ -113,11 +113,7 @@ def _check_arguments(model: object, checkpoint: object) -> None:
         raise ConfigError(
             f"load_weights model must be an nn.Module{hint}, got {type(model).__qualname__}"
         )
-    if not isinstance(checkpoint, (str, os.PathLike)):
-        raise ConfigError(
-            f"load_weights checkpoint must be a path (str or os.PathLike) to a checkpoint file, "
-            f"a pointer or a checkpoint directory, got {describe_value(checkpoint)}"
-        )
+    check_path(checkpoint, argument="load_weights checkpoint", to=CHECKPOINT_PATH)
 
 
 def load_weights(
