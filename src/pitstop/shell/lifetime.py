@@ -9,22 +9,29 @@
 # directory and the hooks — never to the Checkpointer, so it does not keep it alive. A sharded
 # save in flight needs a collective to finish, which a finalizer cannot run: it is abandoned
 # (not published; logged as a failed save).
-# How: the Checkpointer registers shut_down() with weakref.finalize; close() detaches it and
-# calls release() itself.
+# How: the Checkpointer registers shut_down() with weakref.finalize; close_run() (its close())
+# detaches it once the lock may go, and calls release() itself.
 
 """Lifetime: releasing a Checkpointer's directory and hooks, and finishing a dropped one."""
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.session import SaveSession
 
-__all__ = ["release", "shut_down"]
+if TYPE_CHECKING:
+    from pitstop.shell.distributed import Ranks
+    from pitstop.shell.saving import Saver
+    from pitstop.shell.shardsave import ShardedSaves
+
+__all__ = ["close_run", "release", "shut_down"]
 
 log = logging.getLogger("pitstop")
 
@@ -64,3 +71,47 @@ def shut_down(
             log.error(
                 "%s stays locked until this process exits: a save is in flight", directory.path
             )
+
+
+def close_run(
+    *,
+    finalizer: weakref.finalize,  # type: ignore[type-arg]
+    session: SaveSession,
+    directory: CheckpointDirectory,
+    hooks: list[torch.utils.hooks.RemovableHandle],
+    saver: Saver,
+    shards: ShardedSaves | None,
+    ranks: Ranks,
+) -> None:
+    """Every rank: a Checkpointer's close() — publish what is in flight, then (rank 0) close
+    the session, remove the hooks and release the lock once no writer may still write, and
+    raise a failed background save's error. An interrupt while a sharded save is settled
+    leaves it in flight (and the lock held) for a later close()."""
+
+    def close() -> None:
+        try:
+            reported = session.close()
+        finally:
+            if session.may_release():  # no writer may still write to the directory
+                finalizer.detach()
+                release(directory, hooks)
+        saver.raise_failed(reported)
+
+    interrupted = False
+    try:
+        if shards is not None:  # every rank: the sharded save in flight, published
+            shards.settle(block=True)
+    except BaseException as exc:
+        # Interrupted, the sharded save stays in flight: only a later settle publishes it.
+        interrupted = not isinstance(exc, Exception)
+        raise
+    finally:
+        if not interrupted:
+            try:
+                ranks.lead(close)
+            finally:
+                if not ranks.leader:  # nothing written here, nothing to wait for
+                    finalizer.detach()
+                    for hook in hooks:
+                        hook.remove()
+                    hooks.clear()

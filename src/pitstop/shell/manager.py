@@ -5,13 +5,15 @@
 # fits the run (compat), and what each call must wait for (core.session). This class is the
 # driver: it checks its arguments, makes every rank take part in each call's collectives, and
 # hands the work to the module that does it, each with one reason to change:
+#   pitstop.shell.savecall      one save call on every rank: hear, decide, plan, write
 #   pitstop.shell.saving        rank 0 plans a save with the core and carries it out (capture,
 #                               write through a locked CheckpointDirectory, or hand over)
 #   pitstop.shell.resuming      choose, read, check and restore a checkpoint, all-or-nothing
 #   pitstop.shell.registration  components, and the deferred ones: a component the checkpoint
 #                               holds but the run has not registered yet is kept and applied
 #                               when register() names it
-#   pitstop.shell.lifetime      the end: close(), or a Checkpointer dropped without it
+#   pitstop.shell.lifetime      the end: close() (close_run), or a Checkpointer dropped
+#                               without it
 #   pitstop.shell.shardsave     sharded state: every rank writes its shards through DCP, and
 #                               a background one is published by a later call on every rank
 # How: a synchronous save writes straight from the live tensors before it returns; a
@@ -37,24 +39,24 @@ from torch import nn
 
 from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.compat import may_change_patterns
-from pitstop.core.ranks import CallInput, entry_from_wire, merge_inputs
+from pitstop.core.ranks import entry_from_wire
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import PitstopError
-from pitstop.shell.capture import LiveState, rank_state
+from pitstop.shell.capture import LiveState
 from pitstop.shell.checkpoint import (
     Checkpoint,
-    call_input,
     checked_options,
     config_of,
     manual_reason,
 )
 from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.distributed import GATHER_BOX, Ranks
-from pitstop.shell.lifetime import release, shut_down
+from pitstop.shell.distributed import Ranks
+from pitstop.shell.lifetime import close_run, release, shut_down
 from pitstop.shell.registration import add_component, register_component
 from pitstop.shell.resuming import resume_from
+from pitstop.shell.savecall import SaveCalls
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket, SaveSession, SaveTicket
 from pitstop.shell.shardsave import ShardedSaves, holds_sharded
@@ -167,6 +169,9 @@ class Checkpointer:
             self._shards = ShardedSaves.of(
                 self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
             )
+            self._calls = SaveCalls(
+                saver=self._saver, ranks=self._ranks, shards=self._shards, live=self._live
+            )
             for obj in self._live.optimizers():
                 self._hook(obj)
             # A Checkpointer dropped or left open at exit still publishes what is in flight. The
@@ -259,34 +264,15 @@ class Checkpointer:
         """
         if not self._finalizer.alive:
             return
-
-        def close() -> None:
-            try:
-                reported = self._session.close()
-            finally:
-                if self._session.may_release():  # no writer may still write to the directory
-                    self._finalizer.detach()
-                    release(self._directory, self._hooks)
-            self._saver.raise_failed(reported)
-
-        interrupted = False
-        try:
-            if self._shards is not None:  # every rank: the sharded save in flight, published
-                self._shards.settle(block=True)
-        except BaseException as exc:
-            # Interrupted, the sharded save stays in flight: only a later settle publishes it.
-            interrupted = not isinstance(exc, Exception)
-            raise
-        finally:
-            if not interrupted:
-                try:
-                    self._ranks.lead(close)
-                finally:
-                    if not self._ranks.leader:  # nothing written here, nothing to wait for
-                        self._finalizer.detach()
-                        for hook in self._hooks:
-                            hook.remove()
-                        self._hooks.clear()
+        close_run(
+            finalizer=self._finalizer,
+            session=self._session,
+            directory=self._directory,
+            hooks=self._hooks,
+            saver=self._saver,
+            shards=self._shards,
+            ranks=self._ranks,
+        )
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -392,54 +378,21 @@ class Checkpointer:
     ) -> Checkpoint | None:
         self._check_open(call.value)
         started = time.perf_counter()  # what the caller waits for, the previous save included
-        ranks = self._ranks
-        shards = self._shards
-        # A sharded save in flight: every rank has one, or none has (each call's rounds
-        # start and settle it on every rank).
-        done = shards.done() if shards is not None else None
-        saver = self._saver
-        each = partial(call_input, progress, stop, metrics, call=call.value)
-
-        def decide(asked: CallInput) -> bool:
-            return saver.decide(self.policy, call, progress, asked, manual)
-
-        def plan(asked: CallInput) -> tuple[tuple[Any, ...], str | None]:  # and a temp directory
-            planned = saver.plan(self.policy, progress, asked, detail, self._resumed_from)
-            return planned, (shards.begin(progress) if shards is not None else None)
-
-        def decide_and_plan(inputs: list[CallInput]) -> tuple[tuple[Any, ...], str | None] | None:
-            asked = merge_inputs(inputs)
-            return plan(asked) if decide(asked) else None
-
-        try:
-            if shards is None or done is None:  # one round trip: rank 0 hears, decides and plans
-                planned = ranks.gather_then_lead(each, decide_and_plan, box=GATHER_BOX)
-            else:  # every rank hears whether every rank's part of the save in flight is written
-                gathered = ranks.all_gather_each(lambda: (each(), done))
-                asked = merge_inputs([inputs for inputs, _ in gathered])
-                shards.settle(block=False, done=[d for _, d in gathered])  # its error raised
-                if shards.done() is None:  # published
-                    planned = ranks.lead(lambda: plan(asked) if decide(asked) else None)
-                elif ranks.lead(lambda: decide(asked)):  # the plan needs the directory settled
-                    shards.settle(block=True)
-                    planned = ranks.lead(lambda: plan(asked))
-                else:
-                    planned = None
-            if planned is None:
-                return None
-            (_, wire), temp = planned
-            if shards is not None and temp is not None:
-                ticket = shards.save(temp)
-            else:
-                write = partial(saver.write, progress, overlap=self.async_save == "overlap")
-                if ranks.many:  # every rank's part reaches rank 0, which writes them
-                    ticket = ranks.gather_state(rank_state(self._live), write)
-                else:
-                    ticket = write(None)
-        except BaseException:
-            if ranks.leader:  # a fault that no step of the save caught: nothing waits for it
-                saver.abandon()
-            raise
+        carried = self._calls.run(
+            call,
+            progress,
+            policy=self.policy,
+            resumed_from=self._resumed_from,
+            overlap=self.async_save == "overlap",
+            metrics=metrics,
+            stop=stop,
+            detail=detail,
+            manual=manual,
+        )
+        if carried is None:
+            return None
+        wire, ticket = carried
+        ranks, shards = self._ranks, self._shards
         self.last_blocking_s = time.perf_counter() - started
         entry = entry_from_wire(wire)
         if entry is NO_CHECKPOINT:

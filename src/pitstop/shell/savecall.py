@@ -1,0 +1,111 @@
+# One save call (maybe_save, save, finish) on every rank: from each rank's inputs to the save
+# written, handed over, or none.
+#
+# Rules: every rank brings its inputs (progress, stop, metrics) to rank 0, which decides with
+# the core and plans there (pitstop.shell.saving); then a file save is written by rank 0 with
+# every rank's part, and a sharded one by every rank through DCP (pitstop.shell.shardsave).
+# With a sharded background save in flight, the same round also tells every rank whether every
+# rank's part of it is written, so that it is published first when it is (or when the new save
+# needs the directory settled). A call that raises from a step that does not end its own save
+# ends it (Saver.abandon: the core's left_by_raise), so that no later call — close() included —
+# waits for a save that nobody carries on.
+# How: the rounds are pitstop.shell.distributed.Ranks' (one process: plain calls).
+
+"""A save call on every rank: hear every rank, decide and plan on rank 0, write."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pitstop.core.ranks import CallInput, merge_inputs
+from pitstop.core.records import Policy, Progress, SaveReason
+from pitstop.core.schedule import Call
+from pitstop.shell.capture import LiveState, rank_state
+from pitstop.shell.checkpoint import call_input
+from pitstop.shell.distributed import GATHER_BOX, Ranks
+from pitstop.shell.saving import Saver
+from pitstop.shell.shardsave import ShardedSaves
+
+__all__ = ["SaveCalls"]
+
+Planned = tuple[tuple[Any, ...], str | None]  # rank 0's plan (on the wire), a temp directory
+
+
+@attrs.frozen(kw_only=True)
+class SaveCalls:
+    """The save calls of one Checkpointer: its saver, its ranks, its sharded saves (``None``:
+    the state is not sharded) and its live state."""
+
+    saver: Saver
+    ranks: Ranks
+    shards: ShardedSaves | None
+    live: LiveState
+
+    def run(
+        self,
+        call: Call,
+        progress: Progress,
+        *,
+        policy: Policy,
+        resumed_from: Path | None,
+        overlap: bool,
+        metrics: Mapping[str, object] | None,
+        stop: object,
+        detail: str,
+        manual: SaveReason,
+    ) -> tuple[Any, int] | None:
+        """Every rank: carry out ``call`` at ``progress``; the planned entry (on the wire) and
+        the save's ticket, or ``None`` when the policy saves nothing now."""
+        ranks, shards, saver = self.ranks, self.shards, self.saver
+        # A sharded save in flight: every rank has one, or none has (each call's rounds
+        # start and settle it on every rank).
+        done = shards.done() if shards is not None else None
+        each = partial(call_input, progress, stop, metrics, call=call.value)
+
+        def decide(asked: CallInput) -> bool:
+            return saver.decide(policy, call, progress, asked, manual)
+
+        def plan(asked: CallInput) -> Planned:
+            planned = saver.plan(policy, progress, asked, detail, resumed_from)
+            return planned, (shards.begin(progress) if shards is not None else None)
+
+        def decide_and_plan(inputs: list[CallInput]) -> Planned | None:
+            asked = merge_inputs(inputs)
+            return plan(asked) if decide(asked) else None
+
+        planned: Planned | None
+        try:
+            if shards is None or done is None:  # one round trip: rank 0 hears, decides, plans
+                planned = ranks.gather_then_lead(each, decide_and_plan, box=GATHER_BOX)
+            else:  # every rank hears whether every rank's part of the save in flight is written
+                gathered = ranks.all_gather_each(lambda: (each(), done))
+                asked = merge_inputs([inputs for inputs, _ in gathered])
+                shards.settle(block=False, done=[d for _, d in gathered])  # its error raised
+                if shards.done() is None:  # published
+                    planned = ranks.lead(lambda: plan(asked) if decide(asked) else None)
+                elif ranks.lead(lambda: decide(asked)):  # the plan needs the directory settled
+                    shards.settle(block=True)
+                    planned = ranks.lead(lambda: plan(asked))
+                else:
+                    planned = None
+            if planned is None:
+                return None
+            (_, wire), temp = planned
+            if shards is not None and temp is not None:
+                ticket = shards.save(temp)
+            else:
+                write = partial(saver.write, progress, overlap=overlap)
+                if ranks.many:  # every rank's part reaches rank 0, which writes them
+                    ticket = ranks.gather_state(rank_state(self.live), write)
+                else:
+                    ticket = write(None)
+        except BaseException:
+            if ranks.leader:  # a fault that no step of the save caught: nothing waits for it
+                saver.abandon()
+            raise
+        return wire, ticket
