@@ -11,12 +11,18 @@ from pitstop.core.naming import (
     LOCK_NAME,
     MAX_STEP,
     NOT_A_CHECKPOINT,
+    POINTER_NAMES,
     EntryKind,
+    aside_name,
     checkpoint_name,
     classify,
+    parse_aside,
     parse_name,
+    parse_sharded_name,
+    sharded_name,
     temp_name,
 )
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
 from strategies import steps
 
@@ -82,6 +88,34 @@ def test_temp_files_are_recognised_and_never_checkpoints(step: int, token: str) 
     assert classify(name) is EntryKind.TEMP
     assert parse_name(name) is NOT_A_CHECKPOINT
     assert classify(temp_name(LATEST_JSON, token)) is EntryKind.TEMP
+
+
+tokens = st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True)
+
+
+@given(steps, tokens, tokens)
+def test_an_aside_name_says_which_checkpoint_it_holds_and_no_other_name_does(
+    step: int, token: str, other: str
+) -> None:
+    """A sharded checkpoint moved aside is a temp entry (never listed as a checkpoint) whose
+    name gives back the checkpoint's; no writer's temp name of anything pitstop publishes, and
+    no checkpoint, reads as one."""
+    name = sharded_name(step)
+    aside = aside_name(name, token)
+    assert classify(aside) is EntryKind.TEMP
+    assert parse_aside(aside) == name
+    assert parse_sharded_name(aside) is NOT_A_CHECKPOINT
+    published = [name, checkpoint_name(step), LATEST_JSON, MANIFEST_NAME, *POINTER_NAMES]
+    for final in published:
+        assert parse_aside(temp_name(final, other)) is NOT_A_CHECKPOINT
+        assert parse_aside(final) is NOT_A_CHECKPOINT
+    assert aside not in {temp_name(final, other) for final in published}
+
+
+@pytest.mark.parametrize("final", ["step_000000000002.pitstop", "last", "step_2"])
+def test_only_a_sharded_checkpoint_is_moved_aside(final: str) -> None:
+    with pytest.raises(ValueError, match="only a sharded checkpoint"):
+        aside_name(final, "run")
 
 
 @pytest.mark.parametrize("token", ["", "a/b", "x y", "../x"])

@@ -12,24 +12,30 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from pitstop.core.metadata import entry_meta
+from pitstop.core.naming import aside_name
 from pitstop.core.plan import SavePlan, plan_save
-from pitstop.core.records import NO_CHECKPOINT, Policy, Progress
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, Policy, Progress
 from pitstop.core.schedule import Call, ScheduleState, decide_save
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, scan, verify_any
-from pitstop.shell.sharddir import file_table
+from pitstop.shell.sharddir import file_table, write_manifest
 from pitstop.shell.storage import LocalStorage
 
 
-def save_sharded(directory: CheckpointDirectory, step: int, content: bytes = b"") -> SavePlan:
+def stage_sharded(
+    directory: CheckpointDirectory, step: int, content: bytes = b""
+) -> tuple[SavePlan, CheckpointEntry, ShardedLayout]:
+    """Plan a sharded save of ``step`` and write its stand-in shards into its temp directory."""
     progress = Progress(step=step)
     decision = decide_save(
         directory.policy,
@@ -58,6 +64,11 @@ def save_sharded(directory: CheckpointDirectory, step: int, content: bytes = b""
         files=file_table(temp, ["__0_0.distcp"], 0),
         values=(),
     )
+    return plan, entry, layout
+
+
+def save_sharded(directory: CheckpointDirectory, step: int, content: bytes = b"") -> SavePlan:
+    plan, entry, layout = stage_sharded(directory, step, content)
     directory.publish_sharded(plan, entry, layout, {"step": torch.tensor(step)}, {})
     return plan
 
@@ -143,3 +154,216 @@ def test_the_next_writer_removes_a_dead_writers_temp_directory(tmp_path: Path) -
         assert list(opened.catalog) == []
     assert not dead.exists()
     assert sharded_name(4) in scan(LocalStorage(path)).unreadable
+
+
+# --- a replacement (the same step saved again) under injected faults ---------------------------
+
+OS_OPS = ("replace", "fsync", "unlink", "rmdir", "symlink")
+
+
+class OsFaults:
+    """Counts each ``os.replace`` / ``fsync`` / ``unlink`` / ``rmdir`` / ``symlink`` once
+    ``armed``, and makes the ``fail_at``-th raise ``error`` (once)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_at: int, error: BaseException) -> None:
+        self.calls: list[str] = []
+        self.fail_at, self.error, self.armed = fail_at, error, False
+        for op in OS_OPS:
+            monkeypatch.setattr(os, op, self._wrap(op, getattr(os, op)))
+
+    def _wrap(self, op: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **options: Any) -> Any:
+            if self.armed:
+                self.calls.append(op)
+                if len(self.calls) == self.fail_at:
+                    raise self.error
+            return real(*args, **options)
+
+        return call
+
+
+def _replace_under_fault(
+    path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int, error: BaseException
+) -> tuple[OsFaults, CheckpointDirectory, BaseException | None]:
+    """Steps 4 and 2 saved; step 4 saved again, its publish failing at ``fail_at``."""
+    path.mkdir()
+    directory = CheckpointDirectory(path, policy=Policy(keep_last=3))
+    directory.open()
+    save_sharded(directory, 4, b"first timeline")
+    save_sharded(directory, 2)
+    faults = OsFaults(monkeypatch, fail_at, error)
+    plan, entry, layout = stage_sharded(directory, 4, b"second timeline")
+    faults.armed = True
+    raised = None
+    try:
+        directory.publish_sharded(plan, entry, layout, {"step": torch.tensor(4)}, {})
+    except (SaveError, KeyboardInterrupt) as exc:
+        raised = exc
+    finally:
+        faults.armed = False
+    return faults, directory, raised
+
+
+def _publish_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    with monkeypatch.context() as patch:
+        faults, directory, raised = _replace_under_fault(
+            tmp_path / "count", patch, 0, AssertionError()
+        )
+        directory.close()
+    assert raised is None
+    assert {"replace", "fsync", "unlink", "symlink"} <= set(faults.calls)
+    return len(faults.calls)
+
+
+def _held(path: Path) -> bytes:
+    """The shards under step 4's real name: complete, every byte verified."""
+    verify_any(path / sharded_name(4))
+    return (path / sharded_name(4) / "__0_0.distcp").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(errno.EIO, "injected fault"), KeyboardInterrupt()], ids=["EIO", "Ctrl-C"]
+)
+def test_a_replacement_failing_at_any_step_keeps_the_old_checkpoint_or_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """Before, the old directory was moved to a temp name first: a failure after that (the
+    rename of the new one, the parent's fsync, an interrupt) left it there, with nothing under
+    its name, and the next open deleted it as a dead writer's leftover."""
+    total = _publish_ops(tmp_path, monkeypatch)
+    assert total >= 12  # manifest, move aside, rename, fsync, old removed, pointers
+    held = set()
+    for fail_at in range(1, total + 1):
+        path = tmp_path / f"run{fail_at}"
+        with monkeypatch.context() as patch:
+            faults, directory, raised = _replace_under_fault(path, patch, fail_at, error)
+        where = f"fault at {faults.calls[fail_at - 1]} (op {fail_at})"
+        try:
+            content = _held(path)
+            held.add(content)
+            assert content in {b"first timeline", b"second timeline"}, where
+            if isinstance(raised, SaveError):
+                assert str(path / sharded_name(4)) in str(raised), where
+            # The writer's catalog is what is on disk; every pointer names a checkpoint there.
+            found = scan(LocalStorage(path))
+            assert found.catalog == directory.catalog, where
+            assert found.pointers.targets() <= {e.name for e in found.catalog}, where
+            assert os.readlink(path / "last") == directory.pointers.last, where
+            assert found.catalog.get(sharded_name(4)) != NO_CHECKPOINT, where
+        finally:
+            directory.close()
+        # No later open deletes it, nor leaves a temp name.
+        with CheckpointDirectory(path) as reopened:
+            assert _held(path) == content, where
+            assert sharded_name(4) in reopened.catalog, where
+        assert not [p for p in path.iterdir() if p.name.startswith(".tmp-")], where
+    assert held == {b"first timeline", b"second timeline"}  # both outcomes were reached
+
+
+class _FailsOnce:
+    """``os.replace`` (or ``os.fsync``) raising ``error`` once, at the call ``matches``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, op: str, error: BaseException) -> None:
+        self.matches: Callable[..., bool] = lambda *args: False
+        real = getattr(os, op)
+
+        def call(*args: Any, **options: Any) -> Any:
+            if self.matches(*args):
+                self.matches = lambda *args: False
+                raise error
+            return real(*args, **options)
+
+        monkeypatch.setattr(os, op, call)
+
+
+def test_a_replacement_whose_new_directory_cannot_be_renamed_puts_the_old_one_back(
+    directory: CheckpointDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_sharded(directory, 4, b"first timeline")
+    before = scan(directory.storage)
+    fails = _FailsOnce(monkeypatch, "replace", OSError(errno.EIO, "injected fault"))
+    name = directory.path / sharded_name(4)
+    fails.matches = lambda source, target: Path(target) == name and ".old-" not in str(source)
+    with pytest.raises(SaveError) as raised:
+        save_sharded(directory, 4, b"second timeline")
+    assert _held(directory.path) == b"first timeline"
+    message = str(raised.value)
+    assert f"could not rename the new {name} into place: [Errno 5] injected fault" in message
+    assert f"{name} holds the old checkpoint again, as before" in message
+    assert scan(directory.storage).catalog == before.catalog == directory.catalog
+    assert not [p for p in directory.path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_replacement_whose_parent_fsync_fails_keeps_the_new_one_and_the_catalog_knows(
+    directory: CheckpointDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_sharded(directory, 4, b"first timeline")
+    old = directory.catalog.get(sharded_name(4))
+    renamed = []
+    spied = os.replace
+
+    def replace(source: Any, target: Any, **options: Any) -> None:
+        spied(source, target, **options)
+        renamed.append(Path(target).name)
+
+    monkeypatch.setattr(os, "replace", replace)
+    fails = _FailsOnce(monkeypatch, "fsync", OSError(errno.EIO, "injected fault"))
+    parent = os.stat(directory.path).st_ino
+    fails.matches = lambda fd: renamed[-1:] == [sharded_name(4)] and os.fstat(fd).st_ino == parent
+    with pytest.raises(SaveError) as raised:
+        save_sharded(directory, 4, b"second timeline")
+    assert _held(directory.path) == b"second timeline"
+    found = scan(directory.storage)
+    assert found.catalog == directory.catalog
+    name = directory.path / sharded_name(4)
+    assert f"could not fsync the directory of {name}: " in str(raised.value)
+    assert f"{name} holds the new checkpoint, complete" in str(raised.value)
+    assert found.catalog.get(sharded_name(4)).seq == old.seq + 1  # type: ignore[union-attr]
+    assert not [p for p in directory.path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _left_by_a_dead_writer(path: Path, new_in_place: bool) -> Path:
+    """Step 4 published (the first timeline), then what a writer killed while replacing it
+    leaves: the old one moved aside, and the new one under its temp name or in place."""
+    path.mkdir()
+    with CheckpointDirectory(path) as first:
+        save_sharded(first, 4, b"first timeline")
+        _, entry, layout = stage_sharded(first, 4, b"second timeline")
+        temp = next(p for p in path.iterdir() if p.name.startswith(".tmp-"))
+        write_manifest(temp, layout, entry_meta(entry))
+    aside = path / aside_name(sharded_name(4), "deadbeef")
+    (path / sharded_name(4)).rename(aside)
+    if new_in_place:
+        temp.rename(path / sharded_name(4))
+    return aside
+
+
+@pytest.mark.parametrize("new_in_place", [False, True], ids=["new-in-temp", "new-in-place"])
+def test_what_a_writer_that_died_mid_replacement_left_is_settled_and_never_deleted_whole(
+    tmp_path: Path, new_in_place: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the next open deleted the old directory moved aside as a dead writer's temp
+    directory, though nothing was under its name: the checkpoint was lost."""
+    path = tmp_path / "checkpoints"
+    aside = _left_by_a_dead_writer(path, new_in_place)
+    with CheckpointDirectory(path) as reopened:
+        assert [e.name for e in reopened.catalog] == [sharded_name(4)]
+    assert _held(path) == (b"second timeline" if new_in_place else b"first timeline")
+    assert not [p for p in path.iterdir() if p.name.startswith(".tmp-")]
+    said = "removing" if new_in_place else "putting"
+    assert any(r.getMessage().startswith(f"{said} {aside}") for r in caplog.records)
+
+
+def test_a_checkpoint_left_aside_whose_name_holds_no_checkpoint_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "checkpoints"
+    aside = _left_by_a_dead_writer(path, new_in_place=True)
+    (path / sharded_name(4) / MANIFEST_NAME).unlink()  # no checkpoint now
+    with CheckpointDirectory(path) as reopened:
+        assert list(reopened.catalog) == []
+    verify_any(aside)  # still whole, for a person to put back
+    (aside / MANIFEST_NAME).unlink()  # now half removed: it goes
+    with CheckpointDirectory(path):
+        pass
+    assert not aside.exists()

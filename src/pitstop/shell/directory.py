@@ -13,8 +13,9 @@
 # catalog follows each deletion, so an interrupted retention leaves it as the disk is. Choosing a
 # resume point tries the core's resume order until a file verifies, warning about each one skipped.
 # A sharded checkpoint is a directory (pitstop.shell.sharddir): listed once its manifest reads back,
-# published by writing the manifest last and renaming the temp directory, deleted manifest first; a
-# dead writer's temp directory is removed on opening.
+# published by writing the manifest last and renaming the temp directory (one it replaces moved
+# aside first: a failure part-way leaves the old or the new one under the name), deleted manifest
+# first; opening removes dead writers' temp directories and settles what they had moved aside.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -44,6 +45,7 @@ from pitstop.core.naming import (
     LATEST_JSON,
     NOT_A_CHECKPOINT,
     EntryKind,
+    aside_name,
     classify,
     parse_checkpoint,
     temp_name,
@@ -148,17 +150,14 @@ class CheckpointDirectory:
         Raises :class:`~pitstop.errors.SaveError` naming the path and what to do when an entry
         every save replaces (``last``, ``best``, ``final``, ``latest.json``) is a directory.
         """
+        from pitstop.shell.sharddir import clear_leftover
+
         self._lock.acquire()
         try:
             self._check_reserved()
             for name in self.storage.names():
                 if classify(name) is EntryKind.TEMP:
-                    log.warning("removing %s, left by a writer that died", self.storage.path(name))
-                    with contextlib.suppress(FileNotFoundError):
-                        if self.storage.kind(name) is FileKind.DIRECTORY:
-                            shutil.rmtree(self.storage.path(name))  # a sharded save's
-                        else:
-                            self.storage.remove(name)
+                    clear_leftover(self.storage, name)
             found = scan(self.storage, self.policy.best)
             had_latest = self.storage.kind(LATEST_JSON) is not FileKind.MISSING
         except BaseException:  # whatever failed, the directory is not left locked
@@ -331,7 +330,7 @@ class CheckpointDirectory:
         )
 
     def _publish_directory(self, plan: SavePlan, entry: CheckpointEntry) -> None:
-        from pitstop.shell.sharddir import delete_sharded, publish_sharded, write_manifest
+        from pitstop.shell.sharddir import publish_sharded, write_manifest
 
         pending = self._pending_sharded
         temp = self.sharded_temp(entry)
@@ -343,13 +342,12 @@ class CheckpointDirectory:
         except BaseException:
             shutil.rmtree(self.storage.path(temp), ignore_errors=True)
             raise
-        old = None
+        aside = None  # the checkpoint it replaces goes out of the way, still whole
         if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
-            old = temp_name(entry.name, self.run_id + "-old")  # out of the way, still whole
-            self.storage.replace(entry.name, old)
-        publish_sharded(self.storage, temp, entry.name)
-        if old is not None:
-            delete_sharded(self.storage, old)
+            aside = aside_name(entry.name, self.run_id)
+        publish_sharded(
+            self.storage, temp, entry.name, aside=aside, replaced=lambda: self._replaced(entry)
+        )
 
     def repoint(self, plan: SavePlan) -> None:
         """Carry out a plan that writes no file, only moves pointers."""
