@@ -5,7 +5,10 @@ layout lists them with their checksums, as write_sharded's would. Checked: the p
 a listed, verifiable directory and moves the pointers only then; retention deletes old
 directories (never a pointer target); a pointer phase that fails leaves the directory as it
 was (the new directory gone); a save over a directory of the same step replaces it whole;
-the next writer removes a dead writer's temp directory.
+the next writer removes a dead writer's temp directory. A replacement failing at any of its
+steps (an injected OSError or Ctrl-C) leaves the old checkpoint or the new one under its name,
+and what a writer that died mid-replacement left aside is put back, never deleted whole; a
+temp directory a failed save could not remove never blocks the next save of its step.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, scan, verify_any
 from pitstop.shell.sharddir import file_table, write_manifest
 from pitstop.shell.storage import LocalStorage
+from storagetrace import StuckLeftovers
 
 
 def stage_sharded(
     directory: CheckpointDirectory, step: int, content: bytes = b""
-) -> tuple[SavePlan, CheckpointEntry, ShardedLayout]:
-    """Plan a sharded save of ``step`` and write its stand-in shards into its temp directory."""
+) -> tuple[SavePlan, CheckpointEntry, ShardedLayout, str]:
+    """Plan a sharded save of ``step`` and write its stand-in shards into a temp directory of
+    its own; the plan, its entry, the layout and the temp directory's name."""
     progress = Progress(step=step)
     decision = decide_save(
         directory.policy,
@@ -55,7 +60,8 @@ def stage_sharded(
     )
     entry = plan.entry
     assert entry is not NO_CHECKPOINT
-    temp = directory.path / directory.sharded_temp(entry)
+    name = directory.sharded_temp(entry)
+    temp = directory.path / name
     temp.mkdir()
     (temp / "__0_0.distcp").write_bytes(content or f"shards of step {step}".encode())
     layout = ShardedLayout(
@@ -64,12 +70,12 @@ def stage_sharded(
         files=file_table(temp, ["__0_0.distcp"], 0),
         values=(),
     )
-    return plan, entry, layout
+    return plan, entry, layout, name
 
 
 def save_sharded(directory: CheckpointDirectory, step: int, content: bytes = b"") -> SavePlan:
-    plan, entry, layout = stage_sharded(directory, step, content)
-    directory.publish_sharded(plan, entry, layout, {"step": torch.tensor(step)}, {})
+    plan, entry, layout, temp = stage_sharded(directory, step, content)
+    directory.publish_sharded(plan, entry, layout, {"step": torch.tensor(step)}, {}, temp=temp)
     return plan
 
 
@@ -192,11 +198,11 @@ def _replace_under_fault(
     save_sharded(directory, 4, b"first timeline")
     save_sharded(directory, 2)
     faults = OsFaults(monkeypatch, fail_at, error)
-    plan, entry, layout = stage_sharded(directory, 4, b"second timeline")
+    plan, entry, layout, temp = stage_sharded(directory, 4, b"second timeline")
     faults.armed = True
     raised = None
     try:
-        directory.publish_sharded(plan, entry, layout, {"step": torch.tensor(4)}, {})
+        directory.publish_sharded(plan, entry, layout, {"step": torch.tensor(4)}, {}, temp=temp)
     except (SaveError, KeyboardInterrupt) as exc:
         raised = exc
     finally:
@@ -328,8 +334,8 @@ def _left_by_a_dead_writer(path: Path, new_in_place: bool) -> Path:
     path.mkdir()
     with CheckpointDirectory(path) as first:
         save_sharded(first, 4, b"first timeline")
-        _, entry, layout = stage_sharded(first, 4, b"second timeline")
-        temp = next(p for p in path.iterdir() if p.name.startswith(".tmp-"))
+        _, entry, layout, name = stage_sharded(first, 4, b"second timeline")
+        temp = path / name
         write_manifest(temp, layout, entry_meta(entry))
     aside = path / aside_name(sharded_name(4), "deadbeef")
     (path / sharded_name(4)).rename(aside)
@@ -367,3 +373,33 @@ def test_a_checkpoint_left_aside_whose_name_holds_no_checkpoint_is_left_alone(
     with CheckpointDirectory(path):
         pass
     assert not aside.exists()
+
+
+@pytest.mark.parametrize("leftover", ["temp directory", "old one aside"])
+def test_a_directory_a_failed_sharded_save_could_not_remove_never_blocks_the_next_save(
+    directory: CheckpointDirectory, monkeypatch: pytest.MonkeyPatch, leftover: str
+) -> None:
+    """Before, the temp directory (and the aside one) carried only the run id: once a failed
+    save could not remove it, every later save of that step in the run failed (its temp
+    directory existed already, or the old one could not be moved aside onto it)."""
+    save_sharded(directory, 4, b"first timeline")
+    save_sharded(directory, 2)
+    with monkeypatch.context() as patch:
+        if leftover == "temp directory":  # the manifest cannot be published
+            StuckLeftovers(patch, MANIFEST_NAME)
+            with pytest.raises(SaveError, match="injected fault"):
+                save_sharded(directory, 4, b"second timeline")
+        else:  # published; only the old one moved aside cannot be removed
+            StuckLeftovers(patch)
+            save_sharded(directory, 4, b"second timeline")
+    left = [p.name for p in directory.path.iterdir() if p.name.startswith(".tmp-")]
+    assert len(left) == 1, left
+    assert (".old-" in left[0]) == (leftover == "old one aside")
+    save_sharded(directory, 4, b"third timeline")
+    assert _held(directory.path) == b"third timeline"
+    assert scan(directory.storage).catalog == directory.catalog
+    directory.close()
+    with CheckpointDirectory(directory.path) as reopened:  # removes what was left
+        assert sharded_name(4) in reopened.catalog
+    assert not [p for p in directory.path.iterdir() if p.name.startswith(".tmp-")]
+    assert _held(directory.path) == b"third timeline"

@@ -7,7 +7,9 @@
 # foreign — so the shell can scan a directory without ever guessing. A sharded checkpoint that a
 # save of its step replaces is moved aside first (a directory cannot be renamed over another):
 # `.tmp-<token>.old-step_<12 digits>`, a temp name too, but one that says which checkpoint it
-# holds (tokens have no `.`, so no writer's temp name reads as one).
+# holds (tokens have no `.`, so no writer's temp name reads as one). Each attempt at a publish
+# has a token of its own (`<run id>_<attempt>`), so what a failed attempt could not remove
+# never blocks a later one of the same run; open() removes it.
 # How: a strict regular expression for parsing; formatting is the exact inverse.
 
 """Checkpoint file names: formatting, parsing and classifying directory entries."""
@@ -29,6 +31,7 @@ __all__ = [
     "EntryKind",
     "NotACheckpoint",
     "aside_name",
+    "attempt_token",
     "checkpoint_name",
     "classify",
     "parse_aside",
@@ -138,6 +141,20 @@ def temp_name(final_name: str, token: str) -> str:
     if not _TOKEN_RE.fullmatch(token):
         raise ValueError(f"temp token must match [A-Za-z0-9_-]+, got {token!r}")
     return f"{TEMP_PREFIX}{token}-{final_name}"
+
+
+def attempt_token(run_id: str, attempt: int) -> str:
+    """The temp-name token of a run's ``attempt``-th publish: ``<run id>_<attempt>``.
+
+    No two attempts of a run share one (the attempt is the part after the last ``_``), so a
+    temp name a failed attempt left never blocks a later one. Raises ``ValueError`` for a run
+    id that is no token, or an attempt that is not a positive int.
+    """
+    if not _TOKEN_RE.fullmatch(run_id):
+        raise ValueError(f"run id must match [A-Za-z0-9_-]+, got {run_id!r}")
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise ValueError(f"attempt must be an int >= 1, got {attempt!r}")
+    return f"{run_id}_{attempt}"
 
 
 def aside_name(final_name: str, token: str) -> str:

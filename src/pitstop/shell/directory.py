@@ -23,12 +23,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,20 +44,18 @@ from pitstop.core.metadata import (
 )
 from pitstop.core.naming import (
     LATEST_JSON,
-    NOT_A_CHECKPOINT,
     EntryKind,
     aside_name,
+    attempt_token,
     classify,
-    parse_checkpoint,
     temp_name,
 )
-from pitstop.core.plan import SavePlan, rollback_removals
+from pitstop.core.plan import SavePlan, plan_subject, rollback_removals
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
     CheckpointEntry,
     NoCheckpoint,
-    PointerName,
     Pointers,
     Policy,
 )
@@ -81,6 +80,7 @@ from pitstop.shell.scanning import (
     scan,
     verify_any,
 )
+from pitstop.shell.sharddir import clear_leftover, publish_sharded, write_manifest
 from pitstop.shell.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
@@ -96,21 +96,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("pitstop")
-
-
-def _subject(plan: SavePlan, before: Pointers) -> tuple[int | str, str]:
-    """The step and the checkpoint file name a save is about, for its messages."""
-    entry = plan.entry
-    if entry is not NO_CHECKPOINT:
-        return entry.step, entry.name
-    moved = [
-        plan.pointers.target(p) for p in PointerName if plan.pointers.target(p) != before.target(p)
-    ]
-    for target in (*moved, plan.pointers.last):
-        if target is not NO_CHECKPOINT:
-            step = parse_checkpoint(target)
-            return (step if step is not NOT_A_CHECKPOINT else "?"), target
-    return "?", "no checkpoint"
 
 
 WriteCheckpoint = Callable[[BinaryIO, CheckpointEntry, Callable[[], None]], object]
@@ -136,11 +121,12 @@ class CheckpointDirectory:
         """Refuse to save over the checkpoints found at open until :meth:`adopt` (a run that
         did not resume must not replace another run's checkpoints)."""
         self._lock = DirectoryLock(self.path, self.run_id)
+        self._attempts = itertools.count(1)  # each publish's temp names are its own
         self._symlinks = True
         self._foreign: tuple[CheckpointEntry | NoCheckpoint, int] = (NO_CHECKPOINT, 0)
         self._had_latest = True  # whether latest.json is on disk (a rollback leaves it so)
         self._told_carried = False
-        self._pending_sharded: tuple[ShardedLayout, object, Mapping[str, object]] | None = None
+        self._pending_sharded: tuple[str, ShardedLayout, object, Mapping[str, object]] | None = None
         self.catalog = Catalog()
         self.pointers = Pointers()
 
@@ -150,8 +136,6 @@ class CheckpointDirectory:
         Raises :class:`~pitstop.errors.SaveError` naming the path and what to do when an entry
         every save replaces (``last``, ``best``, ``final``, ``latest.json``) is a directory.
         """
-        from pitstop.shell.sharddir import clear_leftover
-
         self._lock.acquire()
         try:
             self._check_reserved()
@@ -193,7 +177,7 @@ class CheckpointDirectory:
         found = None if newest is NO_CHECKPOINT else (newest.step, newest.name)
         problem = foreign_save_problem(found, directory=str(self.path), count=count)
         if problem is not None:
-            step, name = _subject(plan, self.pointers)
+            step, name = plan_subject(plan, self.pointers)
             raise SaveError(f"refusing to save step {step} ({name}): {problem}")
 
     def note_carried(self, names: Collection[str], source: object) -> None:
@@ -224,7 +208,7 @@ class CheckpointDirectory:
         :data:`~pitstop.shell.publish.WriteFile`). On :class:`SaveError` the
         directory is as it was before the call. Returns the names retention deleted.
         """
-        step, name = _subject(plan, self.pointers)
+        step, name = plan_subject(plan, self.pointers)
         if not self._lock.held:
             raise SaveError(
                 f"could not save step {step} ({self.storage.path(name)}): {self.path} is not "
@@ -253,7 +237,7 @@ class CheckpointDirectory:
             publish_file(
                 self.storage,
                 entry.name,
-                self.run_id,
+                self._token(),
                 lambda f, sync: write(f, entry, sync),
                 replaced=lambda: self._replaced(entry),
             )
@@ -262,7 +246,7 @@ class CheckpointDirectory:
                 self.storage,
                 plan.catalog,
                 plan.pointers,
-                token=self.run_id,
+                token=self._token(),
                 policy=self.policy,
                 symlinks=self._symlinks,
             )
@@ -301,9 +285,15 @@ class CheckpointDirectory:
             time.perf_counter() - started,
         )
 
+    def _token(self) -> str:
+        """The temp-name token of one attempt at a publish: no other attempt of this run's has
+        it, so a temp entry a failed one could not remove never blocks it (open() removes it)."""
+        return attempt_token(self.run_id, next(self._attempts))
+
     def sharded_temp(self, entry: CheckpointEntry) -> str:
-        """The temp directory every rank writes ``entry``'s shards into (rank 0 names it)."""
-        return temp_name(entry.name, self.run_id)
+        """A new temp directory name for one attempt at ``entry`` (rank 0 names it, every rank
+        writes its shards into it); each call gives another."""
+        return temp_name(entry.name, self._token())
 
     def publish_sharded(
         self,
@@ -312,12 +302,14 @@ class CheckpointDirectory:
         layout: ShardedLayout,
         tree: object,
         meta: Mapping[str, object],
+        *,
+        temp: str,
     ) -> None:
-        """Rank 0: the shards of ``entry`` are written into :meth:`sharded_temp`: write the
-        manifest (``layout``, the replicated ``tree``, ``meta``) last, rename the directory
-        into place, fsync the parent; then carry ``plan`` out as for a file."""
+        """Rank 0: the shards of ``entry`` are written into ``temp`` (:meth:`sharded_temp`):
+        write the manifest (``layout``, the replicated ``tree``, ``meta``) last, rename the
+        directory into place, fsync the parent; then carry ``plan`` out as for a file."""
         started = time.perf_counter()
-        self._pending_sharded = (layout, tree, {**meta, **entry_meta(entry)})
+        self._pending_sharded = (temp, layout, tree, {**meta, **entry_meta(entry)})
         try:
             self.execute(plan, lambda file, entry, sync: None)
         finally:
@@ -330,23 +322,21 @@ class CheckpointDirectory:
         )
 
     def _publish_directory(self, plan: SavePlan, entry: CheckpointEntry) -> None:
-        from pitstop.shell.sharddir import publish_sharded, write_manifest
-
         pending = self._pending_sharded
-        temp = self.sharded_temp(entry)
         if pending is None:
-            raise SaveError(f"{self.storage.path(temp)}: no shards were written")
-        layout, tree, meta = pending
-        try:
-            write_manifest(self.storage.path(temp), layout, meta, tree, token=self.run_id)
-        except BaseException:
-            shutil.rmtree(self.storage.path(temp), ignore_errors=True)
-            raise
+            raise SaveError(f"{self.storage.path(entry.name)}: no shards were written")
+        temp, layout, tree, meta = pending
         aside = None  # the checkpoint it replaces goes out of the way, still whole
         if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
-            aside = aside_name(entry.name, self.run_id)
+            aside = aside_name(entry.name, self._token())
+        manifest = partial(write_manifest, layout=layout, meta=meta, tree=tree, token=self._token())
         publish_sharded(
-            self.storage, temp, entry.name, aside=aside, replaced=lambda: self._replaced(entry)
+            self.storage,
+            temp,
+            entry.name,
+            aside=aside,
+            replaced=lambda: self._replaced(entry),
+            manifest=manifest,
         )
 
     def repoint(self, plan: SavePlan) -> None:
@@ -365,7 +355,7 @@ class CheckpointDirectory:
                 self.storage,
                 self.catalog,
                 self.pointers,
-                token=self.run_id,
+                token=self._token(),
                 policy=self.policy,
                 symlinks=self._symlinks,
                 latest=self._had_latest,  # a directory that had no latest.json gets none

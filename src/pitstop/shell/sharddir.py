@@ -183,9 +183,11 @@ def publish_sharded(
     *,
     aside: str | None = None,
     replaced: Callable[[], None] | None = None,
+    manifest: Callable[[Path], None] | None = None,
 ) -> None:
     """Rank 0: rename the finished temp directory ``temp`` to ``name``, then fsync the parent.
 
+    ``manifest(directory)``, if given, first writes the manifest into ``temp`` (last, durably).
     ``aside``: ``name`` holds a checkpoint this one replaces; it is moved to ``aside`` first
     and removed once the new one is durable (if that fails, a warning: the directory's next
     open removes it). ``replaced()`` is called once the new one has taken its place for good.
@@ -194,9 +196,12 @@ def publish_sharded(
     once the new one had replaced the old one — the new one; the temp directory is gone.
     """
     path = storage.path(name)
-    step = f"move {path} aside" if aside is not None else f"rename the new {path} into place"
+    step = f"write the manifest of the new {path}"
     try:
+        if manifest is not None:
+            manifest(storage.path(temp))  # its own errors are SaveErrors naming the manifest
         if aside is not None:
+            step = f"move {path} aside"
             storage.replace(name, aside)
         step = f"rename the new {path} into place"
         storage.replace(temp, name)
@@ -206,7 +211,7 @@ def publish_sharded(
             replaced()
     except BaseException as exc:
         note = _settle(storage, temp, name, aside, replaced)
-        if isinstance(exc, Exception):
+        if isinstance(exc, Exception) and not isinstance(exc, SaveError):
             raise SaveError(f"could not {step}: {exc}{note}") from exc
         raise
     if aside is not None:
@@ -291,7 +296,10 @@ def _holds_note(plan: Settlement, holds: Holds, path: Path) -> str:
     if holds is Holds.OLD and plan.restore:
         return f"; {path} holds the old checkpoint again, as before"
     if holds is Holds.UNKNOWN:
-        return f"; what {path} holds could not be checked, and is left as it is"
+        return (
+            f"; {path} holds what this save did not put there, or could not be looked at: it "
+            "is left as it is"
+        )
     return ""
 
 
