@@ -12,10 +12,15 @@ fsynced and it is closed; a rename is followed by a directory fsync before the c
 pointer (``last``/``best``/``final``, ``latest.json``) moves only after the new checkpoint's
 rename is durable; a checkpoint is deleted only after every rename before it is durable, and no
 pointer moves after a deletion.
+
+``OsSpy`` records each ``os.fsync`` and ``os.replace`` below every Storage; ``StuckLeftovers``
+fails chosen renames and every removal, so a failed publish leaves its temp entries behind.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import io
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -276,3 +281,22 @@ class OsSpy:
         if ("fsync", os.stat(path.parent).st_ino) not in self.calls[index + 1 :]:
             problems.append(f"{path.parent}: the directory was not fsynced after the rename")
         return problems
+
+
+class StuckLeftovers:
+    """Through ``monkeypatch``: while ``armed``, every ``os.replace`` onto a name in ``onto``
+    fails with EIO, and nothing can be removed (``os.unlink`` and ``os.rmdir`` fail too), so a
+    failed publish cannot take its temp entries out again."""
+
+    def __init__(self, monkeypatch: Any, *onto: str) -> None:
+        self.armed = True
+        replace, unlink, rmdir = os.replace, os.unlink, os.rmdir
+
+        def stuck(real: Callable[..., None], *args: Any, **options: Any) -> None:
+            if self.armed and (real is not replace or os.path.basename(args[1]) in onto):
+                raise OSError(errno.EIO, "injected fault", args[0])
+            real(*args, **options)
+
+        monkeypatch.setattr(os, "replace", functools.partial(stuck, replace))
+        monkeypatch.setattr(os, "unlink", functools.partial(stuck, unlink))
+        monkeypatch.setattr(os, "rmdir", functools.partial(stuck, rmdir))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pitstop.core.naming import (
@@ -11,12 +11,19 @@ from pitstop.core.naming import (
     LOCK_NAME,
     MAX_STEP,
     NOT_A_CHECKPOINT,
+    POINTER_NAMES,
     EntryKind,
+    aside_name,
+    attempt_token,
     checkpoint_name,
     classify,
+    parse_aside,
     parse_name,
+    parse_sharded_name,
+    sharded_name,
     temp_name,
 )
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
 from strategies import steps
 
@@ -82,6 +89,63 @@ def test_temp_files_are_recognised_and_never_checkpoints(step: int, token: str) 
     assert classify(name) is EntryKind.TEMP
     assert parse_name(name) is NOT_A_CHECKPOINT
     assert classify(temp_name(LATEST_JSON, token)) is EntryKind.TEMP
+
+
+tokens = st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True)
+
+
+@given(steps, tokens, tokens)
+def test_an_aside_name_says_which_checkpoint_it_holds_and_no_other_name_does(
+    step: int, token: str, other: str
+) -> None:
+    """A sharded checkpoint moved aside is a temp entry (never listed as a checkpoint) whose
+    name gives back the checkpoint's; no writer's temp name of anything pitstop publishes, and
+    no checkpoint, reads as one."""
+    name = sharded_name(step)
+    aside = aside_name(name, token)
+    assert classify(aside) is EntryKind.TEMP
+    assert parse_aside(aside) == name
+    assert parse_sharded_name(aside) is NOT_A_CHECKPOINT
+    published = [name, checkpoint_name(step), LATEST_JSON, MANIFEST_NAME, *POINTER_NAMES]
+    for final in published:
+        assert parse_aside(temp_name(final, other)) is NOT_A_CHECKPOINT
+        assert parse_aside(final) is NOT_A_CHECKPOINT
+    assert aside not in {temp_name(final, other) for final in published}
+
+
+attempts = st.integers(min_value=1, max_value=10**12)
+
+
+@given(tokens, attempts, tokens, attempts, st.sampled_from(["last", LATEST_JSON, "step_2"]))
+@example("a1", 2, "a", 12, "last")  # a run id that ends in digits
+@example("a_1", 2, "a", 12, "last")
+@example("a_1", 2, "a_1_2", 1, "last")
+def test_no_two_attempts_share_a_temp_name(
+    run: str, attempt: int, other_run: str, other_attempt: int, final: str
+) -> None:
+    """Each attempt at a publish has temp names of its own, so a temp entry one could not
+    remove never blocks another: two attempts' names are the same only if they are one
+    attempt (of one run)."""
+    token = attempt_token(run, attempt)
+    other = attempt_token(other_run, other_attempt)
+    assert (token == other) == ((run, attempt) == (other_run, other_attempt))
+    name = temp_name(final, token)
+    assert classify(name) is EntryKind.TEMP
+    assert (name == temp_name(final, other)) == (token == other)
+    assert parse_aside(aside_name(sharded_name(2), token)) == sharded_name(2)
+    assert attempt_token(run, attempt + 1) != token
+
+
+@pytest.mark.parametrize(("run", "attempt"), [("", 1), ("a b", 1), ("run", 0), ("run", True)])
+def test_attempt_tokens_are_restricted(run: str, attempt: int) -> None:
+    with pytest.raises(ValueError, match=r"run id|attempt"):
+        attempt_token(run, attempt)
+
+
+@pytest.mark.parametrize("final", ["step_000000000002.pitstop", "last", "step_2"])
+def test_only_a_sharded_checkpoint_is_moved_aside(final: str) -> None:
+    with pytest.raises(ValueError, match="only a sharded checkpoint"):
+        aside_name(final, "run")
 
 
 @pytest.mark.parametrize("token", ["", "a/b", "x y", "../x"])

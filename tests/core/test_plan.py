@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.plan import plan_save, rollback_removals
+from pitstop.core.plan import plan_save, plan_subject, rollback_removals
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -170,3 +170,25 @@ def test_a_rollback_takes_out_only_a_new_checkpoint_that_no_pointer_names(
     else:
         assert removed == (plan.entry.name,)
         assert after == catalog  # the directory is as it was
+
+
+@given(st.data(), catalogs(), policies, st.integers(0, 10_000), st.booleans())
+def test_a_saves_messages_name_what_it_writes_or_a_pointer_it_moves(
+    data: st.DataObject, catalog: Catalog, policy: Policy, step: int, write: bool
+) -> None:
+    pointers = data.draw(pointers_into(catalog))
+    reasons = (SaveReason.INTERVAL,) if write else (SaveReason.BEST,)
+    plan = plan_save(
+        catalog,
+        pointers,
+        _decision(*reasons, write=write),
+        progress=Progress(step=step),
+        policy=policy,
+    )
+    subject = plan_subject(plan, pointers)
+    if plan.entry is not NO_CHECKPOINT:
+        assert subject == (plan.entry.step, plan.entry.name)
+    elif plan.pointers.targets():
+        assert subject[1] in plan.pointers.targets()
+    else:
+        assert subject == ("?", "no checkpoint")

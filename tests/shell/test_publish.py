@@ -18,6 +18,7 @@ from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.directory import CheckpointDirectory, scan
 from pitstop.shell.storage import LocalStorage
+from storagetrace import StuckLeftovers
 
 
 def _name(step: int) -> str:
@@ -327,3 +328,28 @@ def test_a_failed_first_save_leaves_an_empty_directory_empty(tmp_path: Path) -> 
                 assert snapshot(path) == {}, f"fault at op {fail_at} ({storage.ops[-1]})"
             else:
                 assert storage.ops[fail_at - 1] in {"remove", "sync_directory"}
+
+
+@pytest.mark.parametrize("onto", [_name(2), "last", "latest.json"])
+def test_a_temp_file_a_failed_save_could_not_remove_never_blocks_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, onto: str
+) -> None:
+    """Before, a temp name carried only the run id: once a failed save could not remove its
+    temp file (the checkpoint's, a pointer's, latest.json's), every later save of that name in
+    the run failed with EEXIST, until the directory was opened again."""
+    directory = CheckpointDirectory(tmp_path, policy=Policy(keep_last=2))
+    with directory:
+        save(directory, 1)
+        stuck = StuckLeftovers(monkeypatch, onto)
+        with pytest.raises(SaveError, match="injected fault"):
+            save(directory, 2)
+        stuck.armed = False
+        left = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+        assert [n for n in left if n.endswith(f"-{onto}")], left
+        save(directory, 2, tree={"weights": {"raw": {}}, "step": "again"})
+        assert fileformat.load(tmp_path / _name(2))["step"] == "again"
+        assert scan(LocalStorage(tmp_path)).pointers.last == _name(2)
+    with CheckpointDirectory(tmp_path):  # the next open still removes what was left
+        pass
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    fileformat.verify(tmp_path / _name(2))

@@ -4,7 +4,12 @@
 # checkpoint, a directory — `step_<12 digits>` without the suffix; nothing else is one.
 # Steps that need more than 12 digits are an error (names must sort the way steps do).
 # Every other name is classified — temp file of a writer, pointer, latest.json, lock, or
-# foreign — so the shell can scan a directory without ever guessing.
+# foreign — so the shell can scan a directory without ever guessing. A sharded checkpoint that a
+# save of its step replaces is moved aside first (a directory cannot be renamed over another):
+# `.tmp-<token>.old-step_<12 digits>`, a temp name too, but one that says which checkpoint it
+# holds (tokens have no `.`, so no writer's temp name reads as one). Each attempt at a publish
+# has a token of its own (`<run id>_<attempt>`), so what a failed attempt could not remove
+# never blocks a later one of the same run; open() removes it.
 # How: a strict regular expression for parsing; formatting is the exact inverse.
 
 """Checkpoint file names: formatting, parsing and classifying directory entries."""
@@ -25,8 +30,11 @@ __all__ = [
     "TEMP_PREFIX",
     "EntryKind",
     "NotACheckpoint",
+    "aside_name",
+    "attempt_token",
     "checkpoint_name",
     "classify",
+    "parse_aside",
     "parse_checkpoint",
     "parse_name",
     "parse_sharded_name",
@@ -45,6 +53,10 @@ POINTER_NAMES: Final = frozenset({"last", "best", "final"})
 _CHECKPOINT_RE: Final = re.compile(rf"step_([0-9]{{{STEP_DIGITS}}}){re.escape(SUFFIX)}")
 _SHARDED_RE: Final = re.compile(rf"step_([0-9]{{{STEP_DIGITS}}})")
 _TOKEN_RE: Final = re.compile(r"[A-Za-z0-9_-]+")
+ASIDE_MARK: Final = ".old-"
+_ASIDE_RE: Final = re.compile(
+    rf"{re.escape(TEMP_PREFIX)}[A-Za-z0-9_-]+{re.escape(ASIDE_MARK)}(step_[0-9]{{{STEP_DIGITS}}})"
+)
 
 
 class NotACheckpoint(enum.Enum):
@@ -129,6 +141,40 @@ def temp_name(final_name: str, token: str) -> str:
     if not _TOKEN_RE.fullmatch(token):
         raise ValueError(f"temp token must match [A-Za-z0-9_-]+, got {token!r}")
     return f"{TEMP_PREFIX}{token}-{final_name}"
+
+
+def attempt_token(run_id: str, attempt: int) -> str:
+    """The temp-name token of a run's ``attempt``-th publish: ``<run id>_<attempt>``.
+
+    No two attempts of a run share one (the attempt is the part after the last ``_``), so a
+    temp name a failed attempt left never blocks a later one. Raises ``ValueError`` for a run
+    id that is no token, or an attempt that is not a positive int.
+    """
+    if not _TOKEN_RE.fullmatch(run_id):
+        raise ValueError(f"run id must match [A-Za-z0-9_-]+, got {run_id!r}")
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise ValueError(f"attempt must be an int >= 1, got {attempt!r}")
+    return f"{run_id}_{attempt}"
+
+
+def aside_name(final_name: str, token: str) -> str:
+    """The name the sharded checkpoint ``final_name`` is moved to while a save of its step puts
+    the new one in its place: ``.tmp-<token>.old-step_000000000100``.
+
+    Raises ``ValueError`` for a ``final_name`` that is no sharded checkpoint's or a bad token.
+    """
+    if parse_sharded_name(final_name) is NOT_A_CHECKPOINT:
+        raise ValueError(f"only a sharded checkpoint is moved aside, not {final_name!r}")
+    if not _TOKEN_RE.fullmatch(token):
+        raise ValueError(f"temp token must match [A-Za-z0-9_-]+, got {token!r}")
+    return f"{TEMP_PREFIX}{token}{ASIDE_MARK}{final_name}"
+
+
+def parse_aside(name: str) -> str | NotACheckpoint:
+    """The sharded checkpoint's name that :func:`aside_name` made ``name`` from, or
+    ``NOT_A_CHECKPOINT`` (every other name: a writer's temp name, a checkpoint, ...)."""
+    match = _ASIDE_RE.fullmatch(name)
+    return NOT_A_CHECKPOINT if match is None else match.group(1)
 
 
 def classify(name: str) -> EntryKind:

@@ -14,6 +14,8 @@
 # old pointers back can fail too) and only if it replaced nothing (else it is the only file of
 # its name). What stays is complete and durable, and is in the catalog from then on
 # (`catalog.without(removed)`).
+# A save's messages name its subject (plan_subject): the checkpoint it writes, else the first
+# pointer it moves, else `last`.
 # How: the shell executes the plan in order: write the entry (temp, fsync, rename, fsync dir),
 # replace pointers the same way, then delete `retention.delete`.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import attrs
 
-from pitstop.core.naming import checkpoint_name, sharded_name
+from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint, sharded_name
 from pitstop.core.pointers import move_pointers, recompute_pointers_to
 from pitstop.core.records import (
     NO_CHECKPOINT,
@@ -39,7 +41,7 @@ from pitstop.core.records import (
 from pitstop.core.retention import RetentionPlan, plan_retention
 from pitstop.core.schedule import SaveDecision
 
-__all__ = ["SavePlan", "plan_save", "rollback_removals"]
+__all__ = ["SavePlan", "plan_save", "plan_subject", "rollback_removals"]
 
 
 @attrs.frozen(kw_only=True)
@@ -117,3 +119,19 @@ def rollback_removals(plan: SavePlan, *, named_on_disk: bool) -> tuple[str, ...]
     if entry is NO_CHECKPOINT or plan.replaces or named_on_disk:
         return ()
     return (entry.name,)
+
+
+def plan_subject(plan: SavePlan, before: Pointers) -> tuple[int | str, str]:
+    """The step and the checkpoint name a save is about, for its messages: the entry it writes,
+    else the first pointer it moves away from ``before``, else ``last`` (``"?"``: no step)."""
+    entry = plan.entry
+    if entry is not NO_CHECKPOINT:
+        return entry.step, entry.name
+    moved = [
+        plan.pointers.target(p) for p in PointerName if plan.pointers.target(p) != before.target(p)
+    ]
+    for target in (*moved, plan.pointers.last):
+        if target is not NO_CHECKPOINT:
+            step = parse_checkpoint(target)
+            return (step if step is not NOT_A_CHECKPOINT else "?"), target
+    return "?", "no checkpoint"

@@ -13,8 +13,9 @@
 # catalog follows each deletion, so an interrupted retention leaves it as the disk is. Choosing a
 # resume point tries the core's resume order until a file verifies, warning about each one skipped.
 # A sharded checkpoint is a directory (pitstop.shell.sharddir): listed once its manifest reads back,
-# published by writing the manifest last and renaming the temp directory, deleted manifest first; a
-# dead writer's temp directory is removed on opening.
+# published by writing the manifest last and renaming the temp directory (one it replaces moved
+# aside first: a failure part-way leaves the old or the new one under the name), deleted manifest
+# first; opening removes dead writers' temp directories and settles what they had moved aside.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -22,12 +23,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -42,19 +44,18 @@ from pitstop.core.metadata import (
 )
 from pitstop.core.naming import (
     LATEST_JSON,
-    NOT_A_CHECKPOINT,
     EntryKind,
+    aside_name,
+    attempt_token,
     classify,
-    parse_checkpoint,
     temp_name,
 )
-from pitstop.core.plan import SavePlan, rollback_removals
+from pitstop.core.plan import SavePlan, plan_subject, rollback_removals
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
     CheckpointEntry,
     NoCheckpoint,
-    PointerName,
     Pointers,
     Policy,
 )
@@ -79,6 +80,7 @@ from pitstop.shell.scanning import (
     scan,
     verify_any,
 )
+from pitstop.shell.sharddir import clear_leftover, publish_sharded, write_manifest
 from pitstop.shell.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
@@ -94,21 +96,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("pitstop")
-
-
-def _subject(plan: SavePlan, before: Pointers) -> tuple[int | str, str]:
-    """The step and the checkpoint file name a save is about, for its messages."""
-    entry = plan.entry
-    if entry is not NO_CHECKPOINT:
-        return entry.step, entry.name
-    moved = [
-        plan.pointers.target(p) for p in PointerName if plan.pointers.target(p) != before.target(p)
-    ]
-    for target in (*moved, plan.pointers.last):
-        if target is not NO_CHECKPOINT:
-            step = parse_checkpoint(target)
-            return (step if step is not NOT_A_CHECKPOINT else "?"), target
-    return "?", "no checkpoint"
 
 
 WriteCheckpoint = Callable[[BinaryIO, CheckpointEntry, Callable[[], None]], object]
@@ -134,11 +121,12 @@ class CheckpointDirectory:
         """Refuse to save over the checkpoints found at open until :meth:`adopt` (a run that
         did not resume must not replace another run's checkpoints)."""
         self._lock = DirectoryLock(self.path, self.run_id)
+        self._attempts = itertools.count(1)  # each publish's temp names are its own
         self._symlinks = True
         self._foreign: tuple[CheckpointEntry | NoCheckpoint, int] = (NO_CHECKPOINT, 0)
         self._had_latest = True  # whether latest.json is on disk (a rollback leaves it so)
         self._told_carried = False
-        self._pending_sharded: tuple[ShardedLayout, object, Mapping[str, object]] | None = None
+        self._pending_sharded: tuple[str, ShardedLayout, object, Mapping[str, object]] | None = None
         self.catalog = Catalog()
         self.pointers = Pointers()
 
@@ -153,12 +141,7 @@ class CheckpointDirectory:
             self._check_reserved()
             for name in self.storage.names():
                 if classify(name) is EntryKind.TEMP:
-                    log.warning("removing %s, left by a writer that died", self.storage.path(name))
-                    with contextlib.suppress(FileNotFoundError):
-                        if self.storage.kind(name) is FileKind.DIRECTORY:
-                            shutil.rmtree(self.storage.path(name))  # a sharded save's
-                        else:
-                            self.storage.remove(name)
+                    clear_leftover(self.storage, name)
             found = scan(self.storage, self.policy.best)
             had_latest = self.storage.kind(LATEST_JSON) is not FileKind.MISSING
         except BaseException:  # whatever failed, the directory is not left locked
@@ -194,7 +177,7 @@ class CheckpointDirectory:
         found = None if newest is NO_CHECKPOINT else (newest.step, newest.name)
         problem = foreign_save_problem(found, directory=str(self.path), count=count)
         if problem is not None:
-            step, name = _subject(plan, self.pointers)
+            step, name = plan_subject(plan, self.pointers)
             raise SaveError(f"refusing to save step {step} ({name}): {problem}")
 
     def note_carried(self, names: Collection[str], source: object) -> None:
@@ -225,7 +208,7 @@ class CheckpointDirectory:
         :data:`~pitstop.shell.publish.WriteFile`). On :class:`SaveError` the
         directory is as it was before the call. Returns the names retention deleted.
         """
-        step, name = _subject(plan, self.pointers)
+        step, name = plan_subject(plan, self.pointers)
         if not self._lock.held:
             raise SaveError(
                 f"could not save step {step} ({self.storage.path(name)}): {self.path} is not "
@@ -254,7 +237,7 @@ class CheckpointDirectory:
             publish_file(
                 self.storage,
                 entry.name,
-                self.run_id,
+                self._token(),
                 lambda f, sync: write(f, entry, sync),
                 replaced=lambda: self._replaced(entry),
             )
@@ -263,7 +246,7 @@ class CheckpointDirectory:
                 self.storage,
                 plan.catalog,
                 plan.pointers,
-                token=self.run_id,
+                token=self._token(),
                 policy=self.policy,
                 symlinks=self._symlinks,
             )
@@ -302,9 +285,15 @@ class CheckpointDirectory:
             time.perf_counter() - started,
         )
 
+    def _token(self) -> str:
+        """The temp-name token of one attempt at a publish: no other attempt of this run's has
+        it, so a temp entry a failed one could not remove never blocks it (open() removes it)."""
+        return attempt_token(self.run_id, next(self._attempts))
+
     def sharded_temp(self, entry: CheckpointEntry) -> str:
-        """The temp directory every rank writes ``entry``'s shards into (rank 0 names it)."""
-        return temp_name(entry.name, self.run_id)
+        """A new temp directory name for one attempt at ``entry`` (rank 0 names it, every rank
+        writes its shards into it); each call gives another."""
+        return temp_name(entry.name, self._token())
 
     def publish_sharded(
         self,
@@ -313,12 +302,14 @@ class CheckpointDirectory:
         layout: ShardedLayout,
         tree: object,
         meta: Mapping[str, object],
+        *,
+        temp: str,
     ) -> None:
-        """Rank 0: the shards of ``entry`` are written into :meth:`sharded_temp`: write the
-        manifest (``layout``, the replicated ``tree``, ``meta``) last, rename the directory
-        into place, fsync the parent; then carry ``plan`` out as for a file."""
+        """Rank 0: the shards of ``entry`` are written into ``temp`` (:meth:`sharded_temp`):
+        write the manifest (``layout``, the replicated ``tree``, ``meta``) last, rename the
+        directory into place, fsync the parent; then carry ``plan`` out as for a file."""
         started = time.perf_counter()
-        self._pending_sharded = (layout, tree, {**meta, **entry_meta(entry)})
+        self._pending_sharded = (temp, layout, tree, {**meta, **entry_meta(entry)})
         try:
             self.execute(plan, lambda file, entry, sync: None)
         finally:
@@ -331,25 +322,22 @@ class CheckpointDirectory:
         )
 
     def _publish_directory(self, plan: SavePlan, entry: CheckpointEntry) -> None:
-        from pitstop.shell.sharddir import delete_sharded, publish_sharded, write_manifest
-
         pending = self._pending_sharded
-        temp = self.sharded_temp(entry)
         if pending is None:
-            raise SaveError(f"{self.storage.path(temp)}: no shards were written")
-        layout, tree, meta = pending
-        try:
-            write_manifest(self.storage.path(temp), layout, meta, tree, token=self.run_id)
-        except BaseException:
-            shutil.rmtree(self.storage.path(temp), ignore_errors=True)
-            raise
-        old = None
+            raise SaveError(f"{self.storage.path(entry.name)}: no shards were written")
+        temp, layout, tree, meta = pending
+        aside = None  # the checkpoint it replaces goes out of the way, still whole
         if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
-            old = temp_name(entry.name, self.run_id + "-old")  # out of the way, still whole
-            self.storage.replace(entry.name, old)
-        publish_sharded(self.storage, temp, entry.name)
-        if old is not None:
-            delete_sharded(self.storage, old)
+            aside = aside_name(entry.name, self._token())
+        manifest = partial(write_manifest, layout=layout, meta=meta, tree=tree, token=self._token())
+        publish_sharded(
+            self.storage,
+            temp,
+            entry.name,
+            aside=aside,
+            replaced=lambda: self._replaced(entry),
+            manifest=manifest,
+        )
 
     def repoint(self, plan: SavePlan) -> None:
         """Carry out a plan that writes no file, only moves pointers."""
@@ -367,7 +355,7 @@ class CheckpointDirectory:
                 self.storage,
                 self.catalog,
                 self.pointers,
-                token=self.run_id,
+                token=self._token(),
                 policy=self.policy,
                 symlinks=self._symlinks,
                 latest=self._had_latest,  # a directory that had no latest.json gets none

@@ -103,6 +103,7 @@ class Saver:
         self._session = session
         self._pool = pool
         self._ticket = 0
+        self._temp = ""  # the temp directory of the sharded save begun last (every rank's)
 
     @property
     def session(self) -> SaveSession:
@@ -229,7 +230,7 @@ class Saver:
         )
         if copy:
             self.capture_sharded()
-        temp = self._directory.sharded_temp(entry)
+        temp = self._temp = self._directory.sharded_temp(entry)  # this attempt's own
         try:
             (self._directory.path / temp).mkdir()  # it must not exist yet
         except OSError as exc:
@@ -245,9 +246,10 @@ class Saver:
         assert plan.entry is not NO_CHECKPOINT
         return plan, plan.entry
 
-    def _remove_temp(self, entry: CheckpointEntry) -> None:
-        """Remove the temp directory of ``entry``'s sharded save, whatever is left of it."""
-        shutil.rmtree(self._directory.path / self._directory.sharded_temp(entry), True)
+    def _remove_temp(self) -> None:
+        """Remove the temp directory of the sharded save begun last, whatever is left of it."""
+        if self._temp:
+            shutil.rmtree(self._directory.path / self._temp, True)
 
     def abandon(self) -> None:
         """Rank 0: the save call raised from a step that did not end its own save (a fault
@@ -259,7 +261,7 @@ class Saver:
         self._handed = None
         plan = self._planned
         if self.sharded and plan is not None and plan.entry is not NO_CHECKPOINT:
-            self._remove_temp(plan.entry)
+            self._remove_temp()
 
     def abort_sharded(self) -> None:
         """Rank 0: the shards could not be written (every rank raises the same error)."""
@@ -280,10 +282,10 @@ class Saver:
             tree, meta = capture(self._live, parts, sharded=True)
             meta = _with_fresh(meta, fresh)
             self._session.event(Event.CAPTURED)
-            self._directory.publish_sharded(plan, entry, layout, tree, meta)
+            self._directory.publish_sharded(plan, entry, layout, tree, meta, temp=self._temp)
         except BaseException:
             self._session.event(Event.ABORTED)
-            self._remove_temp(entry)
+            self._remove_temp()
             raise
         self._session.event(Event.PUBLISHED)
         self.schedule, self.pointers = self._decided, plan.pointers
@@ -329,7 +331,9 @@ class Saver:
         handed = self._handed
         assert handed is not None
         tree, meta = with_parts(handed.tree, handed.meta, parts)
-        self._directory.publish_sharded(handed.plan, handed.entry, layout, tree, meta)
+        self._directory.publish_sharded(
+            handed.plan, handed.entry, layout, tree, meta, temp=self._temp
+        )
         self._handed = None
         self._session.event(Event.PUBLISHED)
 
@@ -337,9 +341,8 @@ class Saver:
         """Rank 0: the handed-over save failed (on any rank): remove its temp directory, put
         the schedule and pointers back and raise the error, as for a failed background save."""
         assert self._handed is not None
-        entry = self._handed.entry
         self._handed = None
-        self._remove_temp(entry)
+        self._remove_temp()
         self._session.fail(error)
         self.enter(Request.LIST)  # raises it, named and undone
         raise AssertionError("a failed save reports its error")  # pragma: no cover
