@@ -61,7 +61,7 @@ from pitstop.core.records import (
 )
 from pitstop.core.sharded import ShardedLayout
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
+from pitstop.shell import fileformat, sharddir
 from pitstop.shell.lock import DirectoryLock
 from pitstop.shell.publish import (
     delete_checkpoints,
@@ -80,7 +80,7 @@ from pitstop.shell.scanning import (
     scan,
     verify_any,
 )
-from pitstop.shell.sharddir import clear_leftover, publish_sharded, write_manifest
+from pitstop.shell.sharddir import clear_leftover, publish_sharded
 from pitstop.shell.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
@@ -329,7 +329,9 @@ class CheckpointDirectory:
         aside = None  # the checkpoint it replaces goes out of the way, still whole
         if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
             aside = aside_name(entry.name, self._token())
-        manifest = partial(write_manifest, layout=layout, meta=meta, tree=tree, token=self._token())
+        manifest = partial(
+            sharddir.write_manifest, layout=layout, meta=meta, tree=tree, token=self._token()
+        )
         publish_sharded(
             self.storage,
             temp,
