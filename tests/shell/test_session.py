@@ -19,57 +19,35 @@ import pitstop
 from pitstop import Checkpointer, Progress, SaveReason
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import DirectoryLocked, SaveError
+from tinyrun import same, train_step, trained, weights
 from writergate import OPENER_TIMEOUT, TIMEOUT, WriterGate
-
-
-def _run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    _step(model, optimizer)
-    return model, optimizer
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-
-
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_overlap_mode_optimizer_step_waits_for_the_copy(
     tmp_path: Path, writer_gate: WriterGate
 ) -> None:
     """The step pre-hook takes the copy before step() changes the weights (issue 10)."""
-    model, optimizer = _run()
-    at_save = _weights(model)
+    model, optimizer = trained()
+    at_save = weights(model)
     with Checkpointer(
         tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap"
     ) as ckpt:
         saved = ckpt.save(Progress(step=1))
         assert not saved.published  # the writer has not even started
-        _step(model, optimizer)  # the hook must copy the weights before they change
+        train_step(model, optimizer)  # the hook must copy the weights before they change
         writer_gate.open()
         ckpt.wait()
-    assert not _same(_weights(model), at_save)
-    assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
+    assert not same(weights(model), at_save)
+    assert same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
 
 
 def test_resume_waits_for_the_save_in_flight(tmp_path: Path, writer_gate: WriterGate) -> None:
     """Defect 2: resume() loading other weights while an overlap save's copy is pending."""
-    other, _ = _run(seed=1)
+    other, _ = trained(seed=1)
     with Checkpointer(tmp_path / "other", model=other) as ckpt:
         other_path = ckpt.save(Progress(step=9)).path
-    model, optimizer = _run()
-    at_save = _weights(model)
+    model, optimizer = trained()
+    at_save = weights(model)
     with Checkpointer(
         tmp_path / "run", model=model, state={"optimizer": optimizer}, async_save="overlap"
     ) as ckpt:
@@ -92,14 +70,14 @@ def test_resume_waits_for_the_save_in_flight(tmp_path: Path, writer_gate: Writer
         finally:
             opener.join(TIMEOUT)
         assert saved.published
-    assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
-    assert _same(_weights(model), _weights(other))
+    assert same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
+    assert same(weights(model), weights(other))
 
 
 @pytest.mark.parametrize("mode", [True, "overlap"])
 def test_a_dropped_checkpointer_unlocks_its_directory(tmp_path: Path, mode: bool | str) -> None:
     """Defect 3: no close(), no gc.collect(): dropping the last reference is enough."""
-    model, optimizer = _run()
+    model, optimizer = trained()
     ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save=mode)  # type: ignore[arg-type]
     saved = ckpt.save(Progress(step=1))
     alive = weakref.ref(ckpt)
@@ -112,7 +90,7 @@ def test_a_dropped_checkpointer_unlocks_its_directory(tmp_path: Path, mode: bool
 
 
 def test_a_second_live_checkpointer_is_still_refused(tmp_path: Path) -> None:
-    model, _ = _run()
+    model, _ = trained()
     with Checkpointer(tmp_path, model=model, async_save=True), pytest.raises(DirectoryLocked):
         Checkpointer(tmp_path, model=model)
 
@@ -131,7 +109,7 @@ def test_save_records_the_reason_given(
     tmp_path: Path, reason: str, recorded: SaveReason, detail: str
 ) -> None:
     """Defect 6: ``save(progress, reason=...)`` recorded ``manual`` whatever the reason."""
-    model, _ = _run()
+    model, _ = trained()
     with Checkpointer(tmp_path, model=model) as ckpt:
         saved = ckpt.save(Progress(step=2), reason=reason)
         listed = ckpt.checkpoints()[-1]
@@ -144,7 +122,7 @@ def test_save_records_the_reason_given(
 
 @pytest.mark.parametrize("reason", ["best", "", 3])
 def test_save_refuses_a_reason_it_cannot_record(tmp_path: Path, reason: object) -> None:
-    model, _ = _run()
+    model, _ = trained()
     with Checkpointer(tmp_path, model=model) as ckpt, pytest.raises(pitstop.ConfigError):
         ckpt.save(Progress(step=2), reason=reason)  # type: ignore[arg-type]
     assert list(tmp_path.glob("*.pitstop")) == []
@@ -153,7 +131,7 @@ def test_save_refuses_a_reason_it_cannot_record(tmp_path: Path, reason: object) 
 def test_a_background_record_says_when_it_is_published(
     tmp_path: Path, writer_gate: WriterGate
 ) -> None:
-    model, _ = _run()
+    model, _ = trained()
     with Checkpointer(tmp_path, model=model, async_save=True) as ckpt:
         saved = ckpt.save(Progress(step=1))
         assert saved.status is SaveStatus.PENDING
@@ -192,7 +170,7 @@ CALLS: dict[str, Callable[[Checkpointer], object]] = {
 def test_a_failed_background_save_is_raised_by_the_next_call_of_any_kind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
-    model, _ = _run()
+    model, _ = trained()
     ckpt = Checkpointer(tmp_path, model=model, async_save=True)
     try:
         _failing_directory(ckpt, monkeypatch)
@@ -215,7 +193,7 @@ def test_a_failed_background_save_is_raised_by_the_next_call_of_any_kind(
 @pytest.mark.parametrize("mode", [True, "overlap"])
 def test_a_background_save_that_only_moves_pointers(tmp_path: Path, mode: bool | str) -> None:
     """finish() at the step the last maybe_save wrote: no new file, `final` moves to it."""
-    model, _ = _run()
+    model, _ = trained()
     policy = pitstop.Policy(every_steps=2)
     with Checkpointer(tmp_path, model=model, policy=policy, async_save=mode) as ckpt:  # type: ignore[arg-type]
         written = ckpt.maybe_save(Progress(step=2))

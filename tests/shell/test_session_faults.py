@@ -24,30 +24,8 @@ from pitstop.errors import DirectoryLocked, SaveError
 from pitstop.shell.directory import scan
 from pitstop.shell.staging import StagingPool
 from pitstop.shell.storage import LocalStorage
+from tinyrun import same, train_step, trained, weights
 from writergate import TIMEOUT, WriterGate
-
-
-def _run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    _step(model, optimizer)
-    return model, optimizer
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-
-
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _steps(directory: Path) -> list[int]:
@@ -135,7 +113,7 @@ ENDS: dict[str, Callable[[Checkpointer], object]] = {
 def test_a_ctrl_c_in_close_keeps_the_lock_until_the_writer_has_finished(
     tmp_path: Path, blocked_write: Callable[[Checkpointer], BlockedWrite], end: str
 ) -> None:
-    model, optimizer = _run()
+    model, optimizer = trained()
     ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save=True)
     blocked = blocked_write(ckpt)
     saved = ckpt.save(Progress(step=1))
@@ -175,7 +153,7 @@ def test_a_ctrl_c_in_close_keeps_the_lock_until_the_writer_has_finished(
 def test_a_second_ctrl_c_stops_the_wait_and_the_directory_stays_locked_until_close(
     tmp_path: Path, blocked_write: Callable[[Checkpointer], BlockedWrite]
 ) -> None:
-    model, optimizer = _run()
+    model, optimizer = trained()
     ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save=True)
     blocked = blocked_write(ckpt)
     saved = ckpt.save(Progress(step=1))
@@ -202,7 +180,7 @@ def test_a_second_ctrl_c_stops_the_wait_and_the_directory_stays_locked_until_clo
 def test_a_writer_thread_that_cannot_start_fails_the_save_and_the_next_one_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: bool | str
 ) -> None:
-    model, optimizer = _run()
+    model, optimizer = trained()
     real = threading.Thread.start
     refusals = [RuntimeError("can't start new thread")]
 
@@ -231,13 +209,13 @@ def test_a_writer_thread_that_cannot_start_fails_the_save_and_the_next_one_is_wr
         assert pool is not None
         assert not pool._lent  # the staging buffers went back to the pool
         assert list(tmp_path.iterdir()) == [tmp_path / ".lock"]  # nothing written
-        at_save = _weights(model)
+        at_save = weights(model)
         saved = ckpt.save(Progress(step=1))  # the same step: the failed save did not count
-        _step(model, optimizer)
+        train_step(model, optimizer)
         ckpt.wait()
         assert saved.published
     assert _steps(tmp_path) == [1]
-    assert _same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
+    assert same(dict(pitstop.load(saved.path)["weights"]["raw"]), at_save)
 
 
 # --- a Ctrl-C in overlap mode's optimizer hook -----------------------------------------------
@@ -273,23 +251,23 @@ def _close(ckpt: Checkpointer) -> None:
 def test_a_ctrl_c_in_the_step_hooks_copy_is_raised_from_the_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer_gate: WriterGate
 ) -> None:
-    model, optimizer = _run()
+    model, optimizer = trained()
     calls = _interrupt_the_deferred_copy(monkeypatch)
     ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap")
     try:
-        at_save = _weights(model)
+        at_save = weights(model)
         saved = ckpt.save(Progress(step=1))
         with pytest.raises(KeyboardInterrupt):
-            _step(model, optimizer)  # the writer is held: the hook copies, and is interrupted
+            train_step(model, optimizer)  # the writer is held: the hook copies, and is interrupted
         assert calls == [True, True]  # on the loop's thread
-        assert _same(_weights(model), at_save)  # raised before the step changed anything
+        assert same(weights(model), at_save)  # raised before the step changed anything
         assert saved.status is SaveStatus.FAILED  # abandoned, and consistent:
         assert ckpt._session.state.phase is not Phase.COPYING
         pool = ckpt._saver._pool
         assert pool is not None
         assert not pool._lent
         again = ckpt.save(Progress(step=1))  # no second interrupt; step 1 was not saved
-        _step(model, optimizer)
+        train_step(model, optimizer)
         writer_gate.open()
         ckpt.wait()
         assert again.published
@@ -297,7 +275,7 @@ def test_a_ctrl_c_in_the_step_hooks_copy_is_raised_from_the_step(
         writer_gate.open()
         _close(ckpt)
     assert _steps(tmp_path) == [1]
-    assert _same(dict(pitstop.load(again.path)["weights"]["raw"]), at_save)
+    assert same(dict(pitstop.load(again.path)["weights"]["raw"]), at_save)
 
 
 def test_a_ctrl_c_in_the_step_hook_leaves_a_with_block_as_a_keyboard_interrupt(
@@ -305,7 +283,7 @@ def test_a_ctrl_c_in_the_step_hook_leaves_a_with_block_as_a_keyboard_interrupt(
 ) -> None:
     """Leaving the block, close() puts the abandoned save's schedule back and raises nothing of
     its own: the interrupt is what the user sees, and the directory is unlocked."""
-    model, optimizer = _run()
+    model, optimizer = trained()
     _interrupt_the_deferred_copy(monkeypatch)
     opened: list[Checkpointer] = []
     reached = []
@@ -317,7 +295,7 @@ def test_a_ctrl_c_in_the_step_hook_leaves_a_with_block_as_a_keyboard_interrupt(
             opened.append(ckpt)
             try:
                 ckpt.save(Progress(step=1))
-                _step(model, optimizer)
+                train_step(model, optimizer)
                 reached.append("after the step")
             finally:
                 writer_gate.open()  # before close() joins the writer
