@@ -11,10 +11,12 @@
 #
 #     bash benchmarks/device_check.sh [RESULTS_DIR]      # default: results/device-<date>
 #
-# Environment: PYTHON (default python3: the one with torch and CUDA); wheels under .whl/ (the
-# project's runtime dependencies missing there, e.g. cattrs) are installed into a temp dir
-# first. The limits in seconds: TESTS_S (150), SAVE_S (100), RESUME_GPU_S (110),
-# SHARDED_S (60), RESUME_HOST_S (60). RESULTS_DIR gets one log per part (and gpu.sh's files
+# Environment: PYTHON (default python3: the one with torch and CUDA); wheels under WHEELS
+# (default .whl/: the project's runtime dependencies missing there, e.g. cattrs) are installed
+# into a temp dir first. The limits in seconds: TESTS_S (150), SAVE_S (100), RESUME_GPU_S (110),
+# SHARDED_S (60), RESUME_HOST_S (60). The sizes: RESUME_MIB (256), SHARDED_MIB (256) with
+# SHARDED_RANKS (4), and BENCH_REPEATS (3) rounds of each benchmark but the save latency's
+# (REPEATS, SIZES: gpu.sh's). tests/test_benchmarks_smoke.py runs it on the CPU, tiny. RESULTS_DIR gets one log per part (and gpu.sh's files
 # under save/); the JSON rows of each benchmark are beside its log.
 set -uo pipefail
 
@@ -22,10 +24,11 @@ cd "$(dirname "$0")/.."
 RESULTS=${1:-results/device-$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$RESULTS"
-if compgen -G ".whl/*.whl" >/dev/null; then
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
     site=$(mktemp -d "${TMPDIR:-/tmp}/pitstop-site-XXXXXX")
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" .whl/*.whl || exit 2
+        --target "$site" "$WHEELS"/*.whl || exit 2
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,11 +64,14 @@ SIZES=${SIZES:-"1024 4096"} REPEATS=${REPEATS:-3} BUDGET_S=${SAVE_S:-100} PYTHON
     part save_latency "$((${SAVE_S:-100} + 20))" bash benchmarks/gpu.sh "$RESULTS/save"
 
 part resume_gpu "${RESUME_GPU_S:-110}" "$PYTHON" benchmarks/resume_speed.py --device cuda \
-    --sizes-mib 256 --repeats 3 --warmups 0 --json "$RESULTS/resume_gpu.json"
+    --sizes-mib "${RESUME_MIB:-256}" --repeats "${BENCH_REPEATS:-3}" --warmups 0 \
+    --json "$RESULTS/resume_gpu.json"
 
-part sharded_save "${SHARDED_S:-60}" "$PYTHON" benchmarks/sharded_save.py --ranks 4 --mib 256 \
-    --repeats 3 --json "$RESULTS/sharded_save.json"
+part sharded_save "${SHARDED_S:-60}" "$PYTHON" benchmarks/sharded_save.py \
+    --ranks "${SHARDED_RANKS:-4}" --mib "${SHARDED_MIB:-256}" --repeats "${BENCH_REPEATS:-3}" \
+    --json "$RESULTS/sharded_save.json"
 
 part resume_host "${RESUME_HOST_S:-60}" "$PYTHON" benchmarks/resume_speed.py \
-    --sizes-mib 256 --repeats 3 --warmups 0 --json "$RESULTS/resume_host.json"
+    --sizes-mib "${RESUME_MIB:-256}" --repeats "${BENCH_REPEATS:-3}" --warmups 0 \
+    --json "$RESULTS/resume_host.json"
 echo "results in $RESULTS"
