@@ -259,9 +259,7 @@ class Saver:
             return
         self._session.event(Event.ABORTED)
         self._handed = None
-        plan = self._planned
-        if self.sharded and plan is not None and plan.entry is not NO_CHECKPOINT:
-            self._remove_temp()
+        self._remove_temp()  # a file save has none
 
     def abort_sharded(self) -> None:
         """Rank 0: the shards could not be written (every rank raises the same error)."""
