@@ -271,13 +271,18 @@ class DcpCandidate:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        from pitstop.shell.shardstage import stager_spent
+
+        self.spent = stager_spent
+
         self.dcp, self.worker, self.directory, self.mode = dcp, worker, directory, mode
         self.state = {"app": AppState(worker.model, worker.optimizer)}
         self.stager: Any = None
         if mode == "async_save (cached stager)":
             # On the CPU: no pinned or shared memory, staged in the call (no staging thread);
             # kept across saves, so its CPU storages are cached and reused.
-            self.stager = DefaultStager(StagingOptions(False, False, False, False))
+            self.make_stager = lambda: DefaultStager(StagingOptions(False, False, False, False))
+            self.stager = self.make_stager()
 
     def setup(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -285,6 +290,11 @@ class DcpCandidate:
     def run(self) -> tuple[float, float]:
         dcp, worker = self.dcp, self.worker
         writer = dcp.FileSystemWriter(self.directory)
+        if self.stager is not None and self.spent(self.stager):
+            # torch 2.11's stager closes itself after each stage (pytorch#183413): a new one
+            # for each save there, as a user of that torch must make (its cache is lost).
+            self.stager.close()
+            self.stager = self.make_stager()
         start = time.perf_counter()
         if self.mode == "save":
             dcp.save(self.state, storage_writer=writer)

@@ -394,6 +394,10 @@ class DcpAsyncSave(Candidate):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        from pitstop.shell.shardstage import stager_spent
+
+        self.spent = stager_spent
+
         self.env, self.dcp = env, dcp
         cuda = env.device.type == "cuda"
         self.mode = {
@@ -407,20 +411,25 @@ class DcpAsyncSave(Candidate):
             # The best this torch offers: one stager kept across saves (its host storages are
             # cached and reused), pinned memory and non-blocking copies when the state is on
             # CUDA. Shared memory is for the process executor only; this uses the thread one.
-            self.stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=stager == "staging thread",
-                    use_non_blocking_copy=cuda,
-                )
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=stager == "staging thread",
+                use_non_blocking_copy=cuda,
             )
+            self.make_stager = lambda: DefaultStager(options)
+            self.stager = self.make_stager()
 
     def setup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def run(self) -> Timing:
         env = self.env
+        if self.stager is not None and self.spent(self.stager):
+            # torch 2.11's stager closes itself after each stage (pytorch#183413): a new one
+            # for each save there, as a user of that torch must make (its cache is lost).
+            self.stager.close()
+            self.stager = self.make_stager()
         env.sync()
         start = time.perf_counter()
         result = self.dcp.async_save(

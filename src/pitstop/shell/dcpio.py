@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -212,11 +213,17 @@ class Writer(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Rank 0: DCP's ``finish`` (it writes ``.metadata``) of DCP's own results; every
-        rank's :class:`RankFiles` kept in :attr:`ranks_files`."""
+        rank's :class:`RankFiles` kept in :attr:`ranks_files`. ``metadata`` (what DCP's
+        ``save`` returns) is completed here, where it is made, as torch 2.13's ``finish`` does
+        it: torch 2.11's completes a copy, and the ``metadata`` returned lacks its files."""
         ranks: dict[int, RankFiles] = {}
         ours = [[r for r in rank if r.index != _FILES] for rank in results]
         for rank in results:
             ranks.update((f.rank, f) for r in rank if isinstance(f := r.storage_data, RankFiles))
+        metadata.storage_data = {r.index: r.storage_data for rank in ours for r in rank}
+        version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
+        if version is not None and hasattr(metadata, "version"):
+            metadata.version = version
         super().finish(metadata, ours)
         mine = file_table(Path(self.path), [DCP_METADATA], self._rank, self._checksums())
         own = ranks[self._rank]

@@ -108,6 +108,8 @@ def close_run(
     finally:
         if not interrupted:
             try:
+                if shards is not None:
+                    shards.release()
                 ranks.lead(close)
             finally:
                 if not ranks.leader:  # nothing written here, nothing to wait for

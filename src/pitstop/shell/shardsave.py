@@ -163,6 +163,12 @@ class ShardedSaves:
             later.run()
             self._later = None
 
+    def release(self) -> None:
+        """This rank, at close(), the save in flight settled: the stager's host buffers and
+        its staging thread go (a later save would make a new stager)."""
+        if self._stager is not None:
+            self._stager.close()
+
     def done(self) -> bool | None:
         """This rank's part of the save in flight is written (``None``: none in flight)."""
         return None if self._pending is None else bool(self._pending.done())

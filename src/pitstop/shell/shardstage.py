@@ -1,7 +1,8 @@
 # Staging a rank's sharded state for DCP's background write: the copy to host buffers that
 # DCP's async_save then writes from, taken at the call — or, in overlap mode, partly later.
 #
-# Rules: one DCP stager per Checkpointer, kept (it caches its host buffers). The state dict is
+# Rules: one DCP stager per Checkpointer, kept (it caches its host buffers; where torch's
+# stager closes itself after a stage, torch 2.11, a new one is made for the next). The state dict is
 # pitstop.shell.dcpstate's; each of its tensors is a view of a live tensor (a DTensor's local
 # shard). A rank stages alone (no collective), so a rank that cannot stage leaves nothing for the
 # others to wait on; the Checkpointer agrees on the outcome before any rank's DCP write starts.
@@ -35,10 +36,62 @@ from pitstop.shell.capture import stepped_tensors
 from pitstop.shell.dcpstate import Optimizers, dcp_state, local_shard
 from pitstop.shell.staging import storage_keys
 
-__all__ = ["DeferredCopy", "StagedShards", "make_stager", "stage_sharded"]
+__all__ = [
+    "DeferredCopy",
+    "KeptStager",
+    "StagedShards",
+    "make_stager",
+    "stage_sharded",
+    "stager_spent",
+]
 
 
-def make_stager(model: nn.Module) -> DefaultStager:
+class KeptStager(AsyncStager):
+    """A DCP stager kept across saves (it caches its host buffers), made by ``make`` — and
+    made again once a stage has spent it: torch 2.11's ``DefaultStager`` closes its own copier
+    at the end of every stage, and the next stage then fails with ``KeyError: <class
+    'type'>`` (pytorch/pytorch#183413; fixed after 2.11). Stages run one at a time. Also an
+    ``AsyncStager`` for ``dcp.async_save`` itself (its stage returns once the copy is done)."""
+
+    _synchronize_after_execute = False  # each stage returns with its copy done
+
+    def __init__(self, make: Callable[[], DefaultStager]) -> None:
+        self._make = make
+        self._stager: DefaultStager | None = make()
+
+    def stage(self, state_dict: dict[str, Any], timeout: float | None = None) -> Any:
+        """``state_dict`` copied to host buffers, the copy done (with CUDA it runs on the
+        stager's stream; ``timeout`` s at most)."""
+        if self._stager is None:
+            self._stager = self._make()
+        staged = self._stager.stage(state_dict)
+        done = staged.result(timeout) if isinstance(staged, Future) else staged
+        if stager_spent(self._stager):
+            spent, self._stager = self._stager, None
+            spent.close()
+        return done
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: each stage returns with its copy done."""
+        return
+
+    def close(self) -> None:
+        """Release the stager's host buffers and its staging thread (a later stage makes a
+        new stager)."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
+
+
+def stager_spent(stager: DefaultStager) -> bool:
+    """Whether ``stager`` closed its own copier in its last stage (torch 2.11): its copy
+    table is empty. A stager without those attributes (another torch) is taken as kept."""
+    copier = getattr(stager, "_state_dict_stager", None)
+    table = getattr(copier, "_deepcopy_dispatch", None)
+    return isinstance(table, dict) and not table
+
+
+def make_stager(model: nn.Module) -> KeptStager:
     """A stager for a background sharded write of ``model``'s state, to keep and reuse (it
     caches its host buffers): pinned memory and a background copy with CUDA — its stream on
     the device the model's shards are on, whatever device is current — a blocking copy on the
@@ -54,17 +107,14 @@ def make_stager(model: nn.Module) -> DefaultStager:
     device = next(
         (d for p in model.parameters() if (d := local_shard(p).device).type == "cuda"), None
     )
-    if device is None:
-        return DefaultStager(options)
-    with torch.cuda.device(device):  # the stager makes its stream on the current device
-        return DefaultStager(options)
 
+    def make() -> DefaultStager:
+        if device is None:
+            return DefaultStager(options)
+        with torch.cuda.device(device):  # the stager makes its stream on the current device
+            return DefaultStager(options)
 
-def _staged(stager: DefaultStager, tree: dict[str, Any], timeout: float | None) -> Any:
-    """``tree`` copied by ``stager``, the copy done (with CUDA it runs on the stager's stream;
-    ``timeout`` s at most)."""
-    staged = stager.stage(tree)
-    return staged.result(timeout) if isinstance(staged, Future) else staged
+    return KeptStager(make)
 
 
 class DeferredCopy:
@@ -156,7 +206,7 @@ class Handed(AsyncStager):
 def stage_sharded(
     model: nn.Module,
     optimizers: Optimizers,
-    stager: DefaultStager,
+    stager: KeptStager,
     timeout: float | None = None,
     *,
     ema: nn.Module | None = None,
@@ -172,11 +222,11 @@ def stage_sharded(
     tree = dcp_state(model, optimizers, ema)
     _after_queued_work(model, ema)
     if not defer:
-        return StagedShards(_staged(stager, tree, timeout))
+        return StagedShards(stager.stage(tree, timeout))
     keys = _only_stepped(model, optimizers, ema)
     now, later = _split(tree, lambda t: not storage_keys([local_shard(t)]).isdisjoint(keys))
-    staged = _staged(stager, now, timeout)
-    return StagedShards(staged, DeferredCopy(lambda: _staged(stager, later, timeout)))
+    staged = stager.stage(now, timeout)
+    return StagedShards(staged, DeferredCopy(lambda: stager.stage(later, timeout)))
 
 
 def _after_queued_work(model: nn.Module, ema: nn.Module | None) -> None:

@@ -40,7 +40,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from pitstop.core.sharded import ShardedLayout, ShardFile
@@ -48,7 +47,13 @@ from pitstop.errors import SaveError
 from pitstop.shell.dcpio import NO_DIST_WARNING, Writer, layout_of, own_failure
 from pitstop.shell.dcpstate import MODEL, Optimizers, dcp_state
 from pitstop.shell.distributed import Ranks
-from pitstop.shell.shardstage import Handed, StagedShards, make_stager, stage_sharded
+from pitstop.shell.shardstage import (
+    Handed,
+    KeptStager,
+    StagedShards,
+    make_stager,
+    stage_sharded,
+)
 
 __all__ = [
     "MODEL",
@@ -358,7 +363,7 @@ def async_write_sharded(
     *,
     ranks: Ranks,
     group: Any,
-    stager: DefaultStager,
+    stager: KeptStager,
     created: bool = False,
     ema: nn.Module | None = None,
 ) -> PendingShardedWrite:
