@@ -88,7 +88,7 @@ def test_a_staging_that_fails_is_raised_by_the_next_call_and_leaves_nothing(
         assert saved.status is pitstop.SaveStatus.PENDING
         with pytest.raises(pitstop.SaveError, match="background save of step 3") as raised:
             ckpt.wait()
-        assert "no host memory for staging" in str(raised.value)
+        assert "failed: OSError: no host memory for staging" in str(raised.value)
         assert saved.status is pitstop.SaveStatus.FAILED
         assert ckpt.checkpoints() == []
         assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []

@@ -121,7 +121,13 @@ class SaveSession:
         assert error is not None
         if isinstance(error, Exception):
             where = self._directory / failure.name
-            wrapped = SaveError(f"background save of step {failure.step} ({where}) failed: {error}")
+            # pitstop's own errors say what they are; another's name says it (KeyError: ...)
+            why = (
+                str(error)
+                if isinstance(error, PitstopError)
+                else f"{type(error).__name__}: {error}"
+            )
+            wrapped = SaveError(f"background save of step {failure.step} ({where}) failed: {why}")
             wrapped.__cause__ = error
             error = wrapped
         return Reported(error=error, undo=undo)
