@@ -2,10 +2,11 @@
 # DCP's async_save then writes from, taken at the call — or, in overlap mode, partly later.
 #
 # Rules: one DCP stager per Checkpointer, kept (it caches its host buffers; where torch's
-# stager closes itself after a stage, torch 2.11, a new one is made for the next). The state dict is
-# pitstop.shell.dcpstate's; each of its tensors is a view of a live tensor (a DTensor's local
-# shard). A rank stages alone (no collective), so a rank that cannot stage leaves nothing for the
-# others to wait on; the Checkpointer agrees on the outcome before any rank's DCP write starts.
+# stager closes itself after a stage, torch 2.11, a new one is made for the next), and closed
+# with the Checkpointer. The state dict is pitstop.shell.dcpstate's; each of its tensors is a
+# view of a live tensor (a DTensor's local shard). A rank stages alone (no collective), so a
+# rank that cannot stage leaves nothing for the others to wait on; the Checkpointer agrees on
+# the outcome before any rank's DCP write starts.
 # With CUDA the call first waits for the work already queued on the state's devices: DCP's
 # stager copies on a stream of its own, which does not wait for the loop's stream.
 # Overlap mode: the tensors whose storages only optimizer.step() changes — the model's
