@@ -12,6 +12,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pitstop.core.support import SHARDED_STATE
+from pitstop.shell.support import sharded_missing
+
+SHARDED_MISSING = sharded_missing()
+SHARDED_REASON = (
+    f"{SHARDED_STATE.name} needs torch {SHARDED_STATE.minimum} or newer; this is torch "
+    f"{torch.__version__}, which lacks {', '.join(SHARDED_MISSING)}"
+)
+NEEDS_SHARDED = pytest.mark.skipif(bool(SHARDED_MISSING), reason=SHARDED_REASON)
+"""A test's mark when it makes sharded state (FSDP2, DTensor) or saves it through DCP."""
+
 NEEDS_GLOO = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="torch.distributed with gloo is unavailable",

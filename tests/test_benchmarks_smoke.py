@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchkit import load_benchmark
+from onerank import NEEDS_SHARDED
 
 
 def test_plan_scale_prints_a_row_per_plan_and_size(
@@ -101,6 +102,7 @@ def test_write_strategies_rejects_zero_threads(capsys: pytest.CaptureFixture[str
     assert "--threads" in capsys.readouterr().err
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 def test_multirank_save_prints_every_candidate_and_ends_its_workers(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -123,6 +125,7 @@ def test_multirank_save_prints_every_candidate_and_ends_its_workers(
     ]
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 def test_resume_speed_prints_every_candidate_and_phase(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchkit import load_benchmark
+from onerank import NEEDS_SHARDED
 
 EVERYWHERE = [
     ("floor", "copy_ (preallocated)"),
@@ -61,6 +62,7 @@ def save_latency(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[di
     return out.getvalue(), json.loads(out_json.read_text())
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 def test_save_latency_has_a_row_per_candidate(
     save_latency: tuple[str, list[dict[str, object]]],
 ) -> None:
@@ -77,6 +79,7 @@ def test_save_latency_has_a_row_per_candidate(
         assert "plot written to" in out
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 def test_save_latency_dcp_rows(save_latency: tuple[str, list[dict[str, object]]]) -> None:
     out, rows = save_latency
     if "DCP: skipped" in out:
@@ -86,6 +89,7 @@ def test_save_latency_dcp_rows(save_latency: tuple[str, list[dict[str, object]]]
     assert {(r["system"], r["mode"]) for r in rows} >= set(DCP)
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 def test_save_latency_json_rows(save_latency: tuple[str, list[dict[str, object]]]) -> None:
     _, rows = save_latency
     keys = {"system", "mode", "size_bytes", "blocking_s", "durable_s", "peak_rss_extra_bytes"}
@@ -98,6 +102,7 @@ def test_save_latency_json_rows(save_latency: tuple[str, list[dict[str, object]]
     assert never_durable == {("floor", "copy_ (preallocated)"), ("torch", "save (no fsync)")}
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 def test_save_latency_replays_its_json_rows(
     save_latency: tuple[str, list[dict[str, object]]],
     tmp_path: Path,

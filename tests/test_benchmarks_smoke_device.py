@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from onerank import NEEDS_SHARDED
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 PARTS = ("cuda_tests", "save_latency", "resume_gpu", "sharded_save", "resume_host")
 
 
+@NEEDS_SHARDED  # its sharded part saves through DCP
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="the sharded part needs gloo")
 def test_every_part_runs_and_keeps_its_log(tmp_path: Path) -> None:

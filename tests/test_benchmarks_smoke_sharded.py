@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from benchkit import load_benchmark
+from onerank import NEEDS_SHARDED
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_sharded_save_prints_a_row_per_candidate_and_cleans_up(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
@@ -29,6 +31,7 @@ def test_sharded_save_prints_a_row_per_candidate_and_cleans_up(
     assert list((tmp_path / "w").iterdir()) == []  # every save removed after its run
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_sharded_resume_prints_a_row_per_candidate_and_cleans_up(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
@@ -42,6 +45,7 @@ def test_sharded_resume_prints_a_row_per_candidate_and_cleans_up(
     assert list((tmp_path / "w").iterdir()) == []  # the checkpoint read back is removed
 
 
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: Path) -> None:
     """benchmarks/sharded_phases.py, tiny: the benchmark's rows for the candidates chosen, then

@@ -22,6 +22,9 @@ from typing import Any
 
 import attrs
 import pytest
+
+pytest.importorskip("sharded_torch", exc_type=ImportError)  # on an older torch: skipped, saying why
+
 import torch
 from torch import nn
 

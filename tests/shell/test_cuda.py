@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import pitstop
+from onerank import NEEDS_SHARDED
 from pitstop.shell import blobread
 from trees import assert_same
 
@@ -205,6 +206,7 @@ def _local(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]
     return {"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict())}
 
 
+@NEEDS_SHARDED
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async", "overlap"])
 def test_fsdp2_on_nccl_saves_a_directory_and_resumes_bitwise(
     nccl: None, tmp_path: Path, mode: bool | str

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("sharded_torch", exc_type=ImportError)  # on an older torch: skipped, saying why
+
 from torch.distributed.checkpoint.staging import DefaultStager
 
 import pitstop

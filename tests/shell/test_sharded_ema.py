@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("sharded_torch", exc_type=ImportError)  # on an older torch: skipped, saying why
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard

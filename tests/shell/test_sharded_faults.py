@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 import pitstop
-from onerank import NEEDS_GLOO, sharded_model
+from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.session import Event, left_by_raise
 from pitstop.core.sharded import sharded_name
 from pitstop.shell import shardsave
 from pitstop.shell.directory import scan
 from pitstop.shell.storage import LocalStorage
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, NEEDS_SHARDED]
 
 
 def _broken(*args: Any, **kwargs: Any) -> Any:

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 import pitstop
-from onerank import NEEDS_GLOO, sharded_model
+from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.sharded import FRESH_OPTIMIZERS, MANIFEST_NAME, sharded_name
 from pitstop.shell import fileformat
 
-pytestmark = NEEDS_GLOO
+pytestmark = [NEEDS_GLOO, NEEDS_SHARDED]
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> dict[str, Any]:

@@ -18,6 +18,11 @@
 # (a call's inputs); the once-a-save round that carries every rank's part (its RNG streams, a
 # per-rank component) is a gather to rank 0 instead, the only rank that needs them, with a
 # point-to-point send for a part too big for its box.
+# The tensors of pitstop's last collective stay referenced (by this module) until the next
+# one: in torch 2.4's gloo, a worker thread that drops the last reference to a finished
+# collective's tensor takes the GIL, and destroy_process_group joins those threads holding it
+# — a job's teardown hung (about one run in two) when the Checkpointer, and with it the
+# tensors, had gone first.
 
 """Ranks: rank 0 decides and writes; every rank hears the same answer."""
 
@@ -187,6 +192,10 @@ def _wait(work: Any, timeout: datetime.timedelta) -> None:
     work.wait(timeout)
 
 
+_HELD: list[tuple[object, ...]] = []
+"""The tensors of this process's last collective of pitstop (see the rules above)."""
+
+
 class Ranks:
     """This process's place in the job, and pitstop's collectives."""
 
@@ -197,6 +206,11 @@ class Ranks:
         self.world_size = world_size
         self._group = group
         self._timeout = datetime.timedelta(seconds=timeout_s)
+
+    def _hold(self, *tensors: object) -> None:
+        """Keep ``tensors`` (the collective just run) until the next collective, here or in
+        another Ranks (so also after this one is gone: a job's teardown follows its last)."""
+        _HELD[:] = [tensors]
 
     @classmethod
     def current(cls, timeout_s: float) -> Ranks:
@@ -227,6 +241,7 @@ class Ranks:
         boxed = _boxed(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
         torch.distributed.all_gather(boxes, boxed, group=self._group)
+        self._hold(boxes, boxed)
         sizes = [_size_of(b) for b in boxes]
         if max(sizes) <= box:  # one round: every value fitted its box
             return [_loads(b[_HEADER : _HEADER + n]) for b, n in zip(boxes, sizes, strict=True)]
@@ -234,6 +249,7 @@ class Ranks:
         whole = _bytes_tensor(data, max(sizes))
         wholes = [torch.empty_like(whole) for _ in range(self.world_size)]
         torch.distributed.all_gather(wholes, whole, group=self._group)
+        self._hold(wholes, whole)
         return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
 
     def broadcast(self, value: T) -> T:
@@ -243,11 +259,13 @@ class Ranks:
         data = _dumps(value) if self.leader else b""
         boxed = _boxed(data, BROADCAST_BOX)
         torch.distributed.broadcast(boxed, src=0, group=self._group)
+        self._hold(boxed)
         size = _size_of(boxed)
         if size <= BROADCAST_BOX:  # one round: it fitted the box
             return _loads(boxed[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
         whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
         torch.distributed.broadcast(whole, src=0, group=self._group)
+        self._hold(whole)
         return _loads(whole)  # type: ignore[no-any-return]
 
     def gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
@@ -262,13 +280,16 @@ class Ranks:
         boxed = _boxed(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
         dist.gather(boxed, gather_list=boxes, dst=0, group=self._group)
+        self._hold(boxes, boxed)
         if not self.leader:
             if len(data) > box:  # rank 0 saw the size and waits for it
-                sent = dist.isend(_bytes_tensor(data, len(data)), dst=0, group=self._group)
-                _wait(sent, self._timeout)
+                whole = _bytes_tensor(data, len(data))
+                _wait(dist.isend(whole, dst=0, group=self._group), self._timeout)
+                self._hold(whole)
             return []
         assert boxes is not None
         values: list[T] = [value]
+        received: list[torch.Tensor] = []
         for rank, got in enumerate(boxes[1:], start=1):
             size = _size_of(got)
             if size <= box:
@@ -276,7 +297,10 @@ class Ranks:
             else:
                 whole = torch.empty(size, dtype=torch.uint8)
                 _wait(dist.irecv(whole, src=rank, group=self._group), self._timeout)
+                received.append(whole)
                 values.append(_loads(whole))
+        if received:
+            self._hold(boxes, boxed, received)
         return values
 
     def gather_then_lead(
@@ -328,6 +352,7 @@ class Ranks:
         flag = torch.tensor([int(failed)], dtype=torch.int32)
         dist = torch.distributed
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._hold(flag)
 
         def wait(timeout: float) -> bool:
             work.wait(datetime.timedelta(seconds=timeout))

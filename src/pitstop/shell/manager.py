@@ -62,6 +62,7 @@ from pitstop.shell.session import RemoteTicket, SaveSession, SaveTicket
 from pitstop.shell.shardsave import ShardedSaves, holds_sharded
 from pitstop.shell.staging import StagingPool
 from pitstop.shell.storage import Storage
+from pitstop.shell.support import require_sharded
 from pitstop.shell.unwrap import unwrap_model
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
@@ -145,6 +146,8 @@ class Checkpointer:
             add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
         sharded = holds_sharded(self._live)
+        if sharded:
+            require_sharded("a Checkpointer whose model or optimizer holds DTensors")
         self._ranks = Ranks.current(options.timeout_s)
         self._directory = CheckpointDirectory(
             directory, policy=self.policy, storage=storage, protect=not options.overwrite

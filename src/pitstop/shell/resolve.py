@@ -45,6 +45,7 @@ from pitstop.shell.directory import (
     verify_any,
 )
 from pitstop.shell.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.support import require_sharded
 
 __all__ = [
     "find_resume",
@@ -206,6 +207,7 @@ def load(checkpoint: str | os.PathLike[str]) -> Any:
 def _load_sharded(path: Path) -> Any:
     """A sharded checkpoint's whole tree: the manifest's replicated tree, and under
     ``"sharded"`` each component DCP stored, full and unsharded (``"model"``, optimizers)."""
+    require_sharded(f"reading the sharded checkpoint {path}")
     from pitstop.shell.sharddir import read_layout
     from pitstop.shell.sharded import full_state_dict
 

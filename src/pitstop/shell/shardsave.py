@@ -60,16 +60,19 @@ __all__ = ["ShardedSaves", "holds_sharded", "is_sharded"]
 
 
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+# DTensor's module: public from torch 2.5; torch 2.4 has only the private one (2.5 on keep it
+# as an alias of the same class). An FSDP2 module imports it.
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
 
 def is_sharded(model: nn.Module, components: Mapping[str, object] | None = None) -> bool:
     """Whether ``model`` (or an optimizer among ``components``) holds sharded state: an FSDP2
     module anywhere in the model, or any DTensor parameter or buffer. Imports nothing (torch's
     optimizers import DTensor's module, but DCP's import costs a tenth of a second or more)."""
-    tensors = sys.modules.get("torch.distributed.tensor")
-    if tensors is None:  # no DTensor exists, nor an FSDP2 module
+    classes = (getattr(sys.modules.get(name), "DTensor", None) for name in _DTENSOR_MODULES)
+    dtensor = next((c for c in classes if isinstance(c, type)), None)
+    if dtensor is None:  # no DTensor exists, nor an FSDP2 module
         return False
-    dtensor = tensors.DTensor
     for name in _FSDP_MODULES:
         fsdp = getattr(sys.modules.get(name), "FSDPModule", None)
         if fsdp is not None and any(isinstance(module, fsdp) for module in model.modules()):

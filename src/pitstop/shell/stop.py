@@ -41,6 +41,11 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # whole, never interpreted.
 _SIGACTION_BYTES = 1024
 
+_LAST_FLAG: list[torch.Tensor] = []
+"""The last sync()'s tensor, referenced until the next sync (past its StopRequest): torch
+2.4's gloo worker that drops a collective's last tensor reference takes the GIL, which
+destroy_process_group holds while it joins that worker (pitstop.shell.distributed)."""
+
 
 def _libc() -> Any:
     if sys.platform == "win32":  # pragma: no cover - no sigaction there
@@ -253,6 +258,7 @@ class StopRequest:
         )
         flag = torch.tensor([1 if self._requested else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        _LAST_FLAG[:] = [flag]  # held past this StopRequest: see _LAST_FLAG
         if flag.item() and not self._requested:
             self.request("another rank requested a stop")
         return bool(flag.item())

@@ -28,6 +28,7 @@ from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoin
 from pitstop.shell import fileformat
 from pitstop.shell.directory import is_sharded_path
 from pitstop.shell.resolve import resolve_checkpoint
+from pitstop.shell.support import require_sharded
 from pitstop.shell.treecodec import TensorRef, subtree
 
 __all__ = ["Weights", "check_weights", "read_view", "weights_view"]
@@ -145,6 +146,7 @@ def _no_ema(path: Path) -> IncompatibleCheckpoint:
 
 def _sharded_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:
     """:func:`read_view` of a sharded checkpoint directory."""
+    require_sharded(f"reading the sharded checkpoint {path}")
     from pitstop.shell.sharded import EMA, MODEL, full_state_dict, holds_ema, read_layout
 
     if kind == "raw":
