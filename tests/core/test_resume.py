@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,7 +16,7 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.resume import resume_order
+from pitstop.core.resume import drop_behind, resume_order
 from strategies import METRIC, bests, catalogs, pointers_into
 
 
@@ -74,3 +75,15 @@ def test_best_without_a_metric_tries_only_the_pointer() -> None:
     assert resume_order(catalog, Pointers(best=_name(1)), PointerName.BEST) == (_name(1),)
     assert resume_order(catalog, Pointers(), PointerName.BEST) == ()
     assert resume_order(Catalog(), Pointers(), PointerName.LAST) == ()
+
+
+@given(st.integers(min_value=1, max_value=1 << 20))
+def test_only_a_job_of_one_process_drops_what_it_read_behind_the_read(world_size: int) -> None:
+    # With more ranks the others read the chosen file after rank 0, from the page cache.
+    assert drop_behind(world_size) is (world_size == 1)
+
+
+@given(st.integers(max_value=0))
+def test_a_world_of_no_process_is_refused(world_size: int) -> None:
+    with pytest.raises(ValueError, match=f"world_size must be at least 1, got {world_size}"):
+        drop_behind(world_size)

@@ -8,6 +8,10 @@
 # * final: the final pointer's target first, then the other checkpoints saved at a normal end,
 #   newest first.
 # The shell tries the candidates in order until one verifies, warning about each it skips.
+# What it reads into memory of its own (an optimizer's state) leaves the page cache behind the
+# read (drop_behind) only where no other process of the job reads the same file after it:
+# a job of one process. With more ranks, the others read the chosen file after rank 0 and
+# find it in the page cache (on one machine); a rank's drop would send the next one to disk.
 # How: sorting the catalog, O(n log n).
 
 """Resume order: the candidates a resume tries, best first."""
@@ -25,7 +29,7 @@ from pitstop.core.records import (
     SaveReason,
 )
 
-__all__ = ["resume_order"]
+__all__ = ["drop_behind", "resume_order"]
 
 
 def resume_order(
@@ -63,3 +67,12 @@ def resume_order(
         )  # sorted is stable: equal values keep newest-first order
         order += [e.name for e in ranked]
     return tuple(order)
+
+
+def drop_behind(world_size: int) -> bool:
+    """Whether a resume's read lets the bytes it read into memory of its own (an optimizer's
+    state) leave the page cache as it goes: only in a job of one process (``world_size`` 1),
+    where no other rank reads the same file after it."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return world_size == 1

@@ -91,6 +91,7 @@ def load(
     select: Sequence[str | int] | None = None,
     verify: bool | Literal["file"] = True,
     place: Place | None = None,
+    drop_placed: bool = False,
 ) -> object:
     """Return the stored tree, or the subtree at key path ``select``, with CPU tensors.
 
@@ -101,8 +102,10 @@ def load(
     the same single pass, as :func:`verify` does, and loads from it. ``place(key_path)`` may
     put a tensor elsewhere: a device (``torch.device("cpu")`` included) gets a new tensor read
     straight into memory there — for tensors kept as they are rather than copied from — and
-    ``None`` keeps it mapped. Raises :class:`~pitstop.errors.CheckpointCorrupt` for a bad file
-    and :class:`~pitstop.errors.IncompatibleCheckpoint` when ``select`` names no stored value.
+    ``None`` keeps it mapped; ``drop_placed`` lets the bytes read into such memory leave the
+    page cache as they are read (for a file no other process reads after this one). Raises
+    :class:`~pitstop.errors.CheckpointCorrupt` for a bad file and
+    :class:`~pitstop.errors.IncompatibleCheckpoint` when ``select`` names no stored value.
     """
     if isinstance(select, (str, bytes)):
         raise TypeError(f"select is a sequence of keys, such as ('weights', 'ema'); got {select!r}")
@@ -121,7 +124,9 @@ def load(
         for index, key_path in _tensor_paths(node, tuple(select or ())):
             paths.setdefault(index, key_path)
         devices = {i: place(p) for i, p in paths.items()} if place is not None else {}
-        tensors = _materialize(file, manifest, sorted(paths), devices, verify=verify)
+        tensors = _materialize(
+            file, manifest, sorted(paths), devices, verify=verify, drop_placed=drop_placed
+        )
     return resolve(node, tensors)
 
 
@@ -156,7 +161,11 @@ def verify(path: str | os.PathLike[str]) -> None:
 
 
 def _read_whole(
-    file: BinaryIO, manifest: Manifest, places: Mapping[int, torch.device]
+    file: BinaryIO,
+    manifest: Manifest,
+    places: Mapping[int, torch.device],
+    *,
+    drop_placed: bool = False,
 ) -> dict[int, torch.UntypedStorage]:
     """Check every blob and every padding byte in one pass; read blobs ``places`` names there."""
     with progress.task(f"verifying {manifest.path}", manifest.manifest_offset) as watched:
@@ -167,6 +176,7 @@ def _read_whole(
             places=places,
             padding=True,
             advance=watched.advance,
+            drop_placed=drop_placed,
         )
 
 
@@ -271,6 +281,7 @@ def _materialize(
     devices: Mapping[int, torch.device | None],
     *,
     verify: bool | Literal["file"],
+    drop_placed: bool,
 ) -> dict[int, torch.Tensor]:
     """Read and check what ``verify`` asks, then build tensors ``needed``: over a copy-on-write
     map of the file's data region, or over the storages placed blobs were read into."""
@@ -281,9 +292,11 @@ def _materialize(
     blobs = sorted({manifest.tensors[i].blob for i in needed})
     places = {b: d for b, d in _blob_places(manifest, devices).items() if b in set(blobs)}
     if verify == "file":
-        storages = _read_whole(file, manifest, places)
+        storages = _read_whole(file, manifest, places, drop_placed=drop_placed)
     else:
-        storages = read_blobs(file, manifest, blobs, places=places, check=bool(verify))
+        storages = read_blobs(
+            file, manifest, blobs, places=places, check=bool(verify), drop_placed=drop_placed
+        )
     mapped_blobs = [i for i in blobs if i not in storages and manifest.blobs[i].length]
     # ACCESS_COPY: a private, writable mapping, so torch.frombuffer does not warn and writes to
     # loaded tensors never reach the file. Each blob becomes its own storage; torch keeps the

@@ -10,7 +10,10 @@
 # CUDA; everything else (the model's and the EMA's weights, other components) stays mapped:
 # the checking pass leaves it in the page cache and the restore copies it from there into the
 # live tensors at memory speed. No second copy of the state is made in anonymous memory.
-# Other ranks load the file rank 0 chose without checking it again (rank 0 did).
+# Other ranks load the file rank 0 chose without checking it again (rank 0 did). In a job of
+# one process, the optimizer's bytes leave the page cache as they are read (the core's
+# drop_behind): the kernel reuses those pages for the next reads, and the file's copy of the
+# state is not held beside the state itself.
 # How: an object whose verify() is choose_resume's check and keeps what it loaded for load().
 
 """The resume's read: check and load a checkpoint in one pass, each tensor where it ends."""
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pitstop.core.resume import drop_behind
 from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.shell.capture import LiveState
@@ -49,9 +53,10 @@ def placement(live: LiveState) -> dict[tuple[str, int], torch.device]:
 class ResumeRead:
     """One resume's reading: :meth:`verify` for choosing, then :meth:`load` on every rank."""
 
-    def __init__(self, live: LiveState, rank: int = 0) -> None:
+    def __init__(self, live: LiveState, rank: int = 0, world_size: int = 1) -> None:
         self._devices = placement(live)
         self._rank = rank
+        self._drop = drop_behind(world_size)
         self._path: Path | None = None
         self._tree: Any = None
 
@@ -83,7 +88,7 @@ class ResumeRead:
             if shards:
                 verify_sharded(path, read_layout(path)[0])
         else:
-            self._tree = load(path, verify="file", place=self.place)
+            self._tree = load(path, verify="file", place=self.place, drop_placed=self._drop)
         self._path = path
 
     def load(self, path: Path) -> Any:
@@ -93,4 +98,5 @@ class ResumeRead:
             return tree
         if is_sharded_path(path):
             return load(path / MANIFEST_NAME, verify=False)
-        return load(path, verify=False, place=self.place)  # rank 0 checked it when choosing it
+        # rank 0 checked it when choosing it
+        return load(path, verify=False, place=self.place, drop_placed=self._drop)

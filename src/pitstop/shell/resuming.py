@@ -79,7 +79,8 @@ def resume_from(
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
-        reading = ResumeRead(live, ranks.rank)  # checks as it reads: the disk read once
+        # checks as it reads: the disk read once
+        reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
         if sharded and pointer is not None:
             path, wire = _choose_sharded(directory, pointer, reading, live, ranks)

@@ -1,0 +1,121 @@
+# The checking read pass on every core: where every placed blob goes to the CPU.
+#
+# Rules: as many threads as asked (the caller's one among them) take the file's chunks in file
+# order, each reading one into its place — a placed blob's new memory (pitstop.shell.hostmem),
+# or a bounce buffer of its own for a blob that is only checked — and computing its CRC-32
+# itself, so that faulting in new memory, copying and checksumming share the cores. Nothing is
+# returned before every thread has stopped and every blob's CRC (the chunks' joined with
+# crc32_combine) has matched, compared in blob order; the first error of any thread is raised
+# on the calling one. Padding is checked on the calling thread before the threads start.
+# How: an iterator of chunk numbers that the threads share (next() is atomic under the GIL),
+# one slot per chunk for its CRC.
+
+"""The checking read pass of pitstop.shell.blobread, on several threads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from pitstop.core.manifest import HEADER_SIZE
+from pitstop.shell.blobfile import BlobFile, blob_corrupt, byte_view
+from pitstop.shell.checksums import crc32_combine, crc32_update
+from pitstop.shell.hostmem import new_host_bytes
+
+__all__ = ["read_in_parallel"]
+
+
+@attrs.frozen
+class _Chunk:
+    """One pread of the parallel pass: bytes ``start..start + nbytes`` of blob ``blob``."""
+
+    blob: int
+    start: int
+    nbytes: int
+
+
+def read_in_parallel(
+    reader: BlobFile,
+    order: Sequence[int],
+    placed: Mapping[int, torch.device],
+    *,
+    count: int,
+    chunk: int,
+    padding: bool,
+) -> dict[int, torch.UntypedStorage]:
+    """Read and check blobs ``order`` of ``reader``'s file (every padding byte before each,
+    with ``padding``) on ``count`` threads, this one among them, in ``chunk``-byte preads;
+    each blob ``placed`` names (every one on the CPU) into new memory of its own. Returns
+    those blobs' storages; raises :class:`~pitstop.errors.CheckpointCorrupt` naming the first
+    blob that fails, after every thread has stopped."""
+    lock = threading.Lock()
+    manifest, advance = reader.manifest, reader.advance
+    targets: dict[int, memoryview] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    chunks: list[_Chunk] = []
+    cursor = HEADER_SIZE
+    for index in order:
+        blob = manifest.blobs[index]
+        if padding:
+            reader.check_padding(cursor, blob.offset, index)
+        cursor = blob.stop
+        if index in placed:
+            target = new_host_bytes(blob.length)
+            storages[index], targets[index] = target.untyped_storage(), byte_view(target)
+        chunks += [
+            _Chunk(index, at, min(chunk, blob.length - at)) for at in range(0, blob.length, chunk)
+        ]
+    crcs = [0] * len(chunks)
+    turns = iter(range(len(chunks)))  # next() on it is atomic under the GIL
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        bounce = torch.empty(chunk, dtype=torch.uint8)
+        own = byte_view(bounce)
+        try:
+            for turn in turns:
+                if failed:
+                    return
+                piece = chunks[turn]
+                place = targets.get(piece.blob)
+                at = manifest.blobs[piece.blob].offset + piece.start
+                if place is None:
+                    view = own[: piece.nbytes]
+                    reader.read_into(view, at)
+                else:
+                    view = place[piece.start : piece.start + piece.nbytes]
+                    reader.read_placed(view, at)
+                crcs[turn] = crc32_update(view)
+                if advance is not None:
+                    with lock:
+                        advance(piece.nbytes)
+        except BaseException as exc:  # raised below, on the calling thread
+            failed.append(exc)
+
+    helpers: list[threading.Thread] = []
+    for i in range(count - 1):
+        helper = threading.Thread(target=work, name=f"pitstop-read-{i}")
+        try:
+            helper.start()
+        except RuntimeError:  # no new threads now (at interpreter exit): fewer readers
+            break
+        helpers.append(helper)
+    try:
+        work()
+    finally:
+        for helper in helpers:
+            helper.join()
+    if failed:
+        raise failed[0]
+    for index in targets:
+        reader.dropped(index)
+    joined: dict[int, int] = {}
+    for piece, crc in zip(chunks, crcs, strict=True):
+        joined[piece.blob] = crc32_combine(joined.get(piece.blob, 0), crc, piece.nbytes)
+    for index in order:
+        if joined.get(index, 0) != manifest.blobs[index].crc32:
+            raise blob_corrupt(manifest, index)
+    return storages
