@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from pitstop.shell import blobread
 from pitstop.shell import fileformat as ff
 from pitstop.shell.blobfile import BlobFile, byte_view, drop_cached
 from pitstop.shell.capture import LiveState
+from pitstop.shell.hostmem import new_aligned_bytes
 from pitstop.shell.resumeread import ResumeRead
 
 PAGE = mmap.PAGESIZE
@@ -126,14 +129,46 @@ def saved(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("readers", [1, 3], ids=["one-reader", "three-readers"])
+def _direct_source(way: str, tmp_path: Path) -> Callable[[BlobFile], int | None] | None:
+    """What BlobFile.open_direct gives in the test's ``way`` (``None``: the real one)."""
+    if way == "through the cache":  # no O_DIRECT here (tmpfs, another OS)
+        return lambda _: None
+    if way == "refused":  # every read past the cache raises (a directory's descriptor)
+        return lambda _: os.open(tmp_path, os.O_RDONLY)
+    if way == "reads nothing":  # every read past the cache ends at once
+        return lambda _: os.open(os.devnull, os.O_RDONLY)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("readers", "way"),
+    [
+        (1, "one reader"),
+        (3, "past the cache"),
+        (3, "through the cache"),
+        (3, "refused"),
+        (3, "reads nothing"),
+    ],
+)
 def test_a_one_process_resume_leaves_only_the_weights_in_the_page_cache(
-    saved: Path, readers: int, monkeypatch: pytest.MonkeyPatch
+    saved: Path, readers: int, way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The optimizer's moments are read into memory of their own, which the optimizer keeps:
-    # the file's copy of them leaves the cache as each chunk is read. The weights are copied
-    # from the page cache into the model after the check, so they stay.
+    # past the page cache (O_DIRECT) where the pass runs on several threads and the
+    # filesystem lets it, or through it, each chunk leaving the cache once it is read. The
+    # weights are copied from the page cache into the model after the check, so they stay.
     monkeypatch.setattr(blobread, "default_threads", lambda: readers)
+    source = _direct_source(way, saved.parent)
+    if source is not None:
+        monkeypatch.setattr(BlobFile, "open_direct", source)
+    direct: list[tuple[bool, int]] = []  # (past the cache, bytes asked for) of each read
+    read_direct = BlobFile.read_direct
+
+    def spy(self: BlobFile, fd: int, view: memoryview, offset: int, need: int) -> None:
+        direct.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), need))
+        read_direct(self, fd, view, offset, need)
+
+    monkeypatch.setattr(BlobFile, "read_direct", spy)
     model, optimizer = _fresh()
     with pitstop.Checkpointer(saved.parent, model=model, state={"optimizer": optimizer}) as c:
         assert c.resume() == pitstop.Progress(step=1)
@@ -155,6 +190,13 @@ def test_a_one_process_resume_leaves_only_the_weights_in_the_page_cache(
             assert _resident(saved, meet // PAGE * PAGE, meet // PAGE * PAGE + PAGE) == (0, 1)
     cached, pages = _cached(saved, _blob_ranges(saved, "weights.raw"))
     assert cached == pages, f"only {cached} of the weights' {pages} pages cached"
+    if way == "past the cache":  # every byte of every moment, from its first whole page on
+        assert all(past for past, _ in direct)
+        assert sum(n for _, n in direct) == sum(
+            stop - start // PAGE * PAGE for start, stop in moments
+        )
+    elif way == "one reader":
+        assert not direct
 
 
 def test_with_more_ranks_the_moments_stay_cached_for_the_others(saved: Path) -> None:
@@ -198,3 +240,45 @@ def test_drop_cached_lets_a_range_go_and_never_raises(tmp_path: Path) -> None:
     if cached == 64:
         pytest.skip(f"{tmp_path}'s filesystem keeps every page of a file in memory (tmpfs)")
     assert cached == 0
+
+
+@pytest.mark.parametrize("skew", [0, 64, PAGE - 1])
+def test_aligned_memory_puts_the_first_byte_skew_bytes_into_a_page(skew: int) -> None:
+    tensor, pages = new_aligned_bytes(3 * PAGE, skew)
+    assert tensor.numel() == 3 * PAGE
+    assert tensor.data_ptr() % PAGE == skew
+    whole = torch.frombuffer(pages, dtype=torch.uint8)
+    assert whole.data_ptr() == tensor.data_ptr() - skew  # the view starts on the page
+    assert whole.numel() % PAGE == 0
+    assert whole.numel() >= skew + tensor.numel()
+    tensor.fill_(7)  # the same memory, seen both ways
+    assert int(whole[skew : skew + 3 * PAGE].sum()) == 7 * 3 * PAGE
+
+
+@pytest.mark.parametrize("skew", [-1, PAGE])
+def test_aligned_memory_refuses_a_skew_outside_a_page(skew: int) -> None:
+    with pytest.raises(ValueError, match=f"skew must be within a page .*, got {skew}"):
+        new_aligned_bytes(PAGE, skew)
+
+
+def test_a_placed_blob_at_the_end_of_the_file_is_read_past_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The last blob's last page runs past the end of the file: the read past the cache comes
+    # back short there, which is no error as long as every byte of the blob is in.
+    monkeypatch.setattr(blobread, "default_threads", lambda: 3)
+    generator = torch.Generator().manual_seed(1)
+    tree = {"small": torch.randn(10, generator=generator)}
+    tree["big"] = torch.randn((3 << 20) // 4 + 3, generator=generator)  # just over 3 MiB
+    path = tmp_path / "c.pitstop"
+    with open(path, "wb") as file:
+        ff.write(file, ff.prepare(tree), {})
+    manifest = ff.read_manifest(path)
+    last = max(manifest.blobs, key=lambda b: b.stop)
+    assert manifest.blob_users(manifest.blobs.index(last)) == "big"
+    assert path.stat().st_size < -(-last.stop // PAGE) * PAGE  # its last page is not all there
+    cpu = torch.device("cpu")
+    loaded = ff.load(path, place=lambda k: cpu if k == ("big",) else None, drop_placed=True)
+    assert isinstance(loaded, dict)
+    assert torch.equal(loaded["big"], tree["big"])
+    assert torch.equal(loaded["small"], tree["small"])

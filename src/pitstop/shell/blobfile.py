@@ -10,6 +10,13 @@
 # and only whole pages inside the range). So a page that a neighbouring blob shares stays,
 # and what a caller maps later is what it checked. The drop is a hint: a kernel or a
 # filesystem that cannot drop the pages keeps them.
+# Where the caller keeps a blob's bytes and nobody needs them cached, it may read them past
+# the page cache instead (open_direct, read_direct: O_DIRECT, into page-aligned memory of
+# its own; pitstop.shell.hostmem.new_aligned_bytes): no page is cached and dropped, no copy
+# out of the cache. That descriptor is the same file, opened again through /proc/self/fd
+# (never by name, which another writer may have replaced) and checked to be the same inode;
+# where the OS or the filesystem refuses, or a read is refused part-way (an alignment the
+# device wants bigger), the bytes are read through the page cache instead.
 # How: os.preadv into a memoryview over a tensor's own memory (a ctypes array over its data
 # pointer); posix_fadvise(POSIX_FADV_DONTNEED) where the OS has it.
 
@@ -79,6 +86,39 @@ class BlobFile:
                     f"{offset + done}..{offset + view.nbytes}"
                 )
             done += got
+
+    def open_direct(self) -> int | None:
+        """The same file opened again to be read past the page cache (``O_DIRECT``), or
+        ``None`` where that cannot be done here; the caller closes it."""
+        flag = getattr(os, "O_DIRECT", None)
+        if flag is None:
+            return None
+        try:
+            direct = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | flag | os.O_CLOEXEC)
+        except OSError:  # no /proc, or a filesystem without O_DIRECT (tmpfs)
+            return None
+        try:
+            same, mine = os.fstat(direct), os.fstat(self.fd)
+            if (same.st_dev, same.st_ino) == (mine.st_dev, mine.st_ino):
+                return direct
+        except OSError:
+            pass
+        os.close(direct)
+        return None
+
+    def read_direct(self, direct: int, view: memoryview, offset: int, need: int) -> None:
+        """Fill at least the first ``need`` bytes of ``view`` (page-aligned memory, ``offset``
+        page-aligned) from file ``offset`` through ``direct``; what that read cannot give is
+        read through the page cache, and a file that ends first raises."""
+        done = 0
+        with contextlib.suppress(OSError):  # refused (EINVAL: alignment): the cache's way
+            while done < need:
+                got = os.preadv(direct, [view[done:]], offset + done)
+                if got <= 0:
+                    break
+                done += got
+        if done < need:
+            self.read_into(view[done:need], offset + done)
 
     def read_placed(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` (a placed blob's own memory) from file ``offset``; when dropping

@@ -8,6 +8,10 @@
 # 0.20 to 0.26 s instead of 0.39 to 0.44 s to fill by pread from the page cache on the
 # development VM), and the optimizer's steps later touch it through fewer TLB entries. Where
 # the kernel refuses (THP off, another OS), nothing changes.
+# new_aligned_bytes is the same memory for a read that bypasses the page cache (O_DIRECT),
+# which needs its buffer at the file offset's place within a page: a private anonymous map of
+# whole pages, the tensor's bytes starting `skew` bytes into it (torch keeps the map alive for
+# as long as the tensor lives).
 # How: ctypes' madvise over the page-aligned interior of the storage, from 2 MiB on.
 
 """New CPU tensors for checkpoint bytes, advised for transparent huge pages."""
@@ -23,13 +27,15 @@ from typing import Final
 
 import torch
 
-__all__ = ["HUGE_PAGE", "new_host_bytes"]
+__all__ = ["HUGE_PAGE", "PAGE", "new_aligned_bytes", "new_host_bytes"]
 
 HUGE_PAGE: Final = 2 << 20
 """A transparent huge page on x86-64 and most arm64 kernels: smaller tensors are not advised."""
 
 _MADV_HUGEPAGE: Final = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _PAGE: Final = mmap.PAGESIZE
+PAGE: Final = _PAGE
+"""This machine's page size: what a read that bypasses the page cache aligns to."""
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
@@ -56,3 +62,19 @@ def new_host_bytes(length: int) -> torch.Tensor:
         stop = (target.data_ptr() + length) // _PAGE * _PAGE
         _ADVISE(start, stop - start, _MADV_HUGEPAGE)
     return target
+
+
+def new_aligned_bytes(length: int, skew: int) -> tuple[torch.Tensor, memoryview]:
+    """A new uint8 CPU tensor of ``length`` bytes whose first byte lies ``skew`` bytes into a
+    page, and a view of the whole pages that hold it (starting ``skew`` bytes before it) — for
+    a read that bypasses the page cache, into the same pages; advised for transparent huge
+    pages from :data:`HUGE_PAGE` on, as :func:`new_host_bytes` is."""
+    if not 0 <= skew < _PAGE:
+        raise ValueError(f"skew must be within a page (0..{_PAGE - 1}), got {skew}")
+    span = -(-(skew + length) // _PAGE) * _PAGE
+    region = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _MADV_HUGEPAGE is not None and length >= HUGE_PAGE:
+        with contextlib.suppress(OSError):  # a kernel without THP keeps 4 KiB pages
+            region.madvise(_MADV_HUGEPAGE)
+    tensor = torch.frombuffer(region, dtype=torch.uint8, count=length, offset=skew)
+    return tensor, memoryview(region)

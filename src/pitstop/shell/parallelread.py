@@ -7,6 +7,13 @@
 # returned before every thread has stopped and every blob's CRC (the chunks' joined with
 # crc32_combine) has matched, compared in blob order; the first error of any thread is raised
 # on the calling one. Padding is checked on the calling thread before the threads start.
+# Where the reader drops placed blobs behind it (a job of one process: nobody else reads the
+# file), a placed blob of DIRECT_FROM bytes or more is read past the page cache (O_DIRECT,
+# pitstop.shell.blobfile) into page-aligned memory of its own, in page-aligned chunks that
+# may take in a neighbour's bytes at the blob's ends (never checked as its own: each chunk's
+# CRC-32 covers the blob's bytes only); the page cache's readahead is then turned off for
+# the pass (POSIX_FADV_RANDOM), so that reading a small mapped blob between two placed ones
+# does not read the placed ones through the cache as well.
 # How: an iterator of chunk numbers that the threads share (next() is atomic under the GIL),
 # one slot per chunk for its CRC.
 
@@ -14,8 +21,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 import attrs
 import torch
@@ -23,9 +32,12 @@ import torch
 from pitstop.core.manifest import HEADER_SIZE
 from pitstop.shell.blobfile import BlobFile, blob_corrupt, byte_view
 from pitstop.shell.checksums import crc32_combine, crc32_update
-from pitstop.shell.hostmem import new_host_bytes
+from pitstop.shell.hostmem import PAGE, new_aligned_bytes, new_host_bytes
 
-__all__ = ["read_in_parallel"]
+__all__ = ["DIRECT_FROM", "read_in_parallel"]
+
+DIRECT_FROM: Final = 1 << 20
+"""Placed blobs from this size on are read past the page cache, where the reader drops them."""
 
 
 @attrs.frozen
@@ -35,6 +47,7 @@ class _Chunk:
     blob: int
     start: int
     nbytes: int
+    direct: tuple[int, int] | None = None  # read past the cache: (file offset, bytes), aligned
 
 
 def read_in_parallel(
@@ -51,9 +64,28 @@ def read_in_parallel(
     each blob ``placed`` names (every one on the CPU) into new memory of its own. Returns
     those blobs' storages; raises :class:`~pitstop.errors.CheckpointCorrupt` naming the first
     blob that fails, after every thread has stopped."""
+    direct = reader.open_direct() if reader.drop else None
+    try:
+        return _read(reader, direct, order, placed, count=count, chunk=chunk, padding=padding)
+    finally:
+        if direct is not None:
+            os.close(direct)
+
+
+def _read(
+    reader: BlobFile,
+    direct: int | None,
+    order: Sequence[int],
+    placed: Mapping[int, torch.device],
+    *,
+    count: int,
+    chunk: int,
+    padding: bool,
+) -> dict[int, torch.UntypedStorage]:
     lock = threading.Lock()
     manifest, advance = reader.manifest, reader.advance
     targets: dict[int, memoryview] = {}
+    pages: dict[int, tuple[int, memoryview]] = {}  # a direct blob's first page, its memory
     storages: dict[int, torch.UntypedStorage] = {}
     chunks: list[_Chunk] = []
     cursor = HEADER_SIZE
@@ -62,12 +94,27 @@ def read_in_parallel(
         if padding:
             reader.check_padding(cursor, blob.offset, index)
         cursor = blob.stop
+        if index in placed and direct is not None and blob.length >= DIRECT_FROM:
+            first = blob.offset - blob.offset % PAGE
+            last = -(-blob.stop // PAGE) * PAGE
+            target, whole = new_aligned_bytes(blob.length, blob.offset - first)
+            storages[index], targets[index] = target.untyped_storage(), byte_view(target)
+            pages[index] = first, whole
+            for at in range(first, last, chunk):
+                start = max(at, blob.offset)
+                stop = min(at + chunk, blob.stop)
+                chunks.append(
+                    _Chunk(index, start - blob.offset, stop - start, (at, min(chunk, last - at)))
+                )
+            continue
         if index in placed:
             target = new_host_bytes(blob.length)
             storages[index], targets[index] = target.untyped_storage(), byte_view(target)
         chunks += [
             _Chunk(index, at, min(chunk, blob.length - at)) for at in range(0, blob.length, chunk)
         ]
+    if pages:  # no readahead through the blobs read past the cache
+        os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_RANDOM)
     crcs = [0] * len(chunks)
     turns = iter(range(len(chunks)))  # next() on it is atomic under the GIL
     failed: list[BaseException] = []
@@ -81,8 +128,15 @@ def read_in_parallel(
                     return
                 piece = chunks[turn]
                 place = targets.get(piece.blob)
-                at = manifest.blobs[piece.blob].offset + piece.start
-                if place is None:
+                blob = manifest.blobs[piece.blob]
+                at = blob.offset + piece.start
+                if piece.direct is not None and direct is not None and place is not None:
+                    first, whole = pages[piece.blob]
+                    offset, nbytes = piece.direct
+                    window = whole[offset - first : offset - first + nbytes]
+                    reader.read_direct(direct, window, offset, min(nbytes, blob.stop - offset))
+                    view = place[piece.start : piece.start + piece.nbytes]
+                elif place is None:
                     view = own[: piece.nbytes]
                     reader.read_into(view, at)
                 else:
