@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import torch
@@ -105,6 +105,17 @@ class BlobFile:
             pass
         os.close(direct)
         return None
+
+    @contextlib.contextmanager
+    def past_the_cache(self) -> Iterator[int | None]:
+        """Where this pass drops placed blobs behind it: the file opened again to be read past
+        the page cache (:meth:`open_direct`), closed at the end; else ``None``."""
+        direct = self.open_direct() if self.drop else None
+        try:
+            yield direct
+        finally:
+            if direct is not None:
+                os.close(direct)
 
     def read_direct(self, direct: int, view: memoryview, offset: int, need: int) -> None:
         """Fill at least the first ``need`` bytes of ``view`` (page-aligned memory, ``offset``

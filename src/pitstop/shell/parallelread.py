@@ -50,6 +50,54 @@ class _Chunk:
     direct: tuple[int, int] | None = None  # read past the cache: (file offset, bytes), aligned
 
 
+@attrs.define
+class _Plan:
+    """What the threads read: the chunks in file order, and where placed blobs go."""
+
+    chunks: list[_Chunk] = attrs.Factory(list)
+    targets: dict[int, memoryview] = attrs.Factory(dict)  # a placed blob's own bytes
+    pages: dict[int, tuple[int, memoryview]] = attrs.Factory(dict)  # past the cache: from
+    storages: dict[int, torch.UntypedStorage] = attrs.Factory(dict)
+
+
+def _plan(
+    reader: BlobFile,
+    direct: int | None,
+    order: Sequence[int],
+    placed: Mapping[int, torch.device],
+    *,
+    chunk: int,
+    padding: bool,
+) -> _Plan:
+    """Check the padding, make the placed blobs' memory and cut every blob into chunks (a
+    blob read past the cache: page-aligned chunks, each checksummed over the blob's bytes)."""
+    plan = _Plan()
+    cursor = HEADER_SIZE
+    for index in order:
+        blob = reader.manifest.blobs[index]
+        if padding:
+            reader.check_padding(cursor, blob.offset, index)
+        cursor = blob.stop
+        if index in placed and direct is not None and blob.length >= DIRECT_FROM:
+            first = blob.offset - blob.offset % PAGE
+            last = -(-blob.stop // PAGE) * PAGE
+            target, whole = new_aligned_bytes(blob.length, blob.offset - first)
+            plan.storages[index], plan.targets[index] = target.untyped_storage(), byte_view(target)
+            plan.pages[index] = first, whole
+            for at in range(first, last, chunk):
+                start, stop = max(at, blob.offset), min(at + chunk, blob.stop)
+                read = (at, min(chunk, last - at))
+                plan.chunks.append(_Chunk(index, start - blob.offset, stop - start, read))
+            continue
+        if index in placed:
+            target = new_host_bytes(blob.length)
+            plan.storages[index], plan.targets[index] = target.untyped_storage(), byte_view(target)
+        plan.chunks += [
+            _Chunk(index, at, min(chunk, blob.length - at)) for at in range(0, blob.length, chunk)
+        ]
+    return plan
+
+
 def read_in_parallel(
     reader: BlobFile,
     order: Sequence[int],
@@ -64,57 +112,29 @@ def read_in_parallel(
     each blob ``placed`` names (every one on the CPU) into new memory of its own. Returns
     those blobs' storages; raises :class:`~pitstop.errors.CheckpointCorrupt` naming the first
     blob that fails, after every thread has stopped."""
-    direct = reader.open_direct() if reader.drop else None
-    try:
-        return _read(reader, direct, order, placed, count=count, chunk=chunk, padding=padding)
-    finally:
-        if direct is not None:
-            os.close(direct)
+    with reader.past_the_cache() as direct:
+        plan = _plan(reader, direct, order, placed, chunk=chunk, padding=padding)
+        if plan.pages:  # no readahead through the blobs read past the cache
+            os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        crcs = _read(reader, direct, plan, count=count, chunk=chunk)
+    for index in plan.targets:
+        reader.dropped(index)
+    joined: dict[int, int] = {}
+    for piece, crc in zip(plan.chunks, crcs, strict=True):
+        joined[piece.blob] = crc32_combine(joined.get(piece.blob, 0), crc, piece.nbytes)
+    for index in order:
+        if joined.get(index, 0) != reader.manifest.blobs[index].crc32:
+            raise blob_corrupt(reader.manifest, index)
+    return plan.storages
 
 
 def _read(
-    reader: BlobFile,
-    direct: int | None,
-    order: Sequence[int],
-    placed: Mapping[int, torch.device],
-    *,
-    count: int,
-    chunk: int,
-    padding: bool,
-) -> dict[int, torch.UntypedStorage]:
+    reader: BlobFile, direct: int | None, plan: _Plan, *, count: int, chunk: int
+) -> list[int]:
+    """Read ``plan``'s chunks on ``count`` threads; each chunk's CRC-32, in order."""
     lock = threading.Lock()
     manifest, advance = reader.manifest, reader.advance
-    targets: dict[int, memoryview] = {}
-    pages: dict[int, tuple[int, memoryview]] = {}  # a direct blob's first page, its memory
-    storages: dict[int, torch.UntypedStorage] = {}
-    chunks: list[_Chunk] = []
-    cursor = HEADER_SIZE
-    for index in order:
-        blob = manifest.blobs[index]
-        if padding:
-            reader.check_padding(cursor, blob.offset, index)
-        cursor = blob.stop
-        if index in placed and direct is not None and blob.length >= DIRECT_FROM:
-            first = blob.offset - blob.offset % PAGE
-            last = -(-blob.stop // PAGE) * PAGE
-            target, whole = new_aligned_bytes(blob.length, blob.offset - first)
-            storages[index], targets[index] = target.untyped_storage(), byte_view(target)
-            pages[index] = first, whole
-            for at in range(first, last, chunk):
-                start = max(at, blob.offset)
-                stop = min(at + chunk, blob.stop)
-                chunks.append(
-                    _Chunk(index, start - blob.offset, stop - start, (at, min(chunk, last - at)))
-                )
-            continue
-        if index in placed:
-            target = new_host_bytes(blob.length)
-            storages[index], targets[index] = target.untyped_storage(), byte_view(target)
-        chunks += [
-            _Chunk(index, at, min(chunk, blob.length - at)) for at in range(0, blob.length, chunk)
-        ]
-    if pages:  # no readahead through the blobs read past the cache
-        os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_RANDOM)
+    chunks, targets = plan.chunks, plan.targets
     crcs = [0] * len(chunks)
     turns = iter(range(len(chunks)))  # next() on it is atomic under the GIL
     failed: list[BaseException] = []
@@ -131,7 +151,7 @@ def _read(
                 blob = manifest.blobs[piece.blob]
                 at = blob.offset + piece.start
                 if piece.direct is not None and direct is not None and place is not None:
-                    first, whole = pages[piece.blob]
+                    first, whole = plan.pages[piece.blob]
                     offset, nbytes = piece.direct
                     window = whole[offset - first : offset - first + nbytes]
                     reader.read_direct(direct, window, offset, min(nbytes, blob.stop - offset))
@@ -164,12 +184,4 @@ def _read(
             helper.join()
     if failed:
         raise failed[0]
-    for index in targets:
-        reader.dropped(index)
-    joined: dict[int, int] = {}
-    for piece, crc in zip(chunks, crcs, strict=True):
-        joined[piece.blob] = crc32_combine(joined.get(piece.blob, 0), crc, piece.nbytes)
-    for index in order:
-        if joined.get(index, 0) != manifest.blobs[index].crc32:
-            raise blob_corrupt(manifest, index)
-    return storages
+    return crcs
