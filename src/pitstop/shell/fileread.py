@@ -103,7 +103,8 @@ def load(
     put a tensor elsewhere: a device (``torch.device("cpu")`` included) gets a new tensor read
     straight into memory there — for tensors kept as they are rather than copied from — and
     ``None`` keeps it mapped; ``drop_placed`` lets the bytes read into such memory leave the
-    page cache as they are read (for a file no other process reads after this one). Raises
+    page cache as they are read, or be read past it (for a file no other process reads after
+    this one). Raises
     :class:`~pitstop.errors.CheckpointCorrupt` for a bad file and
     :class:`~pitstop.errors.IncompatibleCheckpoint` when ``select`` names no stored value.
     """

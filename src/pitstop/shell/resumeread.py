@@ -11,9 +11,9 @@
 # the checking pass leaves it in the page cache and the restore copies it from there into the
 # live tensors at memory speed. No second copy of the state is made in anonymous memory.
 # Other ranks load the file rank 0 chose without checking it again (rank 0 did). In a job of
-# one process, the optimizer's bytes leave the page cache as they are read (the core's
-# drop_behind): the kernel reuses those pages for the next reads, and the file's copy of the
-# state is not held beside the state itself.
+# one process, the optimizer's bytes leave the page cache as they are read, or are read past
+# it where the pass runs on several threads (the core's drop_behind; pitstop.shell.blobfile):
+# the file's copy of the state is not held beside the state itself.
 # How: an object whose verify() is choose_resume's check and keeps what it loaded for load().
 
 """The resume's read: check and load a checkpoint in one pass, each tensor where it ends."""
