@@ -7,13 +7,11 @@
 # returned before every thread has stopped and every blob's CRC (the chunks' joined with
 # crc32_combine) has matched, compared in blob order; the first error of any thread is raised
 # on the calling one. Padding is checked on the calling thread before the threads start.
-# Where the reader drops placed blobs behind it (a job of one process: nobody else reads the
-# file), a placed blob of DIRECT_FROM bytes or more is read past the page cache (O_DIRECT,
-# pitstop.shell.blobfile) into page-aligned memory of its own, in page-aligned chunks that
-# may take in a neighbour's bytes at the blob's ends (never checked as its own: each chunk's
-# CRC-32 covers the blob's bytes only); the page cache's readahead is then turned off for
-# the pass (POSIX_FADV_RANDOM), so that reading a small mapped blob between two placed ones
-# does not read the placed ones through the cache as well.
+# Which blobs are read past the page cache, and the chunks of each, the core decides
+# (pitstop.core.readplan): such a blob is read with O_DIRECT (pitstop.shell.blobfile) into
+# page-aligned memory of its own (pitstop.shell.hostmem.new_aligned_bytes); the page cache's
+# readahead is then turned off for the pass (POSIX_FADV_RANDOM), so that reading a small
+# mapped blob between two such blobs does not read them through the cache as well.
 # How: an iterator of chunk numbers that the threads share (next() is atomic under the GIL),
 # one slot per chunk for its CRC.
 
@@ -24,30 +22,25 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 import attrs
 import torch
 
 from pitstop.core.manifest import HEADER_SIZE
+from pitstop.core.readplan import BlobRead, plan_blob_reads, reads_past_cache
 from pitstop.shell.blobfile import BlobFile, blob_corrupt, byte_view
 from pitstop.shell.checksums import crc32_combine, crc32_update
 from pitstop.shell.hostmem import PAGE, new_aligned_bytes, new_host_bytes
 
-__all__ = ["DIRECT_FROM", "read_in_parallel"]
-
-DIRECT_FROM: Final = 1 << 20
-"""Placed blobs from this size on are read past the page cache, where the reader drops them."""
+__all__ = ["read_in_parallel"]
 
 
 @attrs.frozen
 class _Chunk:
-    """One pread of the parallel pass: bytes ``start..start + nbytes`` of blob ``blob``."""
+    """One read of the parallel pass: ``read`` of blob ``blob``."""
 
     blob: int
-    start: int
-    nbytes: int
-    direct: tuple[int, int] | None = None  # read past the cache: (file offset, bytes), aligned
+    read: BlobRead
 
 
 @attrs.define
@@ -78,23 +71,19 @@ def _plan(
         if padding:
             reader.check_padding(cursor, blob.offset, index)
         cursor = blob.stop
-        if index in placed and direct is not None and blob.length >= DIRECT_FROM:
+        past = direct is not None and reads_past_cache(
+            blob.length, placed=index in placed, dropping=reader.drop
+        )
+        if past:
             first = blob.offset - blob.offset % PAGE
-            last = -(-blob.stop // PAGE) * PAGE
             target, whole = new_aligned_bytes(blob.length, blob.offset - first)
-            plan.storages[index], plan.targets[index] = target.untyped_storage(), byte_view(target)
             plan.pages[index] = first, whole
-            for at in range(first, last, chunk):
-                start, stop = max(at, blob.offset), min(at + chunk, blob.stop)
-                read = (at, min(chunk, last - at))
-                plan.chunks.append(_Chunk(index, start - blob.offset, stop - start, read))
-            continue
-        if index in placed:
+        elif index in placed:
             target = new_host_bytes(blob.length)
+        if index in placed:
             plan.storages[index], plan.targets[index] = target.untyped_storage(), byte_view(target)
-        plan.chunks += [
-            _Chunk(index, at, min(chunk, blob.length - at)) for at in range(0, blob.length, chunk)
-        ]
+        reads = plan_blob_reads(blob.offset, blob.length, chunk=chunk, page=PAGE, direct=past)
+        plan.chunks += [_Chunk(index, read) for read in reads]
     return plan
 
 
@@ -121,7 +110,7 @@ def read_in_parallel(
         reader.dropped(index)
     joined: dict[int, int] = {}
     for piece, crc in zip(plan.chunks, crcs, strict=True):
-        joined[piece.blob] = crc32_combine(joined.get(piece.blob, 0), crc, piece.nbytes)
+        joined[piece.blob] = crc32_combine(joined.get(piece.blob, 0), crc, piece.read.nbytes)
     for index in order:
         if joined.get(index, 0) != reader.manifest.blobs[index].crc32:
             raise blob_corrupt(reader.manifest, index)
@@ -146,26 +135,26 @@ def _read(
             for turn in turns:
                 if failed:
                     return
-                piece = chunks[turn]
-                place = targets.get(piece.blob)
-                blob = manifest.blobs[piece.blob]
-                at = blob.offset + piece.start
-                if piece.direct is not None and direct is not None and place is not None:
-                    first, whole = plan.pages[piece.blob]
-                    offset, nbytes = piece.direct
-                    window = whole[offset - first : offset - first + nbytes]
-                    reader.read_direct(direct, window, offset, min(nbytes, blob.stop - offset))
-                    view = place[piece.start : piece.start + piece.nbytes]
+                index, read = chunks[turn].blob, chunks[turn].read
+                place = targets.get(index)
+                blob = manifest.blobs[index]
+                at = blob.offset + read.start
+                if read.read_at is not None and direct is not None and place is not None:
+                    first, whole = plan.pages[index]
+                    window = whole[read.read_at - first : read.read_at - first + read.read_bytes]
+                    need = min(read.read_bytes, blob.stop - read.read_at)
+                    reader.read_direct(direct, window, read.read_at, need)
+                    view = place[read.start : read.start + read.nbytes]
                 elif place is None:
-                    view = own[: piece.nbytes]
+                    view = own[: read.nbytes]
                     reader.read_into(view, at)
                 else:
-                    view = place[piece.start : piece.start + piece.nbytes]
+                    view = place[read.start : read.start + read.nbytes]
                     reader.read_placed(view, at)
                 crcs[turn] = crc32_update(view)
                 if advance is not None:
                     with lock:
-                        advance(piece.nbytes)
+                        advance(read.nbytes)
         except BaseException as exc:  # raised below, on the calling thread
             failed.append(exc)
 
