@@ -49,7 +49,8 @@ class _Plan:
 
     chunks: list[_Chunk] = attrs.Factory(list)
     targets: dict[int, memoryview] = attrs.Factory(dict)  # a placed blob's own bytes
-    pages: dict[int, tuple[int, memoryview]] = attrs.Factory(dict)  # past the cache: from
+    # a blob read past the cache: the file offset of its first page, and memory from there
+    pages: dict[int, tuple[int, memoryview]] = attrs.Factory(dict)
     storages: dict[int, torch.UntypedStorage] = attrs.Factory(dict)
 
 
@@ -74,16 +75,17 @@ def _plan(
         past = direct is not None and reads_past_cache(
             blob.length, placed=index in placed, dropping=reader.drop
         )
-        if past:
-            first = blob.offset - blob.offset % PAGE
-            target, whole = new_aligned_bytes(blob.length, blob.offset - first)
-            plan.pages[index] = first, whole
-        elif index in placed:
-            target = new_host_bytes(blob.length)
-        if index in placed:
-            plan.storages[index], plan.targets[index] = target.untyped_storage(), byte_view(target)
         reads = plan_blob_reads(blob.offset, blob.length, chunk=chunk, page=PAGE, direct=past)
         plan.chunks += [_Chunk(index, read) for read in reads]
+        if index not in placed:
+            continue
+        first = reads[0].read_at if past else None  # the page the first read starts on
+        if first is None:
+            target = new_host_bytes(blob.length)
+        else:
+            target, whole = new_aligned_bytes(blob.length, blob.offset - first)
+            plan.pages[index] = first, whole
+        plan.storages[index], plan.targets[index] = target.untyped_storage(), byte_view(target)
     return plan
 
 
