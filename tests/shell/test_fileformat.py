@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
 from pitstop.shell import fileformat as ff
-from pitstop.shell.treecodec import DTYPES, MAX_DEPTH, TENSOR_DTYPES
+from pitstop.shell.treecodec import DTYPES, MAX_DEPTH, TENSOR_DTYPES, check_tree
 
 ALL_DTYPES = sorted(TENSOR_DTYPES.values(), key=str)
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
@@ -845,6 +845,33 @@ HOSTILE: dict[str, tuple[dict[str, Any], str]] = {
     "invalid utf-8": ({"raw": b"\x81\xa1\xff\x00"}, "not a valid"),
     "trailing bytes after the manifest": ({"raw": packed(document()) + b"\x00"}, "not a valid"),
 }
+
+
+def _nested(depth: int, leaf: Callable[[object], object]) -> object:
+    """A leaf under ``depth`` levels of one-item containers (``leaf`` wraps the last)."""
+    node = leaf(0)
+    for _ in range(depth - 1):
+        node = [node]
+    return node
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [lambda x: [x], lambda x: {"k": x}, lambda x: {x: "v"}, lambda x: {x}],
+    ids=["list item", "dict value", "dict key", "set member"],
+)
+@pytest.mark.parametrize("depth", range(MAX_DEPTH - 2, MAX_DEPTH + 3))
+def test_a_read_tree_s_leaves_count_towards_its_depth_wherever_they_are(
+    leaf: Callable[[object], object], depth: int
+) -> None:
+    # A leaf at depth ``depth`` (the root at 0) passes only up to MAX_DEPTH, whether or not
+    # the walk visits it (the check skips leaves it can pass without a visit).
+    tree = _nested(depth, leaf)
+    if depth <= MAX_DEPTH:
+        assert check_tree(tree, root="", tensor_count=0) == ()
+    else:
+        with pytest.raises(CheckpointCorrupt, match=f"nested deeper than {MAX_DEPTH} levels"):
+            check_tree(tree, root="", tensor_count=0)
 
 
 @pytest.mark.parametrize("case", list(HOSTILE), ids=list(HOSTILE))
