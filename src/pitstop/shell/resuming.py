@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import nn
@@ -38,7 +38,7 @@ from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
-from pitstop.core.sharded import MANIFEST_NAME, share_checks
+from pitstop.core.sharded import share_checks
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, IncompatibleCheckpoint
 from pitstop.shell import fileformat
 from pitstop.shell.capture import (
@@ -55,6 +55,9 @@ from pitstop.shell.resolve import find_resume, own_pointer
 from pitstop.shell.restore import Restore, differences
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharddir import verify_sharded
+
+if TYPE_CHECKING:
+    from pitstop.shell.sharded import ShardedPlan
 
 __all__ = ["resume_from"]
 
@@ -82,8 +85,9 @@ def resume_from(
         # checks as it reads: the disk read once
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
+        plan = None
         if sharded and pointer is not None:
-            path, wire = _choose_sharded(directory, pointer, reading, live, ranks)
+            path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
         entry = entry_from_wire(wire)
@@ -95,10 +99,8 @@ def resume_from(
             run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
             raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
         target = _replicated(live) if sharded else live
-        loaded = ranks.each(partial(_load, path, reading, target, ranks, may_change))
-        tree, meta, found, deferred = loaded
-        if sharded:
-            found = found + ranks.each(partial(_layout_differences, path, live, ranks.rank))
+        loaded = ranks.each(partial(_load, path, reading, live, target, ranks, may_change, plan))
+        tree, meta, found, deferred, plan = loaded
         found = _union(ranks.all_gather(found))
         if judge(found, strict=strict):
             raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
@@ -111,9 +113,9 @@ def resume_from(
             if sharded:  # checked and verified on every rank before DCP touches a tensor
                 from pitstop.shell.sharded import read_sharded
 
-                # every file was verified when the checkpoint was chosen
+                # every file was verified when the checkpoint was chosen, with this plan
                 components = sharded_components(live)
-                read_sharded(path, live.model, components, ranks=ranks, verify=False, ema=live.ema)
+                read_sharded(path, live.model, components, ranks=ranks, chosen=plan, ema=live.ema)
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
             raise
@@ -133,21 +135,36 @@ def resume_from(
 
 
 def _load(
-    path: Path, reading: ResumeRead, live: LiveState, ranks: Ranks, may_change: tuple[str, ...]
-) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str]]:
-    """Every rank: read ``path`` and compare it with this rank's run."""
-    manifest = fileformat.read_manifest(path / MANIFEST_NAME if is_sharded_path(path) else path)
+    path: Path,
+    reading: ResumeRead,
+    live: LiveState,
+    target: LiveState,
+    ranks: Ranks,
+    may_change: tuple[str, ...],
+    plan: ShardedPlan | None,
+) -> tuple[Any, Mapping[str, Any], list[Difference], frozenset[str], ShardedPlan | None]:
+    """Every rank: read ``path`` and compare it with this rank's run (``target``: what its
+    file or manifest holds); a sharded checkpoint's layout too, with the plan its choice made
+    (made here when the checkpoint was named by path), which the read then uses."""
+    if is_sharded_path(path):
+        if plan is None:
+            plan = _plan(path, live, ranks)
+        meta = plan.meta
+    else:
+        meta = fileformat.read_manifest(path).meta
     tree: Any = reading.load(path)  # rank 0 verified it as it loaded it, choosing it
     found, deferred = differences(
-        live,
+        target,
         tree,
-        manifest.meta,
+        meta,
         rank=ranks.rank,
         world_size=ranks.world_size,
         may_change=may_change,
         where=path.name,
     )
-    return tree, manifest.meta, found, deferred
+    if plan is not None:
+        found += plan.differences
+    return tree, meta, found, deferred, plan
 
 
 def _replicated(live: LiveState) -> LiveState:
@@ -156,14 +173,6 @@ def _replicated(live: LiveState) -> LiveState:
     through_dcp = sharded_components(live)
     components = {n: o for n, o in live.components.items() if n not in through_dcp}
     return attrs.evolve(live, model=nn.Module(), ema=None, components=components)
-
-
-def _layout_differences(path: Path, live: LiveState, rank: int) -> list[Difference]:
-    """This rank's differences between its sharded state and the directory's layout, and an
-    EMA on one side only (as for a file checkpoint)."""
-    from pitstop.shell.sharded import sharded_differences
-
-    return sharded_differences(path, live.model, sharded_components(live), rank, ema=live.ema)
 
 
 def _candidates(
@@ -178,38 +187,42 @@ def _candidates(
     return wires, bool(found.catalog)
 
 
-_Planned = tuple[Any, tuple[str, ...], str | None]
-"""A candidate's layout on this rank (``None``: unreadable), the files its DCP read plan names
-(or, when its state does not fit the layout, an equal share of all), and what went wrong."""
+def _plan(path: Path, live: LiveState, ranks: Ranks) -> ShardedPlan:
+    """This rank's plan of the sharded checkpoint ``path``."""
+    from pitstop.shell.sharded import plan_read
+
+    return plan_read(
+        path,
+        live.model,
+        sharded_components(live),
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        ema=live.ema,
+    )
+
+
+_Planned = tuple["ShardedPlan | None", str | None]
+"""A candidate's plan on this rank (``None``: a file checkpoint, or a directory this rank
+could not plan), and what went wrong."""
 
 
 def _planned(path: Path, live: LiveState, ranks: Ranks) -> _Planned:
-    """This rank's files of candidate ``path`` (a directory: empty for a file checkpoint)."""
+    """This rank's plan of candidate ``path`` (none for a file checkpoint)."""
     if not is_sharded_path(path):
-        return None, (), None
-    from pitstop.shell.sharded import files_to_verify
-
+        return None, None
     try:
-        layout, names = files_to_verify(
-            path,
-            live.model,
-            sharded_components(live),
-            rank=ranks.rank,
-            world_size=ranks.world_size,
-            ema=live.ema,
-        )
+        return _plan(path, live, ranks), None
     except (CheckpointCorrupt, OSError) as exc:
-        return None, (), str(exc)
-    return layout, names, None
+        return None, str(exc)
 
 
 def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
     """Which rank verifies which file (``None``: this rank could not read the layout)."""
-    layout = planned[0]
-    if layout is None:
+    plan = planned[0]
+    if plan is None:
         return None
     try:
-        return share_checks(layout, reads)
+        return share_checks(plan.layout, reads)
     except CheckpointCorrupt:  # another rank's plan names a file this layout lacks
         return None
 
@@ -225,19 +238,19 @@ def _problem(
 
     Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
     file some rank's DCP read plan names is checked by one of those ranks, in parallel."""
-    layout, names, problem = planned
+    plan, problem = planned
     if problem is not None:
         return problem
     try:
         if ranks.leader:
             reading.verify(path, shards=False)
-        if layout is not None:
+        if plan is not None:
             from pitstop.shell.dcpio import DCP_METADATA
 
-            mine = shares[ranks.rank] if shares is not None else names
+            mine = shares[ranks.rank] if shares is not None else plan.files
             if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
-                mine += tuple(f.name for f in layout.files if f.name == DCP_METADATA)
-            verify_sharded(path, layout, mine)
+                mine += tuple(f.name for f in plan.layout.files if f.name == DCP_METADATA)
+            verify_sharded(path, plan.layout, mine)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None
@@ -249,20 +262,22 @@ def _choose_sharded(
     reading: ResumeRead,
     live: LiveState,
     ranks: Ranks,
-) -> tuple[Path | None, tuple[Any, ...] | None]:
-    """Every rank: try rank 0's resume order until a candidate verifies on every rank; all
-    ranks move on together, rank 0 warning about each one skipped and why (and where)."""
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None]:
+    """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
+    this rank's plan of it); all ranks move on together, rank 0 warning about each one
+    skipped and why (and where)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     for path, wire in candidates:
         planned = _planned(path, live, ranks)
-        shares = _shares(planned, ranks.all_gather(planned[1]))
+        files = planned[0].files if planned[0] is not None else ()
+        shares = _shares(planned, ranks.all_gather(files))
         problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
-            return path, wire
+            return path, wire, planned[0]
         if ranks.leader:  # one line per problem, with the ranks that found it
             for problem, where in found.items():
                 ranks_found = ", ".join(map(str, where))
@@ -273,7 +288,7 @@ def _choose_sharded(
                 )
     if pointer is not PointerName.LAST and any_found:
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
-    return None, None
+    return None, None, None
 
 
 def _find_portable(

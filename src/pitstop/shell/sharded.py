@@ -26,10 +26,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 from torch.distributed.checkpoint._traverse import traverse_state_dict
@@ -74,18 +75,18 @@ __all__ = [
     "EMA",
     "MODEL",
     "PendingShardedWrite",
+    "ShardedPlan",
     "WrittenShards",
     "async_write_sharded",
     "delete_sharded",
-    "files_to_verify",
     "full_state_dict",
     "holds_ema",
     "is_sharded",
     "make_stager",
+    "plan_read",
     "publish_sharded",
     "read_layout",
     "read_sharded",
-    "sharded_differences",
     "verify_sharded",
     "write_manifest",
     "write_sharded",
@@ -130,28 +131,28 @@ def _state(
     return dcp_state(model, optimizers, ema if holds_ema(layout) else None)
 
 
-def sharded_differences(
-    directory: str | os.PathLike[str],
-    model: nn.Module,
-    optimizers: Optimizers,
-    rank: int,
-    *,
-    ema: nn.Module | None = None,
-) -> list[Difference]:
-    """Every difference between this rank's live sharded state and the directory's layout
-    (empty when it fits), an EMA on one side only judged as for a file checkpoint; reads the
-    manifest only."""
-    root = Path(directory)
-    layout, _ = read_layout(root)
-    found = diff_ema(stored=holds_ema(layout), live=ema is not None)
-    try:
-        _planned_files(root, layout, _state(layout, model, optimizers, ema), rank)
-    except IncompatibleCheckpoint as exc:
-        found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
-    return found
+@attrs.frozen(eq=False)
+class ShardedPlan:
+    """One rank's plan for reading a sharded checkpoint, made before a byte of its files is
+    read: what a resume checks (the files to verify, the differences) and then reads with."""
+
+    directory: Path
+    """The checkpoint directory."""
+    layout: ShardedLayout
+    """The layout in its manifest."""
+    meta: Mapping[str, Any]
+    """Its manifest's meta."""
+    state: dict[str, Any]
+    """What DCP fills on this rank (:func:`~pitstop.shell.dcpstate.dcp_state`)."""
+    files: tuple[str, ...]
+    """The files DCP's read plan names on this rank — or, when the state does not fit the
+    layout, an equal share of every file the layout lists."""
+    differences: tuple[Difference, ...]
+    """Every difference between this rank's state and the layout (empty when it fits), an
+    EMA on one side only judged as for a file checkpoint."""
 
 
-def files_to_verify(
+def plan_read(
     directory: str | os.PathLike[str],
     model: nn.Module,
     optimizers: Optimizers,
@@ -159,18 +160,27 @@ def files_to_verify(
     rank: int,
     world_size: int,
     ema: nn.Module | None = None,
-) -> tuple[ShardedLayout, tuple[str, ...]]:
-    """The layout, and the files this rank checks when a resume considers ``directory``:
-    those DCP's read plan names for it — or, when its state does not fit the layout (the
-    comparison reports that later), an equal share of every file the layout lists."""
+) -> ShardedPlan:
+    """This rank's :class:`ShardedPlan` of ``directory``; reads the manifest only."""
     root = Path(directory)
-    layout, _ = read_layout(root)
+    layout, meta = read_layout(root)
+    found = diff_ema(stored=holds_ema(layout), live=ema is not None)
+    state: dict[str, Any] = {}
     try:
         state = _state(layout, model, optimizers, ema)
-        return layout, _planned_files(root, layout, state, rank)
-    except IncompatibleCheckpoint:
+        files = _planned_files(root, layout, state, rank)
+    except IncompatibleCheckpoint as exc:
+        found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
         names = [f.name for f in layout.files]
-        return layout, tuple(names[rank::world_size])
+        files = tuple(names[rank::world_size])
+    return ShardedPlan(
+        directory=root,
+        layout=layout,
+        meta=meta,
+        state=state,
+        files=files,
+        differences=tuple(found),
+    )
 
 
 class _Kept:
@@ -202,6 +212,17 @@ def _layout_and_fresh(root: Path) -> tuple[ShardedLayout, tuple[str, ...]]:
     return layout, fresh_optimizers(meta)
 
 
+def _chosen(root: Path, plan: ShardedPlan) -> tuple[ShardedLayout, tuple[str, ...], dict[str, Any]]:
+    """A chosen plan's layout, its optimizers stored fresh, and its state; refused where the
+    state does not fit (a resume refuses that before it reads)."""
+    if plan.directory != root:
+        raise ValueError(f"the plan is for {plan.directory}, not {root}")
+    shapes = [d.message for d in plan.differences if d.kind is Kind.SHAPE]
+    if shapes:
+        raise IncompatibleCheckpoint(shapes)
+    return plan.layout, fresh_optimizers(plan.meta), plan.state
+
+
 def read_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -209,7 +230,7 @@ def read_sharded(
     *,
     ranks: Ranks,
     group: Any = None,
-    verify: bool = True,
+    chosen: ShardedPlan | None = None,
     ema: nn.Module | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
@@ -224,15 +245,19 @@ def read_sharded(
     A failure there on any rank (DCP could not read a file:
     :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's state back as it was, from
     a host copy of this rank's tensors kept while DCP reads. Returns the layout.
-    ``verify=False``: the files were verified already (a resume's choice checks them).
+    ``chosen``: this rank's :func:`plan_read` of ``directory``, made by a resume that has
+    compared it with the run and verified every file of it on every rank already: read with
+    it, without reading the manifest or planning again.
     """
     root = Path(directory)
     with FreshOptimizers(optimizers) as fresh:
-        layout, stored_fresh = ranks.each(lambda: _layout_and_fresh(root))
-        state = _state(layout, model, optimizers, ema)
-        reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
-        if verify:  # every file read, once, by one of its readers
-            mine = share_checks(layout, reads)[ranks.rank]
+        if chosen is not None:
+            layout, stored_fresh, state = ranks.each(lambda: _chosen(root, chosen))
+        else:
+            layout, stored_fresh = ranks.each(lambda: _layout_and_fresh(root))
+            state = _state(layout, model, optimizers, ema)
+            reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
+            mine = share_checks(layout, reads)[ranks.rank]  # each file, once, by a reader
             ranks.each(lambda: verify_sharded(root, layout, mine))
         kept = _Kept(state, optimizers)
         try:
