@@ -64,6 +64,7 @@ from pitstop.errors import SaveError
 from pitstop.shell import fileformat, sharddir
 from pitstop.shell.lock import DirectoryLock
 from pitstop.shell.publish import (
+    RetentionInterrupted,
     delete_checkpoints,
     publish_file,
     publish_pointers,
@@ -206,7 +207,9 @@ class CheckpointDirectory:
 
         ``write(file, entry, sync)`` writes the whole checkpoint file (``sync`` as in
         :data:`~pitstop.shell.publish.WriteFile`). On :class:`SaveError` the
-        directory is as it was before the call. Returns the names retention deleted.
+        directory is as it was before the call; on
+        :class:`~pitstop.shell.publish.RetentionInterrupted` (a Ctrl-C in retention) the save
+        is published and the catalog lists what retention left. Returns the names it deleted.
         """
         step, name = plan_subject(plan, self.pointers)
         if not self._lock.held:
@@ -225,6 +228,8 @@ class CheckpointDirectory:
         deleted: list[str] = []
         try:
             delete_checkpoints(self.storage, plan.retention.delete, deleted)
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: raised as one the save survived
+            raise RetentionInterrupted(*interrupt.args) from None
         finally:  # an interrupt (Ctrl-C) part-way: the catalog still lists what is left
             self.catalog = plan.catalog.without(deleted)
         return deleted

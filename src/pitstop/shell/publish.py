@@ -32,6 +32,7 @@ from pitstop.errors import SaveError
 from pitstop.shell.storage import FileKind, Storage
 
 __all__ = [
+    "RetentionInterrupted",
     "WriteFile",
     "delete_checkpoints",
     "publish_file",
@@ -178,6 +179,12 @@ def publish_pointers(
     contents = json.dumps(latest_json(catalog, pointers, policy), indent=2) + "\n"
     publish_file(storage, LATEST_JSON, token, lambda f, _: f.write(contents.encode("utf-8")))
     return symlinks
+
+
+class RetentionInterrupted(KeyboardInterrupt):
+    """A Ctrl-C that landed in a save's retention — after the save and its pointers were
+    published. It is a :class:`KeyboardInterrupt` to the user; the save that raises it is done
+    (its caller records it as published) and the next save's retention deletes what is left."""
 
 
 def delete_checkpoints(

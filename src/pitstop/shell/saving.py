@@ -51,6 +51,7 @@ from pitstop.errors import SaveError
 from pitstop.shell import fileformat
 from pitstop.shell.capture import LiveState, capture, deferrable, with_parts
 from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.publish import RetentionInterrupted
 from pitstop.shell.session import Reported, SaveSession
 from pitstop.shell.staging import StagingPool
 
@@ -208,11 +209,19 @@ class Saver:
                 pool=self._pool,
                 overlap=overlap,
             )
+        except RetentionInterrupted:  # published: only the deletions after it were cut short
+            self._published(plan)
+            raise
         except BaseException:
             self._session.event(Event.ABORTED)
             raise
         self.schedule, self.pointers = self._decided, plan.pointers
         return ticket
+
+    def _published(self, plan: SavePlan) -> None:
+        """The synchronous save of ``plan`` is published (a Ctrl-C cut its retention short)."""
+        self._session.event(Event.PUBLISHED)
+        self.schedule, self.pointers = self._decided, plan.pointers
 
     def begin_sharded(self, progress: Progress, *, copy: bool = False) -> str | None:
         """Rank 0: start the planned sharded save and create the temp directory every rank
@@ -281,12 +290,14 @@ class Saver:
             meta = _with_fresh(meta, fresh)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta, temp=self._temp)
+        except RetentionInterrupted:  # published: only the deletions after it were cut short
+            self._published(plan)
+            raise
         except BaseException:
             self._session.event(Event.ABORTED)
             self._remove_temp()
             raise
-        self._session.event(Event.PUBLISHED)
-        self.schedule, self.pointers = self._decided, plan.pointers
+        self._published(plan)
         return self._ticket
 
     # A background sharded save: capture_sharded, (every rank stages), handed_over; later, once
@@ -329,9 +340,14 @@ class Saver:
         handed = self._handed
         assert handed is not None
         tree, meta = with_parts(handed.tree, handed.meta, parts)
-        self._directory.publish_sharded(
-            handed.plan, handed.entry, layout, tree, meta, temp=self._temp
-        )
+        try:
+            self._directory.publish_sharded(
+                handed.plan, handed.entry, layout, tree, meta, temp=self._temp
+            )
+        except RetentionInterrupted:  # published: only the deletions after it were cut short
+            self._handed = None
+            self._session.event(Event.PUBLISHED)
+            raise
         self._handed = None
         self._session.event(Event.PUBLISHED)
 

@@ -50,6 +50,7 @@ from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.freshopt import FreshOptimizers
+from pitstop.shell.publish import RetentionInterrupted
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
@@ -280,6 +281,10 @@ class ShardedSaves:
                 ticket.settle(SaveStatus.FAILED)
             ranks.lead(partial(saver.fail_handed, exc))  # rank 0's SaveError, on every rank
             raise  # fail_handed raised already; this keeps the type checker sure
+        except RetentionInterrupted:  # published: a Ctrl-C cut its retention short
+            if ticket is not None:
+                ticket.settle(SaveStatus.PUBLISHED)
+            raise
         except BaseException:  # KeyboardInterrupt while waiting: a later call finishes it
             self._pending, self.ticket = pending, ticket
             raise
