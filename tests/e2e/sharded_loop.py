@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,5 +216,15 @@ def exit_before_teardown(code: int) -> None:
     os._exit(code)
 
 
+def exit_code(run: Callable[[], int]) -> int:
+    """``run()``'s exit code, a ``SystemExit`` it raises included (an error it reported), so
+    that every exit goes through :func:`exit_before_teardown` — a ``SystemExit`` left to
+    propagate ends in the interpreter's teardown, where the abort above was seen again."""
+    try:
+        return run()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
 if __name__ == "__main__":
-    exit_before_teardown(main())
+    exit_before_teardown(exit_code(main))
