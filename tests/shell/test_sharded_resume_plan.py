@@ -45,6 +45,20 @@ def counting(monkeypatch: pytest.MonkeyPatch, calls: Counter[str], name: str) ->
     monkeypatch.setattr(sharded, name, counted)
 
 
+def resume_counting(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Counter[str], int, nn.Module]:
+    """A fresh run resumed from ``root``: the layout reads and DCP read plans the sharded
+    module made, the step resumed, and the model."""
+    calls: Counter[str] = Counter()
+    counting(monkeypatch, calls, "read_layout")
+    counting(monkeypatch, calls, "_planned_files")
+    model, optimizer = sharded_model(step=False)
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
+        step = ckpt.resume().step
+    return calls, step, model
+
+
 def save_two(root: Path) -> dict[str, torch.Tensor]:
     """Steps 1 and 2 saved; the weights of step 1."""
     model, optimizer = sharded_model()
@@ -63,12 +77,8 @@ def test_a_resume_reads_the_layout_and_plans_dcp_s_read_once(
 ) -> None:
     root = tmp_path / "checkpoints"
     save_two(root)
-    calls: Counter[str] = Counter()
-    counting(monkeypatch, calls, "read_layout")
-    counting(monkeypatch, calls, "_planned_files")
-    model, optimizer = sharded_model(step=False)
-    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
-        assert ckpt.resume().step == 2
+    calls, step, _ = resume_counting(root, monkeypatch)
+    assert step == 2
     assert calls == {"read_layout": 1, "_planned_files": 1}
 
 
@@ -81,12 +91,8 @@ def test_a_torn_newest_checkpoint_is_planned_then_skipped_and_the_one_before_res
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    calls: Counter[str] = Counter()
-    counting(monkeypatch, calls, "read_layout")
-    counting(monkeypatch, calls, "_planned_files")
-    model, optimizer = sharded_model(step=False)
-    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
-        assert ckpt.resume().step == 1
+    calls, step, model = resume_counting(root, monkeypatch)
+    assert step == 1
     assert calls == {"read_layout": 2, "_planned_files": 2}  # each candidate once
     restored = local(model)
     assert restored.keys() == first.keys()
