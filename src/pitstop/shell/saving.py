@@ -340,16 +340,17 @@ class Saver:
         handed = self._handed
         assert handed is not None
         tree, meta = with_parts(handed.tree, handed.meta, parts)
+        interrupted: RetentionInterrupted | None = None
         try:
             self._directory.publish_sharded(
                 handed.plan, handed.entry, layout, tree, meta, temp=self._temp
             )
-        except RetentionInterrupted:  # published: only the deletions after it were cut short
-            self._handed = None
-            self._session.event(Event.PUBLISHED)
-            raise
+        except RetentionInterrupted as exc:  # published: only the deletions were cut short
+            interrupted = exc
         self._handed = None
         self._session.event(Event.PUBLISHED)
+        if interrupted is not None:
+            raise interrupted
 
     def fail_handed(self, error: BaseException) -> None:
         """Rank 0: the handed-over save failed (on any rank): remove its temp directory, put
