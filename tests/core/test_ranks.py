@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.core.ranks import (
+    INTERRUPTED,
     OK,
     SECONDHAND,
     CallInput,
@@ -49,17 +50,20 @@ def test_a_rank_that_only_heard_of_the_stop_loses_to_the_one_that_got_it() -> No
 
 outcomes = st.builds(
     Outcome,
-    kind=st.sampled_from(["", "SaveError", "CheckpointCorrupt"]),
+    kind=st.sampled_from(["", "SaveError", "CheckpointCorrupt", INTERRUPTED]),
     error=st.sampled_from(["", "disk full", "bad byte"]),
     rank=st.integers(0, 7),
 )
 
 
 @given(st.lists(outcomes, min_size=1, max_size=8))
-def test_the_lowest_failing_rank_decides(ranks: list[Outcome]) -> None:
+def test_an_interrupted_rank_decides_then_the_lowest_failing_one(ranks: list[Outcome]) -> None:
     agreed = agree(ranks)
+    interrupted = [o for o in ranks if o.interrupted]
     failing = [o for o in ranks if not o.ok]
-    assert agreed == (failing[0] if failing else OK)
+    assert agreed == (interrupted or failing or [OK])[0]
+    assert agreed.interrupted == bool(interrupted)
+    assert agreed.ok == (not failing)
 
 
 @given(st.integers(1, 64), st.integers(1, 64))

@@ -2,7 +2,8 @@
 
 Each rank all-gathers (with the default box and with ``PART_BOX``), gathers to rank 0 and
 broadcasts values from empty to far past each box (``pitstop.shell.distributed``), the ranks'
-sizes differing, and checks what it got; then ``gather_then_lead`` with a failure on each side.
+sizes differing, and checks what it got; then ``gather_then_lead`` with a failure on each side,
+and a Ctrl-C in a round's work on one rank, which every rank raises.
 It prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
 """
 
@@ -89,5 +90,43 @@ assert type(failed) is (OSError if rank == 0 else SaveError), repr(failed)
 if rank != 0:
     assert str(failed) == "rank 0: OSError: [Errno 28] No space left on device", str(failed)
 checked += 1
+
+
+def interrupted(call: Callable[[], object]) -> KeyboardInterrupt:
+    """The KeyboardInterrupt ``call()`` raised (an AssertionError if it raised none)."""
+    try:
+        call()
+    except KeyboardInterrupt as exc:
+        return exc
+    raise AssertionError("no interrupt")
+
+
+def ctrl_c(*_: object) -> object:
+    raise KeyboardInterrupt
+
+
+# A Ctrl-C in rank 0's work reaches every rank (before, the others waited for rank 0 until the
+# timeout): its own interrupt there, one naming rank 0 elsewhere.
+stopped = interrupted(lambda: ranks.lead(ctrl_c))
+assert str(stopped) == ("" if rank == 0 else "rank 0: interrupted (Ctrl-C)"), str(stopped)
+checked += 1
+
+
+def last_interrupted_first_fails() -> int:
+    if rank == world - 1:
+        raise KeyboardInterrupt("Ctrl-C on the last rank")
+    if rank == 0:
+        raise SaveError("rank 0's own failure")
+    return rank
+
+
+# An interrupt anywhere outranks a failure elsewhere: every rank stops.
+stopped = interrupted(lambda: ranks.each(last_interrupted_first_fails))
+assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
+ran.clear()
+stopped = interrupted(lambda: ranks.gather_then_lead(last_interrupted_first_fails, lead))
+assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
+assert not ran  # the work did not run
+checked += 2
 print(f"ok {checked}", flush=True)
 dist.destroy_process_group()

@@ -23,6 +23,7 @@ import attrs
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
 
 __all__ = [
+    "INTERRUPTED",
     "OK",
     "CallInput",
     "Outcome",
@@ -75,12 +76,24 @@ class Outcome:
         """Whether the call succeeded."""
         return not self.error and not self.kind
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether the call was interrupted on its rank (Ctrl-C: a ``KeyboardInterrupt``)."""
+        return self.kind == INTERRUPTED
+
+
+INTERRUPTED = "KeyboardInterrupt"
+"""The kind of an outcome interrupted on its rank (whatever subclass of it was raised)."""
 
 OK = Outcome()
 
 
 def agree(outcomes: Sequence[Outcome]) -> Outcome:
-    """The outcome every rank raises: the lowest failing rank's, or OK."""
+    """The outcome every rank raises: the lowest interrupted rank's (a Ctrl-C on any rank
+    stops every rank, whatever failed elsewhere), else the lowest failing rank's, or OK."""
+    for outcome in outcomes:
+        if outcome.interrupted:
+            return outcome
     for outcome in outcomes:
         if not outcome.ok:
             return outcome

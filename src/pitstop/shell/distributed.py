@@ -36,7 +36,7 @@ from typing import Any, Final, TypeVar
 import torch
 
 from pitstop import errors
-from pitstop.core.ranks import OK, Outcome, agree
+from pitstop.core.ranks import INTERRUPTED, OK, Outcome, agree
 from pitstop.shell.treecodec import TENSOR_DTYPES, encode_tree, resolve, unpack
 from pitstop.shell.treewalk import dtype_name, storage_of
 
@@ -70,17 +70,22 @@ _ERRORS = {
 
 
 def outcome_of(exc: BaseException, rank: int) -> Outcome:
-    """``exc`` as an outcome other ranks can raise."""
+    """``exc`` as an outcome other ranks can raise (any ``KeyboardInterrupt`` as one)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return Outcome(kind=INTERRUPTED, error=str(exc) or "interrupted (Ctrl-C)", rank=rank)
     differences = getattr(exc, "differences", None)
     message = "\n".join(differences) if differences else str(exc)
     return Outcome(kind=type(exc).__name__, error=message or type(exc).__name__, rank=rank)
 
 
-def rebuilt(outcome: Outcome) -> errors.PitstopError:
+def rebuilt(outcome: Outcome) -> errors.PitstopError | KeyboardInterrupt:
     """A failed ``outcome`` as the error another rank raises: the same pitstop class (any
-    other as a SaveError naming it), its message prefixed with the rank it came from."""
+    other as a SaveError naming it), its message prefixed with the rank it came from; an
+    interrupt as a ``KeyboardInterrupt`` naming the rank it came from."""
     cls = _ERRORS.get(outcome.kind)
     where = f"rank {outcome.rank}: "
+    if outcome.interrupted:
+        return KeyboardInterrupt(f"{where}{outcome.error}")
     if cls is errors.IncompatibleCheckpoint:
         return errors.IncompatibleCheckpoint(where + line for line in outcome.error.splitlines())
     if cls is None:
@@ -319,12 +324,12 @@ class Ranks:
         if self.leader:
             agreed = agree([o for o, _ in gathered])
             if agreed.ok:
-                value, agreed, own = self._attempt(lambda: work([r for _, r in gathered]))
-                answer = (agreed, value)
+                value, outcome, own = self._attempt(lambda: work([r for _, r in gathered]))
+                answer = (outcome, value)
             else:
                 answer = (agreed, None)
         agreed, value = self.broadcast(answer)
-        raise_outcome(agreed, own=own if agreed == outcome or self.leader else None)
+        raise_outcome(agreed, own=own if agreed == outcome else None)
         return value  # type: ignore[no-any-return]
 
     def gather_state(self, value: object, work: Callable[[list[Any]], T]) -> T:
@@ -361,10 +366,12 @@ class Ranks:
         return wait
 
     def _attempt(self, work: Callable[[], T]) -> tuple[Any, Outcome, BaseException | None]:
-        """``work()``'s result and outcome here (its own exception kept to raise as itself)."""
+        """``work()``'s result and outcome here (its own exception kept to raise as itself).
+        A Ctrl-C in ``work`` is an outcome too: the round still runs, so that the other ranks
+        hear of it (and raise it) instead of waiting for this rank until the timeout."""
         try:
             return work(), OK, None
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             return None, outcome_of(exc, self.rank), exc
 
     def lead(self, work: Callable[[], T]) -> T:
