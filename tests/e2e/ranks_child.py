@@ -56,13 +56,13 @@ assert ran == ([list(range(10, 10 + world))] if rank == 0 else [])
 checked += 1
 
 
-def raised(call: Callable[[], object]) -> Exception:
-    """The exception ``call()`` raised (an AssertionError if it raised none)."""
+def raised(call: Callable[[], object], kind: type[BaseException] = Exception) -> BaseException:
+    """The exception of ``kind`` that ``call()`` raised (an AssertionError if none)."""
     try:
         call()
-    except Exception as exc:
+    except kind as exc:
         return exc
-    raise AssertionError("no error")
+    raise AssertionError(f"no {kind.__name__}")
 
 
 def fail_on_last() -> int:
@@ -92,22 +92,13 @@ if rank != 0:
 checked += 1
 
 
-def interrupted(call: Callable[[], object]) -> KeyboardInterrupt:
-    """The KeyboardInterrupt ``call()`` raised (an AssertionError if it raised none)."""
-    try:
-        call()
-    except KeyboardInterrupt as exc:
-        return exc
-    raise AssertionError("no interrupt")
-
-
 def ctrl_c(*_: object) -> object:
     raise KeyboardInterrupt
 
 
 # A Ctrl-C in rank 0's work reaches every rank (before, the others waited for rank 0 until the
 # timeout): its own interrupt there, one naming rank 0 elsewhere.
-stopped = interrupted(lambda: ranks.lead(ctrl_c))
+stopped = raised(lambda: ranks.lead(ctrl_c), KeyboardInterrupt)
 assert str(stopped) == ("" if rank == 0 else "rank 0: interrupted (Ctrl-C)"), str(stopped)
 checked += 1
 
@@ -121,10 +112,12 @@ def last_interrupted_first_fails() -> int:
 
 
 # An interrupt anywhere outranks a failure elsewhere: every rank stops.
-stopped = interrupted(lambda: ranks.each(last_interrupted_first_fails))
+stopped = raised(lambda: ranks.each(last_interrupted_first_fails), KeyboardInterrupt)
 assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
 ran.clear()
-stopped = interrupted(lambda: ranks.gather_then_lead(last_interrupted_first_fails, lead))
+stopped = raised(
+    lambda: ranks.gather_then_lead(last_interrupted_first_fails, lead), KeyboardInterrupt
+)
 assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
 assert not ran  # the work did not run
 checked += 2
