@@ -19,6 +19,7 @@ from pitstop.core.session import (
     SaveStatus,
     Session,
     Until,
+    WriterStep,
     advance,
     after_failed_copy,
     claim_copy,
@@ -29,6 +30,7 @@ from pitstop.core.session import (
     satisfied,
     save_status,
     settles_first,
+    writer_step,
 )
 from pitstop.errors import PitstopError
 
@@ -65,6 +67,28 @@ def test_a_background_save_from_begin_to_published() -> None:
     session = advance(session, Event.PUBLISHED)
     assert satisfied(session, Until.SETTLED)
     assert save_status(session, 1) is SaveStatus.PUBLISHED
+
+
+def test_a_job_whose_save_failed_writes_nothing_of_the_next_save() -> None:
+    """The writer took save 1's job; its copy failed, was reported, and save 2 began: the old
+    job claims none of save 2's copies, and whatever save 2's phase, it writes nothing."""
+    session = Session(background=True)
+    session = advance(session, Event.BEGIN, step=1, name="step_1")
+    session = advance(session, Event.DEFER)
+    assert claim_copy(session, 1)
+    assert writer_step(session, 1) is WriterStep.DROP  # nothing copied yet: the writer claims
+    session = advance(session, Event.CLAIM)
+    assert writer_step(session, 1) is WriterStep.WAIT  # the loop copies
+    session = advance(advance(session, Event.FAILED), Event.REPORTED)
+    assert writer_step(session, 1) is WriterStep.DROP
+    session = advance(session, Event.BEGIN, step=2, name="step_2")
+    session = advance(session, Event.DEFER)
+    assert not claim_copy(session, 1)
+    assert claim_copy(session, 2)
+    assert claim_copy(session)  # the loop's thread: whichever save is in flight
+    session = advance(advance(session, Event.CLAIM), Event.COPIED)
+    assert writer_step(session, 1) is WriterStep.DROP
+    assert writer_step(session, 2) is WriterStep.WRITE
 
 
 def test_a_synchronous_save_reads_the_live_state_while_it_writes() -> None:
@@ -324,6 +348,21 @@ class SessionMachine(RuleBasedStateMachine):
         failure = self.session.failure
         assert (failure is not NO_FAILURE and failure.raised) is self.pending_interrupt
         assert self.raised <= self.failures
+
+    @invariant()
+    def a_writers_job_writes_only_its_own_save_while_it_is_in_flight(self) -> None:
+        for ticket, status in self.outcomes.items():
+            step = writer_step(self.session, ticket)
+            if status is not SaveStatus.PENDING:  # ended: its job writes and claims nothing
+                assert step is WriterStep.DROP
+                assert not claim_copy(self.session, ticket)
+            elif self.session.phase is Phase.WRITING:
+                assert step is WriterStep.WRITE
+            elif self.session.phase is Phase.COPYING:
+                assert step is WriterStep.WAIT
+            else:
+                assert step is WriterStep.DROP
+                assert claim_copy(self.session, ticket) is (self.session.phase is Phase.DEFERRED)
 
 
 TestSessionMachine = SessionMachine.TestCase

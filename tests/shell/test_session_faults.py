@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import pitstop
+import pitstop.shell.session as session_module
 from pitstop import Checkpointer, Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import DirectoryLocked, SaveError
@@ -306,3 +307,58 @@ def test_a_ctrl_c_in_the_step_hook_leaves_a_with_block_as_a_keyboard_interrupt(
     assert raised.value.__context__ is None  # nothing raised on top of it, or under it
     assert not _locked(opened[0], tmp_path)
     assert _steps(tmp_path) == []
+
+
+# --- a writer thread that took a job whose save then ended ------------------------------------
+
+
+def test_a_job_taken_before_its_save_failed_writes_nothing_and_the_next_save_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer takes save 1's job, then is held; meanwhile the loop's step makes save 1's
+    deferred copy, which fails; the next call raises that, and save 2 is handed over. Save 1's
+    job must write nothing (its buffers were never filled) and must not end save 2."""
+    model, optimizer = trained()
+    taken, go = threading.Event(), threading.Event()
+    real_work = session_module._work
+
+    def work(session: session_module.SaveSession) -> None:
+        job = session._next_job()  # save 1's job, taken...
+        taken.set()
+        assert go.wait(TIMEOUT), "the test never let the writer go"
+        if job is not None:
+            session._run(*job)  # ...and run once its save is long over
+        real_work(session)
+
+    monkeypatch.setattr(session_module, "_work", work)
+    real_copy = StagingPool._copy
+    calls: list[bool] = []
+
+    def copy(
+        self: StagingPool, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True
+    ) -> None:
+        calls.append(guard)
+        if len(calls) == 2:  # save 1's deferred copy, made by the loop's step
+            raise RuntimeError("the copy failed")
+        real_copy(self, pairs, guard=guard)
+
+    monkeypatch.setattr(StagingPool, "_copy", copy)
+    ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap")
+    try:
+        first = ckpt.save(Progress(step=1))
+        assert taken.wait(TIMEOUT)
+        train_step(model, optimizer)  # the hook copies, and the copy fails
+        assert first.status is SaveStatus.FAILED
+        with pytest.raises(SaveError, match=r"step 1.*the copy failed"):
+            ckpt.save(Progress(step=2))
+        at_save = weights(model)
+        second = ckpt.save(Progress(step=2))
+        train_step(model, optimizer)  # the hook makes save 2's copy: it is being written
+        go.set()
+        ckpt.wait()
+        assert second.published
+    finally:
+        go.set()
+        ckpt.close()
+    assert _steps(tmp_path) == [2]
+    assert same(dict(pitstop.load(second.path)["weights"]["raw"]), at_save)

@@ -29,7 +29,9 @@
 # A deferred copy that raised is raised at once only when it is an interrupt on the loop's
 # thread (`after_failed_copy`); any other error waits for the next call, as raising it inside
 # optimizer.step() would break the user's step. Each save gets a ticket number; `save_status`
-# tells a Checkpoint record whether its save is pending, published or failed. The directory may
+# tells a Checkpoint record whether its save is pending, published or failed, and the writer's
+# job carries its save's number (`writer_step`): a job whose save ended before the writer got to
+# it writes nothing and claims nothing of the next save's. The directory may
 # be unlocked (`may_release`) only when no save is in flight: a close() interrupted while the
 # writer writes keeps the lock.
 # How: enums for phases, events and requests; a dict for the transition table; frozen records.
@@ -57,6 +59,7 @@ __all__ = [
     "SaveStatus",
     "Session",
     "Until",
+    "WriterStep",
     "advance",
     "after_failed_copy",
     "claim_copy",
@@ -67,6 +70,7 @@ __all__ = [
     "satisfied",
     "save_status",
     "settles_first",
+    "writer_step",
 ]
 
 
@@ -211,9 +215,37 @@ def after_failed_copy(*, on_loop: bool, interrupt: bool) -> Event:
     return Event.INTERRUPTED if on_loop and interrupt else Event.FAILED
 
 
-def claim_copy(session: Session) -> bool:
-    """Whether a thread may take the deferred copies now (nobody has yet)."""
-    return session.phase is Phase.DEFERRED
+def claim_copy(session: Session, ticket: int | None = None) -> bool:
+    """Whether a thread may take the deferred copies now (nobody has yet).
+
+    ``ticket``: the save the thread works for (the writer's job); a job of a save that has
+    ended claims nothing of the next one's. ``None``: the save in flight, whichever it is (the
+    loop's thread).
+    """
+    return session.phase is Phase.DEFERRED and ticket in (None, session.ticket)
+
+
+class WriterStep(enum.Enum):
+    """What the writer thread does next with the job of one save."""
+
+    WAIT = "wait"  # the loop's thread is making that save's copies
+    WRITE = "write"  # that save is the one in flight, and nothing live is read any more
+    DROP = "drop"  # that save has ended (its copies failed): its job must write nothing
+
+
+def writer_step(session: Session, ticket: int) -> WriterStep:
+    """What the writer does with the job of save number ``ticket``.
+
+    A job is tied to its save: once that save has ended — failed, reported, and another begun
+    in the meantime — its job writes nothing, and it never ends the save now in flight. (The
+    writer claims its save's deferred copies first, :func:`claim_copy`, so it never asks while
+    they are still to take.)
+    """
+    if session.ticket != ticket:
+        return WriterStep.DROP
+    if session.phase is Phase.COPYING:
+        return WriterStep.WAIT
+    return WriterStep.WRITE if session.phase is Phase.WRITING else WriterStep.DROP
 
 
 def left_by_raise(session: Session) -> bool:

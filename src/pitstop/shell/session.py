@@ -39,6 +39,7 @@ from pitstop.core.session import (
     SaveStatus,
     Session,
     Until,
+    WriterStep,
     advance,
     after_failed_copy,
     claim_copy,
@@ -46,6 +47,7 @@ from pitstop.core.session import (
     may_release,
     satisfied,
     save_status,
+    writer_step,
 )
 from pitstop.errors import PitstopError, SaveError
 
@@ -75,7 +77,7 @@ class SaveSession:
         self._state = Session(background=background)
         self._error: BaseException | None = None
         self._undo: Any = None
-        self._job: Callable[[], None] | None = None
+        self._job: tuple[int, Callable[[], None]] | None = None  # (its save's ticket, write)
         self._copy: Copy | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -161,7 +163,7 @@ class SaveSession:
                 self._thread = self._start_writer()
             self._state = advance(self._state, Event.DEFER if copy else Event.CAPTURED)
             self._copy = copy
-            self._job = write
+            self._job = (self._state.ticket, write)
             self._cond.notify_all()
 
     def _start_writer(self) -> threading.Thread:
@@ -233,15 +235,16 @@ class SaveSession:
 
     # --- both sides ------------------------------------------------------------------------
 
-    def _take_copy(self, *, guard: bool) -> None:
-        """Run the deferred copies on this thread if nobody has taken them yet.
+    def _take_copy(self, *, guard: bool, ticket: int | None = None) -> None:
+        """Run the deferred copies on this thread if nobody has taken them yet (``ticket``:
+        only those of that save — the writer's job's).
 
         A copy that fails fails the save (the writer then writes nothing). Its error waits for
         the next call — except an interrupt on the loop's thread (a KeyboardInterrupt: any
         BaseException that is not an Exception), raised here once the session is consistent.
         """
         with self._cond:
-            if not claim_copy(self._state):
+            if not claim_copy(self._state, ticket):
                 return
             self._state = advance(self._state, Event.CLAIM)
             copy, self._copy = self._copy, None
@@ -275,21 +278,21 @@ class SaveSession:
 
     # --- the writer's side -----------------------------------------------------------------
 
-    def _next_job(self) -> Callable[[], None] | None:
+    def _next_job(self) -> tuple[int, Callable[[], None]] | None:
         with self._cond:
             while self._job is None and not self._stopping:
                 self._cond.wait()
             job, self._job = self._job, None
             return job
 
-    def _run(self, job: Callable[[], None]) -> None:
+    def _run(self, ticket: int, job: Callable[[], None]) -> None:
         try:
-            self._take_copy(guard=False)
+            self._take_copy(guard=False, ticket=ticket)
             with self._cond:
-                while self._state.phase is Phase.COPYING:  # the loop took the copies
-                    self._cond.wait()
-                if self._state.phase is not Phase.WRITING:
-                    return  # the copies failed: nothing to write
+                while (step := writer_step(self._state, ticket)) is WriterStep.WAIT:
+                    self._cond.wait()  # the loop took the copies
+                if step is WriterStep.DROP:
+                    return  # the copies failed, and the save may be over: nothing to write
             job()
         except BaseException as exc:  # kept for the caller, never lost
             self.fail(exc)
@@ -354,5 +357,5 @@ def _work(session: SaveSession) -> None:
         job = session._next_job()
         if job is None:
             return
-        session._run(job)
+        session._run(*job)
         del job  # hold nothing of a finished save while waiting for the next
