@@ -4,20 +4,18 @@
 # to the directory (plan_save). The schedule and the pointers move only once the save has been
 # carried out (or, in the background, handed over); a background save that fails later puts
 # them back as they were before it (the undo its session ticket holds), raised by the next
-# call that waits. A synchronous save writes straight from the live tensors before its call
-# returns. A background save copies them into staging buffers first (in overlap mode, the
-# storages only optimizer.step() changes are copied later, by whichever thread needs them
-# first) and hands the write to the session's writer thread. Every step is reported to the
-# session as the core's event. Nothing here refers to the Checkpointer, so the job a writer
-# thread holds keeps no Checkpointer alive. A sharded save (begin_sharded, publish_sharded):
-# rank 0 creates the temp directory, every rank writes its shards into it (the Checkpointer
-# drives that collective), then rank 0 captures the replicated state with every rank's part and
-# publishes. In the background (capture_sharded, handed_over; later publish_handed or
-# fail_handed): rank 0 copies the replicated state before DCP's write starts, the schedule and
-# pointers move once its own shards are staged, and the publish with every rank's part — or the
-# failure, undone — comes at a later call.
-# How: a Saver keeps the schedule, the pointers and the plan between a call's collectives;
-# carry_out() is a function over the live state, the directory, the session and the pool.
+# call that waits. The write itself is pitstop.shell.carryout's (synchronous, or handed to the
+# writer thread). A Ctrl-C once the save is out of the call's hands (published, or handed
+# over: the core's left_by_raise) is raised with the save counted, never ended a second time.
+# Every step is reported to the session as the core's event. Nothing here refers to the
+# Checkpointer, so the job a writer thread holds keeps no Checkpointer alive. A sharded save
+# (begin_sharded, publish_sharded): rank 0 creates the temp directory, every rank writes its
+# shards into it (the Checkpointer drives that collective), then rank 0 captures the
+# replicated state with every rank's part and publishes. In the background (capture_sharded,
+# handed_over; later publish_handed or fail_handed): rank 0 copies the replicated state
+# before DCP's write starts, the schedule and pointers move once its own shards are staged,
+# and the publish with every rank's part — or the failure, undone — comes at a later call.
+# How: a Saver keeps the schedule, the pointers and the plan between a call's collectives.
 
 """Saving: plan with the core, capture, then publish (synchronously) or hand over."""
 
@@ -27,7 +25,6 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence
 from copy import deepcopy
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +45,14 @@ from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save
 from pitstop.core.session import Event, Request, left_by_raise
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.capture import LiveState, capture, deferrable, with_parts
+from pitstop.shell.capture import LiveState, capture, with_parts
+from pitstop.shell.carryout import carry_out
 from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.publish import RetentionInterrupted
 from pitstop.shell.session import Reported, SaveSession
 from pitstop.shell.staging import StagingPool
 
-__all__ = ["Saver", "carry_out"]
+__all__ = ["Saver"]
 
 
 @attrs.frozen(kw_only=True)
@@ -213,7 +210,10 @@ class Saver:
             self._published(plan)
             raise
         except BaseException:
-            self._session.event(Event.ABORTED)
+            if left_by_raise(self._session.state):  # still this call's own: it ends here
+                self._session.event(Event.ABORTED)
+            else:  # a Ctrl-C once it was published, or handed to the writer: it counts
+                self.schedule, self.pointers = self._decided, plan.pointers
             raise
         self.schedule, self.pointers = self._decided, plan.pointers
         return ticket
@@ -377,57 +377,3 @@ class Saver:
             now=time.monotonic(),
             step=entry.step if entry is not NO_CHECKPOINT else 0,
         )
-
-
-def carry_out(
-    plan: SavePlan,
-    *,
-    live: LiveState,
-    parts: list[dict[str, Any]] | None,
-    directory: CheckpointDirectory,
-    session: SaveSession,
-    pool: StagingPool | None,
-    overlap: bool,
-) -> None:
-    """Capture ``live`` (with every rank's ``parts``) and write ``plan``'s checkpoint."""
-    entry = plan.entry
-    if entry is NO_CHECKPOINT:  # only pointers move
-        if pool is None:
-            session.event(Event.CAPTURED)
-            directory.repoint(plan)
-            session.event(Event.PUBLISHED)
-        else:
-            session.hand_over(partial(directory.repoint, plan), None)
-        return
-    tree, meta = capture(live, parts)
-    if pool is None:  # synchronous: write straight from the live tensors
-        prepared = fileformat.prepare(tree)
-        session.event(Event.CAPTURED)
-        directory.publish(plan, entry, lambda: prepared, meta)
-        session.event(Event.PUBLISHED)
-        return
-    defer = deferrable(live) if overlap else frozenset()
-    staged, finish_copy = pool.snapshot(tree, defer=defer)
-
-    def copy(guard: bool) -> None:
-        # On the loop's thread (guard): later work on its streams waits for the copies. On
-        # the writer's: they have landed when it returns. A copy that fails ends the save
-        # before write() runs: its buffers go back to the pool here, for the next save.
-        try:
-            finish_copy(guard)
-        except BaseException:
-            pool.give_back()
-            raise
-
-    def write() -> None:
-        try:
-            pool.ready()  # every device-to-host copy has landed
-            directory.publish(plan, entry, lambda: fileformat.prepare(staged), meta)
-        finally:
-            pool.release()
-
-    try:
-        session.hand_over(write, copy if defer else None)
-    except BaseException:  # nothing was handed over (no writer thread): the buffers go back
-        pool.give_back()
-        raise
