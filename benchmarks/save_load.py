@@ -3,7 +3,10 @@
 One process, one state (~64 float32 tensors), side by side:
 
 * save to durable: pitstop (prepare + write + fsync + rename + directory fsync), ``torch.save``
-  then fsync, and the physical limit — ``write`` of the same tensor bytes then ``fsync``;
+  then fsync, and the physical limit — ``write`` of the same tensor bytes then ``fsync``
+  (the ratios' base), and the same with write-behind (every 2 MiB handed to the kernel's
+  writeback as it is written, ``pitstop.shell.writebehind``: what pitstop's save does), which
+  is faster than the plain limit because the disk starts before the last byte is written;
 * load, every page touched, from a cold page cache (the file's pages are dropped with
   ``posix_fadvise(DONTNEED)`` first): ``pitstop.load`` (memory-mapped), ``torch.load``
   (``weights_only=True``, ``mmap=False``), and the limit — ``readinto`` of the whole file into a
@@ -35,6 +38,7 @@ from pitstop.core.records import CheckpointEntry, Progress, SaveReason
 from pitstop.shell import checksums, fileformat
 from pitstop.shell.publish import publish_file
 from pitstop.shell.storage import LocalStorage
+from pitstop.shell.writebehind import KICK, WriteBehind
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -110,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     storage = LocalStorage(root)
     entry = CheckpointEntry(progress=Progress(step=1), seq=1, reason=SaveReason.MANUAL)
-    pitstop_file, torch_file, raw_file = (
+    pitstop_file, torch_file, raw_file, behind_file = (
         root / entry.name,
         root / "torch_state.pt",
         root / "raw.bin",
+        root / "behind.bin",
     )
 
     def pitstop_save() -> None:
@@ -137,6 +142,22 @@ def main(argv: list[str] | None = None) -> int:
                 written = 0
                 while written < len(view):
                     written += os.write(fd, view[written : written + (64 << 20)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def raw_write_behind() -> None:
+        fd = os.open(behind_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            behind, position = WriteBehind(fd, behind_file), 0
+            for tensor in state.values():
+                view = memoryview(tensor.numpy()).cast("B")
+                written = 0
+                while written < len(view):
+                    step = os.write(fd, view[written : written + KICK])
+                    written += step
+                    position += step
+                    behind.wrote(position)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -166,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     saves = timed_round_robin(
         {
             "write+fsync (limit)": (remove(raw_file), raw_write),
+            "write-behind + fsync": (remove(behind_file), raw_write_behind),
             "pitstop save (durable)": (remove(pitstop_file), pitstop_save),
             "torch.save + fsync": (remove(torch_file), torch_save),
         },
@@ -195,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"operation": name, "seconds": seconds, "bytes": nbytes})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    for path in (pitstop_file, torch_file, raw_file):
+    for path in (pitstop_file, torch_file, raw_file, behind_file):
         path.unlink(missing_ok=True)
     return 0
 

@@ -12,7 +12,9 @@
 # does not know, leaves it unnoted); on close its position and size equal the bytes counted; it
 # was flushed and fsynced. On a clean close the fsync runs on a helper thread while this one
 # computes the CRC-32 of the file's pages (a read-only map of what the page cache holds, which
-# is what the fsync writes), so the checksum costs no time beside the disk's. A file left
+# is what the fsync writes), so the checksum costs no time beside the disk's; while DCP writes,
+# every few MiB go to the kernel's writeback (pitstop.shell.writebehind), so that fsync waits
+# only for the file's tail. A file left
 # unnoted is closed unsynced, and fsynced and re-read by the file table instead. The streams
 # flush before they fsync (DCP's own fsync of `.metadata` comes before its buffer is flushed),
 # which is why the writer turns DCP's sync_files off — one fsync per file, not two. Names
@@ -37,6 +39,7 @@ from typing import Any, BinaryIO, cast
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from pitstop.shell.checksums import crc32
+from pitstop.shell.writebehind import WriteBehind
 
 __all__ = ["CrcFileSystem", "Note"]
 
@@ -59,6 +62,7 @@ class _CrcStream:
         self._file, self._done = file, done
         self.size = self.crc = 0
         self.tracked = True
+        self._behind = WriteBehind.of(file)  # the disk starts while DCP writes on
 
     def write(self, data: Any) -> int:
         """Write ``data`` (any contiguous buffer) to the file; its bytes are counted."""
@@ -72,6 +76,7 @@ class _CrcStream:
             self.tracked = False
         else:
             self.size += written
+            self._behind.wrote(self.size)
         return written
 
     def tell(self) -> int:

@@ -7,7 +7,9 @@
 # manifest is known to fit a reader's limit. CRC-32 checksums are computed from the tensors'
 # memory, never by reading the file back: for CPU tensors on several threads once the data is
 # written, while the file's fsync runs (pitstop.shell.checksums); for tensors off the CPU
-# beside each host copy.
+# beside each host copy. Every few MiB written go to the kernel's writeback at once
+# (pitstop.shell.writebehind), so the disk works while the rest is written and the fsync
+# waits only for the tail.
 # How: prepare() walks the tree (encoding it) and plans the layout; write() streams header,
 # spans, manifest and footer to an open file. Temp names, the final fsync and the rename are
 # the caller's (pitstop.shell.publish).
@@ -46,6 +48,7 @@ from pitstop.shell import progress
 from pitstop.shell.checksums import Checksummer, crc32_combine, crc32_update, default_threads
 from pitstop.shell.treecodec import dtype_name, encode_tree
 from pitstop.shell.treewalk import storage_of
+from pitstop.shell.writebehind import WriteBehind
 
 __all__ = ["Prepared", "prepare", "write"]
 
@@ -296,6 +299,7 @@ class _Sink:
     def __init__(self, file: BinaryIO, watched: progress.Task = progress.IDLE) -> None:
         self._file = file
         self._watched = watched
+        self._behind = WriteBehind.of(file)
         self.position = 0
 
     def put(self, data: bytes | memoryview) -> None:
@@ -307,6 +311,7 @@ class _Sink:
             view = view[written:]
             self.position += written
             self._watched.advance(written)
+        self._behind.wrote(self.position)
 
 
 @contextlib.contextmanager
