@@ -129,5 +129,4 @@ def test_the_real_call_leaves_every_byte_as_written(tmp_path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    assert behind.active  # this file system took every hand-over
-    assert path.read_bytes() == data
+    assert path.read_bytes() == data  # (a file system that refused it turned it off: the same)
