@@ -222,9 +222,11 @@ def test_a_writer_thread_that_cannot_start_fails_the_save_and_the_next_one_is_wr
 # --- a Ctrl-C in overlap mode's optimizer hook -----------------------------------------------
 
 
-def _interrupt_the_deferred_copy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The first snapshot's deferred copies raise KeyboardInterrupt (its first copy call copies
-    the rest); returns each call's ``guard``."""
+def _fail_the_deferred_copy(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException | None = None
+) -> list[bool]:
+    """The first snapshot's deferred copies raise ``error`` (a KeyboardInterrupt unless given;
+    its first copy call copies the rest); returns each call's ``guard``."""
     real = StagingPool._copy
     calls: list[bool] = []
 
@@ -233,7 +235,7 @@ def _interrupt_the_deferred_copy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     ) -> None:
         calls.append(guard)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            raise error if error is not None else KeyboardInterrupt
         real(self, pairs, guard=guard)
 
     monkeypatch.setattr(StagingPool, "_copy", copy)
@@ -253,7 +255,7 @@ def test_a_ctrl_c_in_the_step_hooks_copy_is_raised_from_the_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer_gate: WriterGate
 ) -> None:
     model, optimizer = trained()
-    calls = _interrupt_the_deferred_copy(monkeypatch)
+    calls = _fail_the_deferred_copy(monkeypatch)
     ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap")
     try:
         at_save = weights(model)
@@ -285,7 +287,7 @@ def test_a_ctrl_c_in_the_step_hook_leaves_a_with_block_as_a_keyboard_interrupt(
     """Leaving the block, close() puts the abandoned save's schedule back and raises nothing of
     its own: the interrupt is what the user sees, and the directory is unlocked."""
     model, optimizer = trained()
-    _interrupt_the_deferred_copy(monkeypatch)
+    _fail_the_deferred_copy(monkeypatch)
     opened: list[Checkpointer] = []
     reached = []
 
@@ -331,18 +333,7 @@ def test_a_job_taken_before_its_save_failed_writes_nothing_and_the_next_save_is_
         real_work(session)
 
     monkeypatch.setattr(session_module, "_work", work)
-    real_copy = StagingPool._copy
-    calls: list[bool] = []
-
-    def copy(
-        self: StagingPool, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, guard: bool = True
-    ) -> None:
-        calls.append(guard)
-        if len(calls) == 2:  # save 1's deferred copy, made by the loop's step
-            raise RuntimeError("the copy failed")
-        real_copy(self, pairs, guard=guard)
-
-    monkeypatch.setattr(StagingPool, "_copy", copy)
+    _fail_the_deferred_copy(monkeypatch, RuntimeError("the copy failed"))  # by the loop's step
     ckpt = Checkpointer(tmp_path, model=model, state={"optimizer": optimizer}, async_save="overlap")
     try:
         first = ckpt.save(Progress(step=1))
