@@ -184,10 +184,17 @@ def test_a_one_process_resume_leaves_only_the_weights_in_the_page_cache(
     cached, pages = _cached(saved, moments)
     assert cached <= pages // 8, f"{cached} of the moments' {pages} pages still cached"
     # The page where two chunks of a moment meet is in neither chunk whole (blobs are not
-    # page-aligned): it goes with the whole moment, once that is read.
-    for start, stop in moments:
-        for meet in range(start + blobread.CHUNK, stop - HUGE, blobread.CHUNK):
-            assert _resident(saved, meet // PAGE * PAGE, meet // PAGE * PAGE + PAGE) == (0, 1)
+    # page-aligned): it goes with the whole moment, once that is read. The drop is a hint, and
+    # a page the kernel is still reading ahead when it comes may stay (seen once in a loaded
+    # run, 1 page of 4): one may stay, never most (without the drop, every one does).
+    meets = [
+        _resident(saved, meet // PAGE * PAGE, meet // PAGE * PAGE + PAGE)
+        for start, stop in moments
+        for meet in range(start + blobread.CHUNK, stop - HUGE, blobread.CHUNK)
+    ]
+    assert len(meets) >= 4
+    assert all(pages == 1 for _, pages in meets)
+    assert sum(cached for cached, _ in meets) <= 1, f"meet pages still cached: {meets}"
     cached, pages = _cached(saved, _blob_ranges(saved, "weights.raw"))
     assert cached == pages, f"only {cached} of the weights' {pages} pages cached"
     if way == "past the cache":  # every byte of every moment, from its first whole page on

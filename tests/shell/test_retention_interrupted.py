@@ -1,11 +1,13 @@
-"""A Ctrl-C in a save's retention, after the save is published, leaves the save published.
+"""A Ctrl-C in a save's retention, or just after it, leaves the save published.
 
 Retention deletes old checkpoints after the new one and its pointers are durable; a Ctrl-C
 there is raised from the save call (as ``KeyboardInterrupt``), but the save is done, and the
 run must know it: the schedule counts the step as saved (so ``finish()`` at that step moves
 ``final`` to the same checkpoint instead of writing it again), and a background sharded save
 is not published a second time by the next call. Checked in one process: a file save, a
-sharded (FSDP2) save, and a background sharded save published by ``wait()``.
+sharded (FSDP2) save, and a background sharded save published by ``wait()``; each with the
+Ctrl-C in the retention, and just after the directory carried the save out (on the way back
+from the publish, before the caller heard of it).
 """
 
 from __future__ import annotations
@@ -22,13 +24,32 @@ from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
 from pitstop.shell import publish
+from pitstop.shell.directory import CheckpointDirectory
+
+AFTER = "after the publish"
 
 
-@pytest.fixture
-def interrupt_retention(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Once armed (append anything to the list it yields), the next deletion retention makes
-    raises KeyboardInterrupt before deleting; the names it was asked to delete are kept."""
+@pytest.fixture(params=["retention", AFTER])
+def interrupt_retention(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> list[str]:
+    """Once armed (append anything to the list it yields), the next save's retention raises
+    KeyboardInterrupt before deleting, and the names it was asked to delete are kept; or
+    (``AFTER``) the next publish raises it just after the directory carried the save out,
+    pointers and retention included, and the list holds the name retention deleted."""
     armed: list[str] = []
+    if request.param == AFTER:
+        execute = CheckpointDirectory.execute
+
+        def carried_out(directory: CheckpointDirectory, plan: Any, write: Any) -> list[str]:
+            deleted = execute(directory, plan, write)
+            if armed and armed[0] == "armed":
+                armed[:] = deleted
+                raise KeyboardInterrupt
+            return deleted
+
+        monkeypatch.setattr(CheckpointDirectory, "execute", carried_out)
+        return armed
     original = publish.remove_checkpoint
 
     def remove(storage: Any, name: str) -> None:
@@ -51,7 +72,7 @@ def test_a_file_save_interrupted_in_its_retention_counts_as_saved(
         interrupt_retention.append("armed")
         with pytest.raises(KeyboardInterrupt):
             ckpt.save(pitstop.Progress(step=2))
-        assert interrupt_retention == [checkpoint_name(1)]  # cut short before deleting it
+        assert interrupt_retention == [checkpoint_name(1)]  # cut short there
         saved = tmp_path / checkpoint_name(2)
         inode = saved.stat().st_ino
         done = ckpt.finish(pitstop.Progress(step=2))

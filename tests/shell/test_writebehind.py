@@ -130,3 +130,16 @@ def test_the_real_call_leaves_every_byte_as_written(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert path.read_bytes() == data  # (a file system that refused it turned it off: the same)
+
+
+@pytest.mark.parametrize("error", [AttributeError, OSError, TypeError])
+def test_a_c_library_without_the_function_leaves_it_idle(
+    monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    """macOS has no sync_file_range (AttributeError), Windows no CDLL(None) (TypeError)."""
+
+    def cdll(*args: object, **kwargs: object) -> object:
+        raise error("no such function")
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    assert writebehind._sync_file_range() is None

@@ -128,6 +128,7 @@ class CheckpointDirectory:
         self._had_latest = True  # whether latest.json is on disk (a rollback leaves it so)
         self._told_carried = False
         self._pending_sharded: tuple[str, ShardedLayout, object, Mapping[str, object]] | None = None
+        self._carried: SavePlan | None = None  # the last plan published, pointers and all
         self.catalog = Catalog()
         self.pointers = Pointers()
 
@@ -225,6 +226,7 @@ class CheckpointDirectory:
                 f"could not save step {step} ({self.storage.path(name)}): {exc}"
             ) from exc
         self.catalog, self.pointers = plan.catalog, plan.pointers  # published, pointers too
+        self._carried = plan
         deleted: list[str] = []
         try:
             delete_checkpoints(self.storage, plan.retention.delete, deleted)
@@ -233,6 +235,12 @@ class CheckpointDirectory:
         finally:  # an interrupt (Ctrl-C) part-way: the catalog still lists what is left
             self.catalog = plan.catalog.without(deleted)
         return deleted
+
+    def carried_out(self, plan: SavePlan) -> bool:
+        """Whether ``plan``'s checkpoint and pointers are published (by the last
+        :meth:`execute`): a caller interrupted after that (a Ctrl-C in the retention, in the
+        log line, on the way back) knows its save is done."""
+        return self._carried is plan
 
     def _publish(self, plan: SavePlan, write: WriteCheckpoint) -> None:
         entry = plan.entry

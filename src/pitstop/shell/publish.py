@@ -32,6 +32,7 @@ from pitstop.errors import SaveError
 from pitstop.shell.storage import FileKind, Storage
 
 __all__ = [
+    "PublishedInterrupted",
     "RetentionInterrupted",
     "WriteFile",
     "delete_checkpoints",
@@ -181,10 +182,15 @@ def publish_pointers(
     return symlinks
 
 
-class RetentionInterrupted(KeyboardInterrupt):
+class PublishedInterrupted(KeyboardInterrupt):
+    """A Ctrl-C that landed once a save and its pointers were published. It is a
+    :class:`KeyboardInterrupt` to the user; the save that raises it is done (its caller records
+    it as published)."""
+
+
+class RetentionInterrupted(PublishedInterrupted):
     """A Ctrl-C that landed in a save's retention — after the save and its pointers were
-    published. It is a :class:`KeyboardInterrupt` to the user; the save that raises it is done
-    (its caller records it as published) and the next save's retention deletes what is left."""
+    published; the next save's retention deletes what is left."""
 
 
 def delete_checkpoints(

@@ -5,8 +5,9 @@
 # carried out (or, in the background, handed over); a background save that fails later puts
 # them back as they were before it (the undo its session ticket holds), raised by the next
 # call that waits. The write itself is pitstop.shell.carryout's (synchronous, or handed to the
-# writer thread). A Ctrl-C once the save is out of the call's hands (published, or handed
-# over: the core's left_by_raise) is raised with the save counted, never ended a second time.
+# writer thread). A Ctrl-C once the save is out of the call's hands — published (the
+# directory's carried_out says so, even before the call heard) or handed over (the core's
+# left_by_raise) — is raised with the save counted, never ended as failed.
 # Every step is reported to the session as the core's event. Nothing here refers to the
 # Checkpointer, so the job a writer thread holds keeps no Checkpointer alive. A sharded save
 # (begin_sharded, publish_sharded): rank 0 creates the temp directory, every rank writes its
@@ -48,7 +49,7 @@ from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, capture, with_parts
 from pitstop.shell.carryout import carry_out
 from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.publish import RetentionInterrupted
+from pitstop.shell.publish import PublishedInterrupted
 from pitstop.shell.session import Reported, SaveSession
 from pitstop.shell.staging import StagingPool
 
@@ -206,22 +207,24 @@ class Saver:
                 pool=self._pool,
                 overlap=overlap,
             )
-        except RetentionInterrupted:  # published: only the deletions after it were cut short
-            self._published(plan)
-            raise
         except BaseException:
-            if left_by_raise(self._session.state):  # still this call's own: it ends here
-                self._session.event(Event.ABORTED)
-            else:  # a Ctrl-C once it was published, or handed to the writer: it counts
-                self.schedule, self.pointers = self._decided, plan.pointers
+            self._raised(plan)
             raise
         self.schedule, self.pointers = self._decided, plan.pointers
         return ticket
 
-    def _published(self, plan: SavePlan) -> None:
-        """The synchronous save of ``plan`` is published (a Ctrl-C cut its retention short)."""
-        self._session.event(Event.PUBLISHED)
+    def _raised(self, plan: SavePlan) -> bool:
+        """The call raised while carrying ``plan`` out (a fault, or a Ctrl-C anywhere in it).
+        A save still the call's own ends as aborted, unless the directory published it (a
+        Ctrl-C in its retention or just after): then it counts, as does one handed to the
+        writer thread. Returns whether the save counts."""
+        if left_by_raise(self._session.state) and self._directory.carried_out(plan):
+            self._session.event(Event.PUBLISHED)  # published before the call could say so
+        if left_by_raise(self._session.state):  # still this call's own: it ends here
+            self._session.event(Event.ABORTED)
+            return False
         self.schedule, self.pointers = self._decided, plan.pointers
+        return True
 
     def begin_sharded(self, progress: Progress, *, copy: bool = False) -> str | None:
         """Rank 0: start the planned sharded save and create the temp directory every rank
@@ -290,14 +293,12 @@ class Saver:
             meta = _with_fresh(meta, fresh)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta, temp=self._temp)
-        except RetentionInterrupted:  # published: only the deletions after it were cut short
-            self._published(plan)
-            raise
         except BaseException:
-            self._session.event(Event.ABORTED)
-            self._remove_temp()
+            if not self._raised(plan):
+                self._remove_temp()
             raise
-        self._published(plan)
+        self._session.event(Event.PUBLISHED)
+        self.schedule, self.pointers = self._decided, plan.pointers
         return self._ticket
 
     # A background sharded save: capture_sharded, (every rank stages), handed_over; later, once
@@ -340,13 +341,17 @@ class Saver:
         handed = self._handed
         assert handed is not None
         tree, meta = with_parts(handed.tree, handed.meta, parts)
-        interrupted: RetentionInterrupted | None = None
+        interrupted: PublishedInterrupted | None = None
         try:
             self._directory.publish_sharded(
                 handed.plan, handed.entry, layout, tree, meta, temp=self._temp
             )
-        except RetentionInterrupted as exc:  # published: only the deletions were cut short
-            interrupted = exc
+        except KeyboardInterrupt as exc:  # a Ctrl-C: once it is published, the save counts
+            if not self._directory.carried_out(handed.plan):
+                raise
+            interrupted = (
+                exc if isinstance(exc, PublishedInterrupted) else PublishedInterrupted(*exc.args)
+            )
         self._handed = None
         self._session.event(Event.PUBLISHED)
         if interrupted is not None:

@@ -50,7 +50,7 @@ from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
 from pitstop.shell.freshopt import FreshOptimizers
-from pitstop.shell.publish import RetentionInterrupted
+from pitstop.shell.publish import PublishedInterrupted
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
@@ -281,7 +281,7 @@ class ShardedSaves:
                 ticket.settle(SaveStatus.FAILED)
             ranks.lead(partial(saver.fail_handed, exc))  # rank 0's SaveError, on every rank
             raise  # fail_handed raised already; this keeps the type checker sure
-        except RetentionInterrupted:  # published: a Ctrl-C cut its retention short
+        except PublishedInterrupted:  # published: a Ctrl-C came after (in its retention)
             if ticket is not None:
                 ticket.settle(SaveStatus.PUBLISHED)
             raise

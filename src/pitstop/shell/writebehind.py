@@ -34,7 +34,7 @@ _FAILS_THE_WRITE: Final = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT, errn
 def _sync_file_range() -> Any:
     try:
         function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):  # not Linux: no such function
+    except (AttributeError, OSError, TypeError):  # not Linux (Windows: no CDLL(None))
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     function.restype = ctypes.c_int
