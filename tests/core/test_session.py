@@ -22,6 +22,7 @@ from pitstop.core.session import (
     WriterStep,
     advance,
     after_failed_copy,
+    after_raise,
     claim_copy,
     gate,
     left_by_raise,
@@ -193,6 +194,25 @@ def test_a_call_that_raised_aborts_only_its_own_save(background: bool, phase: Ph
         assert after.phase is Phase.IDLE
         assert save_status(after, 3) is SaveStatus.FAILED
         assert after.failure is NO_FAILURE  # the call raises the error itself
+
+
+@pytest.mark.parametrize("published", [False, True])
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_call_that_raised_ends_only_its_own_save_and_counts_a_published_one(
+    phase: Phase, background: bool, published: bool
+) -> None:
+    session = Session(background=background, phase=phase, ticket=3, step=5, name="step_5")
+    event = after_raise(session, published=published)
+    if not left_by_raise(session):
+        assert event is None  # the writer's, or over: not the call's to end
+        return
+    assert (phase, event) in TRANSITIONS  # always a legal ending
+    assert event is (Event.PUBLISHED if published and phase is Phase.WRITING else Event.ABORTED)
+    after = advance(session, event)
+    assert save_status(after, 3) is (
+        SaveStatus.PUBLISHED if event is Event.PUBLISHED else SaveStatus.FAILED
+    )
 
 
 class SessionMachine(RuleBasedStateMachine):

@@ -62,6 +62,7 @@ __all__ = [
     "WriterStep",
     "advance",
     "after_failed_copy",
+    "after_raise",
     "claim_copy",
     "gate",
     "left_by_raise",
@@ -258,6 +259,19 @@ def left_by_raise(session: Session) -> bool:
     if session.phase is Phase.CAPTURING:
         return True
     return not session.background and session.phase in _SAVING
+
+
+def after_raise(session: Session, *, published: bool) -> Event | None:
+    """How a save call that raised ends its save, when it ends it (``None``: it does not).
+
+    ``published``: the directory published the save before the call heard (a Ctrl-C in its
+    retention, or on the way back). A save still the call's own (:func:`left_by_raise`) ends
+    PUBLISHED if it was being written and was published — it counts — else ABORTED; one handed
+    to the writer, or over already, is not the call's to end (it counts as handed over).
+    """
+    if not left_by_raise(session):
+        return None
+    return Event.PUBLISHED if published and session.phase is Phase.WRITING else Event.ABORTED
 
 
 def reads_live(session: Session) -> bool:

@@ -7,7 +7,7 @@
 # call that waits. The write itself is pitstop.shell.carryout's (synchronous, or handed to the
 # writer thread). A Ctrl-C once the save is out of the call's hands — published (the
 # directory's carried_out says so, even before the call heard) or handed over (the core's
-# left_by_raise) — is raised with the save counted, never ended as failed.
+# after_raise) — is raised with the save counted, never ended as failed.
 # Every step is reported to the session as the core's event. Nothing here refers to the
 # Checkpointer, so the job a writer thread holds keeps no Checkpointer alive. A sharded save
 # (begin_sharded, publish_sharded): rank 0 creates the temp directory, every rank writes its
@@ -43,7 +43,7 @@ from pitstop.core.records import (
     SaveReason,
 )
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
-from pitstop.core.session import Event, Request, left_by_raise
+from pitstop.core.session import Event, Request, after_raise, left_by_raise
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, capture, with_parts
@@ -218,10 +218,11 @@ class Saver:
         A save still the call's own ends as aborted, unless the directory published it (a
         Ctrl-C in its retention or just after): then it counts, as does one handed to the
         writer thread. Returns whether the save counts."""
-        if left_by_raise(self._session.state) and self._directory.carried_out(plan):
-            self._session.event(Event.PUBLISHED)  # published before the call could say so
-        if left_by_raise(self._session.state):  # still this call's own: it ends here
-            self._session.event(Event.ABORTED)
+        published = self._directory.carried_out(plan)
+        event = after_raise(self._session.state, published=published)
+        if event is not None:
+            self._session.event(event)
+        if event is Event.ABORTED:
             return False
         self.schedule, self.pointers = self._decided, plan.pointers
         return True
