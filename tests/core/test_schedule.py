@@ -15,7 +15,14 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
+from pitstop.core.schedule import (
+    Call,
+    SaveDecision,
+    ScheduleState,
+    decide_save,
+    foresees_write,
+    resumed_state,
+)
 from pitstop.errors import ConfigError
 from plan_driver import Driver
 from strategies import METRIC, metric_values, policies
@@ -272,3 +279,45 @@ def test_a_resume_sets_the_step_the_run_reached_wherever_it_resumed_from() -> No
     assert resumed_state(driver.catalog, newest, now=0.0, step=6).reached_step == 6
     assert resumed_state(driver.catalog, older, now=0.0, step=2).reached_step == 2
     assert resumed_state(driver.catalog, NO_CHECKPOINT, now=0.0, step=9).reached_step == 9
+
+
+@given(
+    policies,
+    st.sampled_from(list(Call)),
+    st.integers(0, 120),
+    st.none() | st.integers(0, 120),  # the step last saved
+    st.booleans(),  # this rank's stop
+    st.booleans(),  # another rank's stop
+    st.none() | st.fixed_dictionaries({METRIC: metric_values}),
+    st.floats(0.0, 2000.0),  # seconds since the timer started
+)
+def test_a_rank_foresees_exactly_the_writes_it_can_tell_of_alone(
+    policy: Policy,
+    call: Call,
+    step: int,
+    saved: int | None,
+    stop: bool,
+    other_stop: bool,
+    metrics: dict[str, float] | None,
+    seconds: float,
+) -> None:
+    state = ScheduleState(
+        timer_start=0.0,
+        last_saved_step=NO_CHECKPOINT if saved is None else saved,
+        reached_step=min(step, saved or 0),
+    )
+    decision = decide_save(
+        policy,
+        state,
+        Pointers(),
+        call=call,
+        progress=Progress(step=step),
+        now=seconds,
+        metrics=metrics,
+        stop=stop or other_stop,
+    )
+    foreseen = foresees_write(policy, call, step, stop=stop)
+    if foreseen:  # it writes, unless its step is saved already (an explicit save writes even so)
+        assert decision.write or (call is not Call.MANUAL and saved == step)
+    elif decision.write:  # a write this rank could not tell of alone
+        assert decision.reasons & {SaveReason.TIME, SaveReason.BEST} or other_stop

@@ -2,8 +2,9 @@
 
 Each rank all-gathers (with the default box and with ``PART_BOX``), gathers to rank 0 and
 broadcasts values from empty to far past each box (``pitstop.shell.distributed``), the ranks'
-sizes differing, and checks what it got; then ``gather_then_lead`` with a failure on each side,
-and a Ctrl-C in a round's work on one rank, which every rank raises.
+sizes differing, and checks what it got; then ``gather_then_lead`` (and the same round begun
+by ``begin`` on rank 0 before any other rank's value is sent) with a failure on each side, and
+a Ctrl-C in a round's work on one rank, which every rank raises.
 It prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
 """
 
@@ -53,6 +54,19 @@ def lead(results: list[int]) -> str:
 
 assert ranks.gather_then_lead(lambda: rank + 10, lead) == f"sum {sum(range(10, 10 + world))}"
 assert ran == ([list(range(10, 10 + world))] if rank == 0 else [])
+checked += 1
+
+# begin(): rank 0's round starts without waiting for any other rank's value (they begin only
+# once rank 0's begin() has returned: a barrier on the default group between), and lead()
+# ends it as gather_then_lead does. A begin() that waited would hang until the timeout.
+if rank == 0:
+    begun = ranks.begin(lambda: rank + 20)
+    dist.barrier()
+else:
+    dist.barrier()
+    begun = ranks.begin(lambda: rank + 20)
+assert begun.value == rank + 20
+assert begun.lead(lambda results: f"sum {sum(results)}") == f"sum {sum(range(20, 20 + world))}"
 checked += 1
 
 

@@ -13,12 +13,14 @@ or a part failing on one rank) are in tests/e2e/test_sharded_checkpointer.py.
 
 from __future__ import annotations
 
+import random
 import threading
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("sharded_torch", exc_type=ImportError)  # on an older torch: skipped, saying why
 
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 import pitstop
 from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import shardwrite
+from pitstop.shell import shardsave, shardwrite
 
 pytestmark = NEEDS_GLOO
 
@@ -233,3 +235,58 @@ def test_close_releases_the_stager_of_a_background_sharded_run(
     assert len([s for s in made if s not in closed]) <= 1
     ckpt.close()
     assert [s for s in made if s not in closed] == []  # the kept one too
+
+
+class Tally:
+    """A per-rank component whose ``state_dict`` hands out its live tensor (as many do)."""
+
+    def __init__(self) -> None:
+        self.count = torch.zeros(1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count.copy_(state["count"])
+
+
+@pytest.mark.parametrize("per_rank", [False, True], ids=["rng only", "a per-rank component"])
+def test_this_rank_s_part_is_the_call_s_when_it_is_packed_after_the_loop_moved_on(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_rank: bool
+) -> None:
+    """A background save takes this rank's own part (RNG streams, per-rank components) at the
+    call. RNG streams alone are packed later, off the call (on DCP's thread, here held until
+    the loop has drawn from every stream); a per-rank component, whose state may be its live
+    tensors, is packed at the call. The checkpoint holds what the call took either way."""
+    real = shardsave.pack_state
+    moved = threading.Event()
+
+    def pack_once_the_loop_moved_on(value: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            assert moved.wait(30), "the loop never moved on"
+        return real(value)
+
+    monkeypatch.setattr(shardsave, "pack_state", pack_once_the_loop_moved_on)
+    root, tally = tmp_path / "checkpoints", Tally()
+    model, optimizer = sharded_model()
+    with pitstop.Checkpointer(
+        root, model=model, state={"optimizer": optimizer}, async_save=True
+    ) as ckpt:
+        if per_rank:
+            ckpt.register("tally", tally, per_rank=True)
+        tally.count += 5
+        streams = torch.get_rng_state(), random.getstate()
+        assert ckpt.save(pitstop.Progress(step=3)) is not None
+        torch.rand(16), random.random()  # the loop moves on before the part is packed
+        tally.count += 1
+        moved.set()
+        ckpt.wait()
+    model, optimizer = sharded_model()
+    restored = Tally()
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as again:
+        if per_rank:
+            again.register("tally", restored, per_rank=True)
+        assert again.resume().step == 3
+        assert torch.equal(torch.get_rng_state(), streams[0])
+        assert random.getstate() == streams[1]
+    assert restored.count.item() == (5.0 if per_rank else 0.0)

@@ -42,7 +42,14 @@ from pitstop.core.records import (
 )
 from pitstop.errors import ConfigError
 
-__all__ = ["Call", "SaveDecision", "ScheduleState", "decide_save", "resumed_state"]
+__all__ = [
+    "Call",
+    "SaveDecision",
+    "ScheduleState",
+    "decide_save",
+    "foresees_write",
+    "resumed_state",
+]
 
 
 class Call(enum.Enum):
@@ -189,4 +196,20 @@ def decide_save(
         moves=frozenset(moves),
         best_value=best_value,
         state=next_state,
+    )
+
+
+def foresees_write(policy: Policy, call: Call, step: int, *, stop: bool = False) -> bool:
+    """Whether one rank can tell, before rank 0 decides, that a ``call`` at ``step`` writes a
+    checkpoint: an explicit save, the end of a run that saves its final state, a stop this
+    rank requested, or a step of the interval. Exactly the decisions of :func:`decide_save`
+    that need neither rank 0's schedule nor every rank's inputs: each of them writes unless
+    the step is saved already (an explicit save writes even then), and any other write is for
+    the time, the best metric or another rank's stop. A rank that foresees a background
+    sharded save copies its shards while the ranks agree (pitstop.shell.savecall)."""
+    return (
+        call is Call.MANUAL
+        or stop
+        or (call is Call.FINISH and policy.save_final)
+        or (policy.every_steps is not None and step > 0 and step % policy.every_steps == 0)
     )

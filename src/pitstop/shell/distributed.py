@@ -7,7 +7,10 @@
 # collective has a timeout: a rank that never arrives becomes an error, not a hang. Rank 0 is
 # the writer: it holds the directory lock and writes; the others never touch the directory.
 # Errors travel as (class name, message) and are rebuilt as the same pitstop error class, so
-# every rank raises the same error at the same call.
+# every rank raises the same error at the same call. A gather-then-lead round may be begun
+# (this rank's value on its way, the gather running on gloo's threads) and led later by the same
+# thread, with no other collective of pitstop's between (Ranks.begin, Round.lead): the caller
+# works meanwhile.
 # Per-rank state trees travel in pitstop's own tree encoding with each storage's bytes once
 # (so storage sharing survives), decoded as a checkpoint's tree is.
 # How: a value is pickled in memory between this job's own processes, as torch.distributed's
@@ -31,26 +34,24 @@ from __future__ import annotations
 import datetime
 import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
+import attrs
 import torch
 
 from pitstop import errors
 from pitstop.core.ranks import INTERRUPTED, OK, Outcome, agree
-from pitstop.shell.treecodec import TENSOR_DTYPES, encode_tree, resolve, unpack
-from pitstop.shell.treewalk import dtype_name, storage_of
+from pitstop.shell.packing import pack_state, unpack_state
 
 __all__ = [
     "BROADCAST_BOX",
     "GATHER_BOX",
     "PART_BOX",
-    "Packed",
     "Ranks",
+    "Round",
     "outcome_of",
-    "pack_state",
     "raise_outcome",
     "rebuilt",
-    "unpack_state",
 ]
 
 T = TypeVar("T")
@@ -100,57 +101,6 @@ def raise_outcome(outcome: Outcome, *, own: BaseException | None = None) -> None
     raise own if own is not None else rebuilt(outcome)
 
 
-Packed = tuple[bytes, tuple[bytes, ...], tuple[tuple[Any, ...], ...]]
-"""A state tree for another rank: its msgpack, each storage's bytes, each tensor's view."""
-
-
-def pack_state(value: object) -> Packed:
-    """A state tree as plain bytes for another rank: the tree in pitstop's own encoding
-    (:mod:`pitstop.shell.treecodec`, so what a checkpoint cannot hold is a SaveError naming
-    its key path here), each storage's bytes once (tensors that share storage still share it
-    in :func:`unpack_state`'s copy) and each tensor's dtype, offset, shape and strides."""
-    storages: dict[Any, int] = {}
-    data: list[bytes] = []
-    views: list[tuple[Any, ...]] = []
-
-    def on_tensor(tensor: torch.Tensor, path: str) -> int:
-        storage = storage_of(tensor, path)
-        key = (storage.device, storage.data_ptr(), storage.nbytes())
-        if key not in storages:
-            storages[key] = len(data)
-            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            data.append(raw.cpu().numpy().tobytes())
-        views.append(
-            (
-                storages[key],
-                dtype_name(tensor.dtype),
-                tensor.storage_offset(),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-            )
-        )
-        return len(views) - 1
-
-    return encode_tree(value, on_tensor=on_tensor), tuple(data), tuple(views)
-
-
-def unpack_state(packed: Packed) -> Any:
-    """The tree :func:`pack_state` made, on the CPU: a copy, sharing nothing with the sender's
-    (decoded as a checkpoint's tree is: no code runs)."""
-    tree, data, views = packed
-    made = [
-        (
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
-        ).untyped_storage()
-        for raw in data
-    ]
-    tensors = {
-        index: torch.empty(0, dtype=TENSOR_DTYPES[dtype]).set_(made[storage], offset, shape, stride)
-        for index, (storage, dtype, offset, shape, stride) in enumerate(views)
-    }
-    return resolve(unpack(tree), tensors)
-
-
 GATHER_BOX: Final = 1 << 10
 """Bytes of a pickled value an all-gather sends in one collective (a larger one takes a
 second): a call's inputs fit. Every rank receives one box per rank, so it stays small."""
@@ -192,7 +142,8 @@ def _size_of(box: torch.Tensor) -> int:
 
 
 def _wait(work: Any, timeout: datetime.timedelta) -> None:
-    """Wait for a point-to-point ``work`` (``timeout`` at most: then it raises)."""
+    """Wait for a ``work`` started with ``async_op`` or point to point (``timeout`` at most:
+    then it raises)."""
     assert work is not None  # None only on a rank outside the group, never pitstop's own
     work.wait(timeout)
 
@@ -280,12 +231,25 @@ class Ranks:
         sizes). Rank 0 receives one box per rank; no other rank receives anything."""
         if not self.many:
             return [value]
-        dist = torch.distributed
+        return self._gathered(self._send(value, box))
+
+    def _send(self, value: T, box: int) -> _Gathering[T]:
+        """Start :meth:`gather`'s collective (its box on its way; it runs on gloo's threads)."""
         data = _dumps(value)
         boxed = _boxed(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
-        dist.gather(boxed, gather_list=boxes, dst=0, group=self._group)
+        work = torch.distributed.gather(
+            boxed, gather_list=boxes, dst=0, group=self._group, async_op=True
+        )
         self._hold(boxes, boxed)
+        return _Gathering(value, data, boxed, boxes, work, box)
+
+    def _gathered(self, sent: _Gathering[T]) -> list[T]:
+        """End the collective :meth:`_send` started: :meth:`gather`'s result."""
+        dist = torch.distributed
+        _wait(sent.work, self._timeout)
+        data, boxes, box = sent.data, sent.boxes, sent.box
+        self._hold(boxes, sent.boxed)
         if not self.leader:
             if len(data) > box:  # rank 0 saw the size and waits for it
                 whole = _bytes_tensor(data, len(data))
@@ -293,7 +257,7 @@ class Ranks:
                 self._hold(whole)
             return []
         assert boxes is not None
-        values: list[T] = [value]
+        values: list[T] = [sent.value]
         received: list[torch.Tensor] = []
         for rank, got in enumerate(boxes[1:], start=1):
             size = _size_of(got)
@@ -305,7 +269,7 @@ class Ranks:
                 received.append(whole)
                 values.append(_loads(whole))
         if received:
-            self._hold(boxes, boxed, received)
+            self._hold(boxes, sent.boxed, received)
         return values
 
     def gather_then_lead(
@@ -316,21 +280,13 @@ class Ranks:
         collectives, rank 0 the only one that receives every rank's. An error of ``each`` on
         any rank (the lowest such rank's) is raised on every rank instead, and ``work`` does
         not run; a rank raises its own exception as itself."""
-        if not self.many:
-            return work([each()])
-        result, outcome, own = self._attempt(each)
-        gathered = self.gather((outcome, result), box=box)
-        answer: tuple[Outcome, Any] = (OK, None)
-        if self.leader:
-            agreed = agree([o for o, _ in gathered])
-            if agreed.ok:
-                value, outcome, own = self._attempt(lambda: work([r for _, r in gathered]))
-                answer = (outcome, value)
-            else:
-                answer = (agreed, None)
-        agreed, value = self.broadcast(answer)
-        raise_outcome(agreed, own=own if agreed == outcome else None)
-        return value  # type: ignore[no-any-return]
+        return self.begin(each, box=box).lead(work)
+
+    def begin(self, each: Callable[[], Any], *, box: int = PART_BOX) -> Round:
+        """:meth:`gather_then_lead` begun: ``each`` runs here and its result is on its way to
+        rank 0, without waiting for it; this rank may do other work before the round's
+        :meth:`Round.lead` (which every rank calls next, before any other collective)."""
+        return Round(self, each, box)
 
     def gather_state(self, value: object, work: Callable[[list[Any]], T]) -> T:
         """:meth:`gather_then_lead` of every rank's state tree: ``work(trees)`` on rank 0
@@ -405,3 +361,48 @@ class Ranks:
         agreed = agree(self.all_gather(outcome))
         raise_outcome(agreed, own=own if agreed == outcome else None)
         return result  # type: ignore[no-any-return]
+
+
+@attrs.frozen
+class _Gathering(Generic[T]):
+    """A :meth:`Ranks.gather` under way: this rank's value, its pickle, rank 0's boxes."""
+
+    value: T
+    data: bytes
+    boxed: torch.Tensor
+    boxes: list[torch.Tensor] | None
+    work: Any
+    box: int
+
+
+class Round:
+    """A :meth:`Ranks.gather_then_lead` that :meth:`Ranks.begin` began: this rank's ``each()``
+    ran and its result is on its way to rank 0; :meth:`lead` ends the round."""
+
+    def __init__(self, ranks: Ranks, each: Callable[[], Any], box: int) -> None:
+        self._ranks = ranks
+        self.value, self._outcome, self._own = ranks._attempt(each)
+        """This rank's ``each()`` (``None`` when it raised: the round raises it at the end)."""
+        self._sent = ranks._send((self._outcome, self.value), box) if ranks.many else None
+
+    def lead(self, work: Callable[[list[Any]], T]) -> T:
+        """Rank 0 runs ``work`` on every rank's result; its result, or the first error, is
+        raised or returned on every rank (as :meth:`Ranks.gather_then_lead` does)."""
+        ranks, sent = self._ranks, self._sent
+        if sent is None:  # one rank
+            if self._own is not None:
+                raise self._own
+            return work([self.value])
+        gathered = ranks._gathered(sent)
+        answer: tuple[Outcome, Any] = (OK, None)
+        outcome, own = self._outcome, self._own
+        if ranks.leader:
+            agreed = agree([o for o, _ in gathered])
+            if agreed.ok:
+                value, outcome, own = ranks._attempt(lambda: work([r for _, r in gathered]))
+                answer = (outcome, value)
+            else:
+                answer = (agreed, None)
+        agreed, value = ranks.broadcast(answer)
+        raise_outcome(agreed, own=own if agreed == outcome else None)
+        return value  # type: ignore[no-any-return]

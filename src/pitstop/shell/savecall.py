@@ -6,7 +6,13 @@
 # every rank's part, and a sharded one by every rank through DCP (pitstop.shell.shardsave).
 # With a sharded background save in flight, the same round also tells every rank whether every
 # rank's part of it is written, so that it is published first when it is (or when the new save
-# needs the directory settled). A call that raises from a step that does not end its own save
+# needs the directory settled). With no save in flight, a rank that foresees a background
+# sharded save (the core's foresees_write: an explicit save, a final save, its own stop, an
+# interval step) copies its shards while its inputs travel to rank 0 and rank 0 decides, so
+# that the round's wait overlaps the copy; a save rank 0 then does not plan drops the copy.
+# A Ctrl-C during that copy ends the round on rank 0 (every rank raises it, nothing planned)
+# and, on another rank, fails that rank's write of the save, heard by every rank at a later
+# call (so no rank waits for it). A call that raises from a step that does not end its own save
 # ends it (Saver.abandon: the core's left_by_raise), so that no later call — close() included —
 # waits for a save that nobody carries on.
 # How: the rounds are pitstop.shell.distributed.Ranks' (one process: plain calls).
@@ -24,12 +30,13 @@ import attrs
 
 from pitstop.core.ranks import CallInput, merge_inputs
 from pitstop.core.records import Policy, Progress, SaveReason
-from pitstop.core.schedule import Call
+from pitstop.core.schedule import Call, foresees_write
+from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import call_input
-from pitstop.shell.distributed import GATHER_BOX, Ranks
+from pitstop.shell.distributed import GATHER_BOX, Ranks, Round
 from pitstop.shell.saving import Saver
-from pitstop.shell.shardsave import ShardedSaves
+from pitstop.shell.shardsave import ShardedSaves, Staged
 
 __all__ = ["SaveCalls"]
 
@@ -79,9 +86,14 @@ class SaveCalls:
             return plan(asked) if decide(asked) else None
 
         planned: Planned | None
+        staged: Staged | None = None
+        interrupt: Any = None  # a Ctrl-C during this rank's copy (not rank 0's), raised last
         try:
             if shards is None or done is None:  # one round trip: rank 0 hears, decides, plans
-                planned = ranks.gather_then_lead(each, decide_and_plan, box=GATHER_BOX)
+                round_ = ranks.begin(each, box=GATHER_BOX)
+                if shards is not None and self._foresees(call, progress, policy, round_.value):
+                    staged, interrupt = _stage_during(shards, round_, ranks.rank)
+                planned = round_.lead(decide_and_plan)
             else:  # every rank hears whether every rank's part of the save in flight is written
                 gathered = ranks.all_gather_each(lambda: (each(), done))
                 asked = merge_inputs([inputs for inputs, _ in gathered])
@@ -94,10 +106,12 @@ class SaveCalls:
                 else:
                     planned = None
             if planned is None:
+                if interrupt is not None:
+                    raise interrupt
                 return None
             (_, wire), temp = planned
             if shards is not None and temp is not None:
-                ticket = shards.save(temp)
+                ticket = shards.save(temp, staged)
             else:
                 write = partial(saver.write, progress, overlap=overlap)
                 if ranks.many:  # every rank's part reaches rank 0, which writes them
@@ -108,4 +122,37 @@ class SaveCalls:
             if ranks.leader:  # a fault that no step of the save caught: nothing waits for it
                 saver.abandon()
             raise
+        if interrupt is not None:  # this rank's part of the save is handed over, as failed
+            raise interrupt
         return wire, ticket
+
+    def _foresees(self, call: Call, progress: Progress, policy: Policy, asked: object) -> bool:
+        """Whether this rank stages a background sharded save while the ranks agree: it has
+        peers to wait for, and foresees the save (the core's ``foresees_write``; ``asked``:
+        its own inputs, ``None`` when they failed)."""
+        return (
+            self.ranks.many
+            and isinstance(asked, CallInput)
+            and foresees_write(policy, call, progress.step, stop=asked.stop)
+        )
+
+
+def _stage_during(shards: ShardedSaves, round_: Round, rank: int) -> tuple[Staged | None, Any]:
+    """Every rank that foresees a background save: its copy, made while its inputs travel to
+    rank 0 and rank 0 decides (the round's wait then overlaps the copy), and the Ctrl-C that
+    came during the copy (``None``: none came). On rank 0 the interrupt ends the round before
+    anything is planned: every rank raises it. On another rank the save goes on without this
+    rank's copy — its write fails on every rank, heard at a later call, so that no rank waits
+    for it — and the call raises the interrupt once the save is handed over."""
+    try:
+        return shards.stage(), None
+    except BaseException as exc:
+        error = exc
+    if rank == 0:
+
+        def interrupted(_: object) -> None:
+            raise error
+
+        round_.lead(interrupted)  # raises it here (as itself) and on every rank
+    failed = SaveError(f"rank {rank}: the copy of this rank's shards was interrupted ({error!r})")
+    return Staged(failed, None, ()), error

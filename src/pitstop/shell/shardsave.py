@@ -11,21 +11,21 @@
 # ends the write (in the background: taken at the call, sent with the round that ends DCP's
 # write). A failure while writing shards is raised on every rank and leaves no temp directory;
 # one after DCP's background write started is raised only once every rank's DCP write has ended
-# (its collectives never meet the next's). In the background (async_save=True): rank 0 copies
-# the replicated state, every rank stages its shards (with one kept stager) and takes its part,
-# and returns; a thread then runs the round that agrees every rank staged (on DCP's gloo group)
-# and starts DCP's async_save once that round says every rank staged — else no rank starts
-# it, and a rank's staging or part that failed is its write's failure, heard by every rank as
-# below. With async_save="overlap" the parameters and optimizer state are staged after the
+# (its collectives never meet the next's). In the background (async_save=True): rank 0 copies the
+# replicated state, every rank stages its shards (with one kept stager; during the call's round when
+# it foresees the save, pitstop.shell.savecall) and takes its part (packed off the call when it is
+# RNG streams alone), and returns; a thread then runs the round that agrees every rank staged (on
+# DCP's gloo group) and starts DCP's async_save once that round says every rank staged — else no
+# rank starts it, and a rank's staging or part that failed is its write's failure, heard by every
+# rank as below. With async_save="overlap" the parameters and optimizer state are staged after the
 # call (pitstop.shell.shardstage): by that thread, or by the next optimizer.step()'s pre-hook,
-# whichever comes first. The schedule and pointers move at the call. DCP's
-# completion is a collective, so it is finished on the loop's thread, by a later call on every
-# rank: each call asks every rank whether its part is done and, when all are, publishes; a call
-# that must see the save settled (a save that writes, wait, finish, resume, close) waits for it.
-# A failure is raised there on every rank, as rank 0's SaveError naming the step, with the
-# schedule and pointers put back. A Checkpointer dropped without close() cannot run a
-# collective: its save in flight is not published (its temp directory is removed when the
-# directory is next opened).
+# whichever comes first. The schedule and pointers move at the call. DCP's completion is a
+# collective, so it is finished on the loop's thread, by a later call on every rank: each call asks
+# every rank whether its part is done and, when all are, publishes; a call that must see the save
+# settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised there
+# on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put back. A
+# Checkpointer dropped without close() cannot run a collective: its save in flight is not published
+# (its temp directory is removed when the directory is next opened).
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
@@ -36,28 +36,31 @@ import datetime
 import itertools
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 from torch import nn
 
 from pitstop.core.records import Progress
+from pitstop.core.schema import RANKED
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, rank_state, sharded_components
-from pitstop.shell.distributed import Packed, Ranks, pack_state, unpack_state
+from pitstop.shell.distributed import Ranks
 from pitstop.shell.freshopt import FreshOptimizers
+from pitstop.shell.packing import Packed, pack_state, unpack_state
 from pitstop.shell.publish import PublishedInterrupted
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
 
 if TYPE_CHECKING:
-    from pitstop.shell.shardstage import DeferredCopy
+    from pitstop.shell.shardstage import DeferredCopy, StagedShards
 
-__all__ = ["ShardedSaves", "holds_sharded", "is_sharded"]
+__all__ = ["ShardedSaves", "Staged", "holds_sharded", "is_sharded"]
 
 
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -93,6 +96,17 @@ def holds_sharded(live: LiveState) -> bool:
     """Whether the model or an optimizer holds sharded state (FSDP2, DTensor): then every
     save is a checkpoint directory written through DCP (with the EMA, if any)."""
     return is_sharded(live.model, live.components)
+
+
+@attrs.frozen
+class Staged:
+    """A background save's copy, made by :meth:`ShardedSaves.stage`: this rank's shards in the
+    stager's buffers (or the error that stopped the copy), its own part (to pack and send to
+    rank 0 with its files; ``None`` after an error), and the optimizers given fresh state."""
+
+    shards: StagedShards | Exception
+    part: Callable[[], Packed] | None
+    fresh: tuple[str, ...]
 
 
 class ShardedSaves:
@@ -145,18 +159,51 @@ class ShardedSaves:
         checkpoint, only pointers move: the Saver does that as for a file)."""
         return self._saver.begin_sharded(progress, copy=self._stager is not None)
 
-    def save(self, temp: str) -> int:
-        """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
-        (synchronous) rank 0 publishes it, or (background) DCP goes on writing. Every rank's
-        own part (RNG, per-rank components) reaches rank 0 with the round that ends the
-        write (synchronous) or, taken at this call, with the one that ends DCP's write
-        (background). The save's ticket (on rank 0)."""
+    def stage(self) -> Staged | None:
+        """Every rank, a background save: copy this rank's shards to the stager's host buffers
+        and take its own part, now — before the plan, when this rank foresees the save
+        (pitstop.shell.savecall): :meth:`save` then starts the write from them. ``None``:
+        saves are synchronous. A failure to stage is kept, to be this rank's write failure
+        (raised by every rank at a settle); a KeyboardInterrupt is raised."""
+        from pitstop.shell.shardstage import stage_sharded
+
+        if self._stager is None:
+            return None
         # DCP gives an optimizer without state zeroed state to save; it is taken away again
-        # once saved (or staged), and the manifest names it (pitstop.shell.freshopt).
+        # once staged, and the manifest names it (pitstop.shell.freshopt).
         with FreshOptimizers(sharded_components(self._live)) as fresh:
-            if self._stager is None:
+            try:
+                staged = stage_sharded(
+                    self._live.model,
+                    sharded_components(self._live),
+                    self._stager,
+                    self._timeout_s,
+                    ema=self._live.ema,
+                    defer=self._overlap,
+                )
+                return Staged(staged, self._part_later(), fresh.names)
+            except Exception as exc:  # this rank's write failure, heard by every rank later
+                return Staged(exc, None, fresh.names)
+
+    def save(self, temp: str, staged: Staged | None = None) -> int:
+        """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
+        (synchronous) rank 0 publishes it, or (background) DCP goes on writing — from
+        ``staged`` (:meth:`stage`, called before the plan), else from a copy made now. Every
+        rank's own part (RNG, per-rank components) reaches rank 0 with the round that ends the
+        write (synchronous) or, taken with the copy, with the one that ends DCP's write
+        (background). The save's ticket (on rank 0)."""
+        if self._stager is None:
+            # As in stage(): an optimizer without state is given zeroed state for DCP, and
+            # it is taken away again once its shards are written.
+            with FreshOptimizers(sharded_components(self._live)) as fresh:
                 return self._write(temp, fresh.names)
-            return self._start(temp, fresh.names)
+        try:
+            ready = staged if staged is not None else self.stage()
+        except BaseException:  # KeyboardInterrupt: the others' writes fail at their timeout
+            self._abort(self._directory / temp)
+            raise
+        assert ready is not None
+        return self._start(temp, ready)
 
     def step_hook(self, *_: object) -> None:
         """Optimizer step pre-hook (overlap mode): the parameters and optimizer state of the
@@ -180,6 +227,17 @@ class ShardedSaves:
     def _part(self) -> Packed:
         """This rank's own part of the save, packed (rank 0 unpacks a copy of each)."""
         return pack_state(rank_state(self._live))
+
+    def _part_later(self) -> Callable[[], Packed]:
+        """This rank's own part of a background save, taken now; it is packed now too — or,
+        when it holds nothing but RNG streams (copies nothing changes: a tuple of ints, new
+        tensors), in DCP's write, off the call (packing them costs more than taking them). A
+        per-rank component's state may be its live tensors, so it is packed now."""
+        part = rank_state(self._live)
+        if part[RANKED]:
+            packed = pack_state(part)
+            return lambda: packed
+        return partial(pack_state, part)
 
     def _write(self, temp: str, fresh: tuple[str, ...]) -> int:
         from pitstop.shell.shardwrite import write_shards
@@ -208,44 +266,34 @@ class ShardedSaves:
         ticket: int = ranks.lead(publish)
         return ticket
 
-    def _start(self, temp: str, fresh: tuple[str, ...]) -> int:
-        from pitstop.shell.shardstage import StagedShards, stage_sharded
+    def _start(self, temp: str, ready: Staged) -> int:
         from pitstop.shell.shardwrite import start_once_agreed
 
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
-        staged: StagedShards | Exception
-        try:  # this rank alone: copy its shards and take its part (RNG, per-rank components)
-            components = sharded_components(self._live)
-            staged = stage_sharded(
-                self._live.model,
-                components,
-                self._stager,
-                self._timeout_s,
-                ema=self._live.ema,
-                defer=self._overlap,
-            )
+        staged = ready.shards
+        if not isinstance(staged, Exception):
             self._later = staged.later
-            part: Packed | None = self._part()
-        except Exception as exc:  # this rank's write failure, heard by every rank at a settle
-            staged, part = exc, None
-        except BaseException:  # KeyboardInterrupt: the others' writes fail at their timeout
-            self._abort(root)
-            raise
         # No round here: the one that agrees every rank staged runs on pitstop's thread after
         # the call returns (after the deferred copy, in overlap mode), and DCP starts once it
         # has (no rank starts it when any could not stage).
         try:
             self._pending = start_once_agreed(
-                root, staged, ranks=ranks, group=self._group, timeout=self._timeout_s, rider=part
+                root,
+                staged,
+                ranks=ranks,
+                group=self._group,
+                timeout=self._timeout_s,
+                rider=ready.part,
             )
-        except BaseException:  # a fault nothing here foresees: as a KeyboardInterrupt above
+        except BaseException:  # a fault nothing here foresees: the others fail at the timeout
+            self._later = None
             self._abort(root)
             raise
         self.ticket = RemoteTicket(sharded=True)
         if not ranks.leader:
             return 0
-        return saver.handed_over(fresh=fresh)
+        return saver.handed_over(fresh=ready.fresh)
 
     def _abort(self, root: Path) -> None:
         """This rank raises out of a background save's call: rank 0's session ends it (so that

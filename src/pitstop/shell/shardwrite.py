@@ -272,7 +272,7 @@ def start_once_agreed(
     ranks: Ranks,
     group: Any,
     timeout: float,
-    rider: Any = None,
+    rider: Callable[[], Any] | None = None,
 ) -> PendingShardedWrite:
     """Every rank, right after its own staging at the call: ``staged``, or the error that
     stopped it. Returns at once; a thread of pitstop's makes the copy ``staged`` left for
@@ -281,11 +281,11 @@ def start_once_agreed(
     ``async_save`` of ``staged`` into ``directory`` (made by rank 0 already) on ``group`` —
     or, when any rank could not stage, no rank does: a rank that could not stage ends with
     its error, the others with nothing written. Both come out of
-    :meth:`PendingShardedWrite.written` (the same error on every rank); ``rider`` reaches rank
-    0 with this rank's files (its result's riders). Only that thread and DCP's write use
-    ``group``, one save at a time."""
+    :meth:`PendingShardedWrite.written` (the same error on every rank); ``rider()``, called
+    in DCP's write (off the call), reaches rank 0 with this rank's files (its result's
+    riders). Only that thread and DCP's write use ``group``, one save at a time."""
     root = Path(directory)
-    writer = Writer(root, rank=ranks.rank, rider=lambda: rider)
+    writer = Writer(root, rank=ranks.rank, rider=rider)
     on_group = Ranks(ranks.rank, ranks.world_size, group)
     started: Future[Any] = Future()
 
