@@ -18,7 +18,9 @@ pre-hook must not make the copy of the staging that call dropped); ``close``; pr
 ``--scene interrupt --interrupt-rank R``: rank R's copy of the step-1 save raises
 KeyboardInterrupt; each rank prints ``interrupted <message as JSON>`` (or ``saved 1``) and
 its events; then ``wait`` prints ``wait error <message as JSON>`` or ``wait ok``; then a save
-at step 2, ``close``, ``checkpoints`` and ``temps`` as above.
+at step 2, ``close``, ``checkpoints`` and ``temps`` as above. ``--scene late``: the same, but
+the step-1 save is a ``maybe_save`` that every rank but R passes a stop request: rank R does
+not foresee the save, so its copy (interrupted) is made after the round.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def report(call: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--scene", choices=["order", "interrupt"], default="order")
+    parser.add_argument("--scene", choices=["order", "interrupt", "late"], default="order")
     parser.add_argument("--interrupt-rank", type=int, default=0)
     parser.add_argument("--overlap", action="store_true")
     args = parser.parse_args()
@@ -121,7 +123,11 @@ def main() -> int:
             if rank == args.interrupt_rank:
                 interrupt_copy()
             try:
-                ckpt.save(pitstop.Progress(step=1))
+                if args.scene == "late":  # only the other rank's stop makes this a save
+                    stop = rank != args.interrupt_rank
+                    ckpt.maybe_save(pitstop.Progress(step=1), stop=stop)
+                else:
+                    ckpt.save(pitstop.Progress(step=1))
                 print("saved 1", flush=True)
             except KeyboardInterrupt as exc:
                 print(f"interrupted {json.dumps(str(exc))}", flush=True)

@@ -1,20 +1,20 @@
 # One save call (maybe_save, save, finish) on every rank: from each rank's inputs to the save
 # written, handed over, or none.
 #
-# Rules: every rank brings its inputs (progress, stop, metrics) to rank 0, which decides with
-# the core and plans there (pitstop.shell.saving); then a file save is written by rank 0 with
-# every rank's part, and a sharded one by every rank through DCP (pitstop.shell.shardsave).
-# With a sharded background save in flight, the same round also tells every rank whether every
-# rank's part of it is written, so that it is published first when it is (or when the new save
-# needs the directory settled). With no save in flight, a rank that foresees a background
-# sharded save (the core's foresees_write: an explicit save, a final save, its own stop, an
-# interval step) copies its shards while its inputs travel to rank 0 and rank 0 decides, so
-# that the round's wait overlaps the copy; a save rank 0 then does not plan drops the copy.
-# A Ctrl-C during that copy ends the round on rank 0 (every rank raises it, nothing planned)
-# and, on another rank, fails that rank's write of the save, heard by every rank at a later
-# call (so no rank waits for it). A call that raises from a step that does not end its own save
-# ends it (Saver.abandon: the core's left_by_raise), so that no later call — close() included —
-# waits for a save that nobody carries on.
+# Rules: every rank brings its inputs (progress, stop, metrics) to rank 0, which decides with the
+# core and plans there (pitstop.shell.saving); then a file save is written by rank 0 with every
+# rank's part, and a sharded one by every rank through DCP (pitstop.shell.shardsave). With a
+# sharded background save in flight, the same round also tells every rank whether every rank's
+# part of it is written, so that it is published first when it is (or when the new save needs the
+# directory settled). With no save in flight, a rank that foresees a background sharded save (the
+# core's foresees_write: an explicit save, a final save, its own stop, an interval step) copies
+# its shards while its inputs travel to rank 0 and rank 0 decides, so that the round's wait
+# overlaps the copy; a save rank 0 then does not plan drops the copy. A Ctrl-C during that copy
+# ends the round on rank 0 (every rank raises it, nothing planned); on another rank (or during a
+# copy made after the round, on any rank) it fails that rank's write of the save, heard by every
+# rank at a later call (so no rank waits for it). A call that raises from a step that does not end
+# its own save ends it (Saver.abandon: the core's left_by_raise), so that no later call — close()
+# included — waits for a save that nobody carries on.
 # How: the rounds are pitstop.shell.distributed.Ranks' (one process: plain calls).
 
 """A save call on every rank: hear every rank, decide and plan on rank 0, write."""
@@ -31,7 +31,6 @@ import attrs
 from pitstop.core.ranks import CallInput, merge_inputs
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, foresees_write
-from pitstop.errors import SaveError
 from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import call_input
 from pitstop.shell.distributed import GATHER_BOX, Ranks, Round
@@ -87,7 +86,7 @@ class SaveCalls:
 
         planned: Planned | None
         staged: Staged | None = None
-        interrupt: Any = None  # a Ctrl-C during this rank's copy (not rank 0's), raised last
+        interrupt: BaseException | None = None  # a Ctrl-C in this rank's copy: raised last
         try:
             if shards is None or done is None:  # one round trip: rank 0 hears, decides, plans
                 round_ = ranks.begin(each, box=GATHER_BOX)
@@ -137,22 +136,21 @@ class SaveCalls:
         )
 
 
-def _stage_during(shards: ShardedSaves, round_: Round, rank: int) -> tuple[Staged | None, Any]:
+def _stage_during(
+    shards: ShardedSaves, round_: Round, rank: int
+) -> tuple[Staged | None, BaseException | None]:
     """Every rank that foresees a background save: its copy, made while its inputs travel to
     rank 0 and rank 0 decides (the round's wait then overlaps the copy), and the Ctrl-C that
     came during the copy (``None``: none came). On rank 0 the interrupt ends the round before
     anything is planned: every rank raises it. On another rank the save goes on without this
-    rank's copy — its write fails on every rank, heard at a later call, so that no rank waits
-    for it — and the call raises the interrupt once the save is handed over."""
-    try:
-        return shards.stage(), None
-    except BaseException as exc:
-        error = exc
-    if rank == 0:
+    rank's copy (:meth:`ShardedSaves.stage_or_interrupted`) and the call raises the interrupt
+    once the save is handed over."""
+    staged, interrupt = shards.stage_or_interrupted()
+    if interrupt is not None and rank == 0:
+        error = interrupt
 
         def interrupted(_: object) -> None:
             raise error
 
         round_.lead(interrupted)  # raises it here (as itself) and on every rank
-    failed = SaveError(f"rank {rank}: the copy of this rank's shards was interrupted ({error!r})")
-    return Staged(failed, None, ()), error
+    return staged, interrupt

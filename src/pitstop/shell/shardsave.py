@@ -188,22 +188,37 @@ class ShardedSaves:
     def save(self, temp: str, staged: Staged | None = None) -> int:
         """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
         (synchronous) rank 0 publishes it, or (background) DCP goes on writing — from
-        ``staged`` (:meth:`stage`, called before the plan), else from a copy made now. Every
-        rank's own part (RNG, per-rank components) reaches rank 0 with the round that ends the
-        write (synchronous) or, taken with the copy, with the one that ends DCP's write
-        (background). The save's ticket (on rank 0)."""
+        ``staged`` (:meth:`stage`, called before the plan), else from a copy made now (a
+        Ctrl-C during it: see :meth:`stage_or_interrupted`). Every rank's own part (RNG,
+        per-rank components) reaches rank 0 with the round that ends the write (synchronous)
+        or, taken with the copy, with the one that ends DCP's write (background). The save's
+        ticket (on rank 0)."""
         if self._stager is None:
             # As in stage(): an optimizer without state is given zeroed state for DCP, and
             # it is taken away again once its shards are written.
             with FreshOptimizers(sharded_components(self._live)) as fresh:
                 return self._write(temp, fresh.names)
+        interrupt = None
+        if staged is None:
+            staged, interrupt = self.stage_or_interrupted()
+        assert staged is not None
+        ticket = self._start(temp, staged)
+        if interrupt is not None:  # this rank's write is handed over, as failed
+            raise interrupt
+        return ticket
+
+    def stage_or_interrupted(self) -> tuple[Staged | None, BaseException | None]:
+        """:meth:`stage`, and the Ctrl-C that came during it (``None``: none came). Then the
+        copy is this rank's write failure — raised by every rank at a later call, so that no
+        rank waits for this one's write until the timeout — and the caller raises the
+        interrupt once the save is handed over."""
         try:
-            ready = staged if staged is not None else self.stage()
-        except BaseException:  # KeyboardInterrupt: the others' writes fail at their timeout
-            self._abort(self._directory / temp)
-            raise
-        assert ready is not None
-        return self._start(temp, ready)
+            return self.stage(), None
+        except BaseException as exc:
+            failed = SaveError(
+                f"rank {self._ranks.rank}: the copy of this rank's shards was interrupted ({exc!r})"
+            )
+            return Staged(failed, None, ()), exc
 
     def step_hook(self, *_: object) -> None:
         """Optimizer step pre-hook (overlap mode): the parameters and optimizer state of the
