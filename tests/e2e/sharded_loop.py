@@ -200,6 +200,14 @@ def write_result(out: str, rank: int, world: int, result: dict[str, Any]) -> Non
         fileformat.write(f, fileformat.prepare(result), {"rank": rank, "world_size": world})
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: a warning or log record another thread writes to the same
+    pipe (stderr joins stdout) then never lands between the line and its newline, as it
+    could in print's two writes."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def exit_before_teardown(code: int) -> None:
     """End this rank's process with ``code`` as a normal exit would — every thread that is
     not a daemon joined (DCP's and pitstop's), then the atexit handlers (a Checkpointer's

@@ -79,7 +79,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sharded_loop import exit_before_teardown, snapshot, write_result  # the engine's child
+from sharded_loop import exit_before_teardown, say, snapshot, write_result  # the engine's child
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.fsdp import fully_shard
@@ -118,7 +118,7 @@ def kill_in_write(step: int, pids: list[int]) -> None:
 
     def write_manifest(directory: Any, layout: Any, meta: Any, *args: Any, **kw: Any) -> None:
         if meta["progress"]["step"] == step:
-            print(f"killing in write {step}", flush=True)
+            say(f"killing in write {step}")
             for pid in pids:
                 if pid != os.getpid():
                     os.kill(pid, signal.SIGKILL)
@@ -141,7 +141,7 @@ def in_shards(step: int, act: Any) -> None:
 
 
 def kill_all(pids: list[int]) -> None:
-    print("killing in shards", flush=True)
+    say("killing in shards")
     for pid in pids:
         if pid != os.getpid():
             os.kill(pid, signal.SIGKILL)
@@ -253,7 +253,7 @@ def note_checks() -> None:
     real = resuming.verify_sharded
 
     def verify_sharded(root: Path, layout: Any, names: Any = None) -> None:
-        print(f"checked {json.dumps(sorted(names))}", flush=True)
+        say(f"checked {json.dumps(sorted(names))}")
         real(root, layout, names)
 
     resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
@@ -339,7 +339,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         try:
             ckpt.resume()
         except pitstop.IncompatibleCheckpoint as exc:
-            print(f"strict error {json.dumps(str(exc))}", flush=True)
+            say(f"strict error {json.dumps(str(exc))}")
     if args.tear_at_resume and rank == args.fail_rank:
         tear_at_resume(rank)
     if args.note_checks:
@@ -348,9 +348,9 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     try:
         progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
     except pitstop.PitstopError:
-        print(untouched(before, as_before(model, optimizer, schedule, ema)), flush=True)
+        say(untouched(before, as_before(model, optimizer, schedule, ema)))
         raise
-    print(f"resumed {progress.step}", flush=True)
+    say(f"resumed {progress.step}")
     resumed = progress.step
     saves: list[pitstop.Checkpoint] = []
     while progress.step < args.target:
@@ -367,26 +367,26 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         try:
             saved = ckpt.maybe_save(progress)
         except (pitstop.SaveError, OSError) as exc:  # a rank's own OSError is raised as itself
-            print(f"save error {json.dumps(str(exc))}", flush=True)
+            say(f"save error {json.dumps(str(exc))}")
             if failing is not None:  # whether DCP's write of that save began, and had ended
-                print(f"write began {began[0]} ended {ended[0]}", flush=True)
+                say(f"write began {began[0]} ended {ended[0]}")
             saved = None
         if saved is not None:
             saves.append(saved)
-            print(f"saved {saved.step} {saved.status.value}", flush=True)
-        print(f"step {progress.step}", flush=True)
+            say(f"saved {saved.step} {saved.status.value}")
+        say(f"step {progress.step}")
         if progress.step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if progress.step == args.drop_at:
             del ckpt, saved, saves
             gc.collect()
-            print("dropped", flush=True)
+            say("dropped")
             return None
     ckpt.finish(progress)
     for saved in saves:
-        print(f"status {saved.step} {saved.status.value}", flush=True)
+        say(f"status {saved.step} {saved.status.value}")
     ckpt.close()
-    print(f"checkpoints {[c.path.name for c in ckpt.checkpoints()]}", flush=True)
+    say(f"checkpoints {[c.path.name for c in ckpt.checkpoints()]}")
     out = snapshot(model, optimizer, ema)
     out["schedule"] = {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"}
     out["resumed"] = resumed
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = train(args, rank, world)
         except pitstop.PitstopError as exc:
-            print(f"error {type(exc).__name__} {json.dumps(str(exc))}", flush=True)
+            say(f"error {type(exc).__name__} {json.dumps(str(exc))}")
             return EXIT_PITSTOP_ERROR
         if result is None:
             return 0

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from sharded_loop import exit_before_teardown, exit_code
+from sharded_loop import exit_before_teardown, exit_code, say
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -66,7 +66,7 @@ def interrupt_copy() -> None:
 
 
 def report(call: str) -> None:
-    print(f"events {call}|{json.dumps(events)}", flush=True)
+    say(f"events {call}|{json.dumps(events)}")
     events.clear()
 
 
@@ -111,7 +111,7 @@ def main() -> int:
             ckpt.wait()
             train_step()
             events.clear()
-            print(f"maybe {ckpt.maybe_save(pitstop.Progress(step=2))}", flush=True)
+            say(f"maybe {ckpt.maybe_save(pitstop.Progress(step=2))}")
             report("maybe_save")
             ckpt.finish(pitstop.Progress(step=2))
             report("finish")
@@ -128,22 +128,22 @@ def main() -> int:
                     ckpt.maybe_save(pitstop.Progress(step=1), stop=stop)
                 else:
                     ckpt.save(pitstop.Progress(step=1))
-                print("saved 1", flush=True)
+                say("saved 1")
             except KeyboardInterrupt as exc:
-                print(f"interrupted {json.dumps(str(exc))}", flush=True)
+                say(f"interrupted {json.dumps(str(exc))}")
             report("save")
             try:
                 ckpt.wait()
-                print("wait ok", flush=True)
+                say("wait ok")
             except pitstop.SaveError as exc:
-                print(f"wait error {json.dumps(str(exc))}", flush=True)
+                say(f"wait error {json.dumps(str(exc))}")
             train_step()
             ckpt.save(pitstop.Progress(step=2))
         ckpt.close()
         names = [c.path.name for c in ckpt.checkpoints()]
-        print(f"checkpoints {json.dumps(names)}", flush=True)
+        say(f"checkpoints {json.dumps(names)}")
         temps = [p for p in Path(args.dir).iterdir() if p.name.startswith(".tmp-")]
-        print(f"temps {len(temps)}", flush=True)
+        say(f"temps {len(temps)}")
         return 0
     finally:
         dist.destroy_process_group()

@@ -200,7 +200,13 @@ class ShardedSaves:
                 return self._write(temp, fresh.names)
         interrupt = None
         if staged is None:
-            staged, interrupt = self.stage_or_interrupted()
+            try:
+                staged = self.stage()
+            except KeyboardInterrupt as exc:  # as stage_or_interrupted's
+                staged, interrupt = self._interrupted(exc), exc
+            except BaseException:  # a fault nothing here foresees: raised by this call alone
+                self._abort(self._directory / temp)
+                raise
         assert staged is not None
         ticket = self._start(temp, staged)
         if interrupt is not None:  # this rank's write is handed over, as failed
@@ -208,17 +214,22 @@ class ShardedSaves:
         return ticket
 
     def stage_or_interrupted(self) -> tuple[Staged | None, BaseException | None]:
-        """:meth:`stage`, and the Ctrl-C that came during it (``None``: none came). Then the
+        """:meth:`stage` during the round that plans the save, and the Ctrl-C (or any fault
+        the copy itself does not keep) that came during it (``None``: none came). Then the
         copy is this rank's write failure — raised by every rank at a later call, so that no
         rank waits for this one's write until the timeout — and the caller raises the
-        interrupt once the save is handed over."""
+        interrupt once the save is handed over (or, on rank 0, ends the round with it)."""
         try:
             return self.stage(), None
-        except BaseException as exc:
-            failed = SaveError(
-                f"rank {self._ranks.rank}: the copy of this rank's shards was interrupted ({exc!r})"
-            )
-            return Staged(failed, None, ()), exc
+        except BaseException as exc:  # a fault nothing here foresees, too: as an interrupt
+            return self._interrupted(exc), exc
+
+    def _interrupted(self, exc: BaseException) -> Staged:
+        """The copy ``exc`` interrupted, as this rank's write failure."""
+        failed = SaveError(
+            f"rank {self._ranks.rank}: the copy of this rank's shards was interrupted ({exc!r})"
+        )
+        return Staged(failed, None, ())
 
     def step_hook(self, *_: object) -> None:
         """Optimizer step pre-hook (overlap mode): the parameters and optimizer state of the

@@ -334,8 +334,11 @@ class _Refusing(DefaultSavePlanner):
         super().__init__()
         self._error = error
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
-        """Raise the error (DCP gathers it to every rank with its plan)."""
+    def set_up_planner(
+        self, state_dict: Any = None, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        """Raise the error (DCP gathers it to every rank with its plan). The parameters are
+        DCP's own (a planner without ``storage_meta`` makes DCP warn)."""
         raise self._error
 
 
