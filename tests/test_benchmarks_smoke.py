@@ -134,15 +134,18 @@ def test_resume_speed_prints_every_candidate_and_phase(
     args = ["--sizes-mib", "1", "--tensors", "2", "--repeats", "1", "--warmups", "0"]
     args += ["--phases", "--dir", str(tmp_path), "--json", str(out_json)]
     placed = resume_speed.READ_PLACED.format(4)  # one of --read-strategies' passes
-    args += ["--candidates", f"torch.load + load_state_dict,dcp.load,pitstop resume,{placed}"]
+    named = ["torch.load + load_state_dict", "dcp.load", "pitstop resume", placed]
+    named.append(resume_speed.NEW_FLOOR)
+    args += ["--candidates", ",".join(named)]
     assert resume_speed.main(args) == 0
     out = capsys.readouterr().out
-    names = ("readinto (floor)", "torch.load + load_state_dict", "dcp.load", "pitstop resume")
-    names += (placed,)
+    names = ("readinto (floor)", *named)
     for name in names:
         assert f"| {name} |" in out, out
     assert "| commit: copy into the model |" in out, out
     rows = json.loads(out_json.read_text())
     assert {row["candidate"] for row in rows} >= set(names)
     assert all(row["x_floor"] > 0 and row["runs"] == 1 for row in rows)
+    assert all(row["x_new_floor"] > 0 for row in rows)  # every row's ratio to the second floor
+    assert "| x new-mem floor (max) |" in out, out
     assert list(tmp_path.iterdir()) == [out_json]  # every file removed
