@@ -23,9 +23,11 @@ $(PLOT_STAMP): $(STAMP)
 demo: $(PLOT_STAMP)
 	$(VENV)/bin/pitstop demo
 
+# ruff, then the import contracts of pyproject.toml (the doors between pitstop's packages).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/lint-imports --no-logo
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -45,4 +47,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan_scale.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .import_linter_cache

@@ -5,12 +5,12 @@ Measures, on one in-memory buffer of random bytes:
 * the stdlib checksum candidates: ``zlib.crc32`` (whole buffer and 2 MiB chunks),
   ``zlib.adler32``, and ``hashlib`` md5 / sha1 / sha256 / blake2b for scale;
 * ``zlib.crc32`` over 2 MiB chunks in 2 and 4 threads (it releases the GIL on large buffers);
-* pitstop's own CRC-32 (``pitstop.shell.checksums``: ISA-L's where the ``isal`` package is
+* pitstop's own CRC-32 (``pitstop.shell.format.checksums``: ISA-L's where the ``isal`` package is
   installed, else zlib's), in one call and on its pool;
 * writing the buffer to a file in 2 MiB chunks (no fsync, so page-cache speed): without a
   checksum, with the CRC computed before each write, with the CRC computed in a helper
-  thread beside each write (what ``pitstop.shell.fileformat.write`` did at first), and with
-  the whole write first and then the CRC on ``pitstop.shell.checksums``' thread pool, in
+  thread beside each write (what ``pitstop.shell.format.fileformat.write`` did at first), and with
+  the whole write first and then the CRC on ``pitstop.shell.format.checksums``' thread pool, in
   8 MiB pieces joined by ``crc32_combine`` (what it does now; with an fsync to wait for, the
   checksums run while it does, which this CPU-only measurement leaves out);
 * ``fileformat`` itself: prepare + write, ``verify``, and ``load`` (mmap + blob CRC check) of
@@ -43,7 +43,7 @@ with warnings.catch_warnings():  # torch warns when numpy is absent; it is not n
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch
 
-from pitstop.shell import checksums, fileformat
+from pitstop.shell.format import checksums, fileformat
 
 CHUNK = 2 << 20  # the chunk size fileformat.write uses
 

@@ -403,8 +403,8 @@ def floor_into_new_memory(root: Path, optimizer: torch.optim.AdamW) -> Callable[
 
 def check_pass(candidate: str, root: Path) -> Callable[[], None]:
     """The read pass that checks every blob of the pitstop file, one of six ways."""
-    from pitstop.shell import blobread, fileformat
-    from pitstop.shell.checksums import crc32
+    from pitstop.shell.format import blobread, fileformat
+    from pitstop.shell.format.checksums import crc32
 
     (path,) = json.loads((root / "files.json").read_text())[FLOOR]
     if candidate == READ_POOL:
@@ -431,7 +431,7 @@ def check_pass(candidate: str, root: Path) -> Callable[[], None]:
 
         return inline
     if candidate == READ_THREADS:
-        from pitstop.shell.checksums import crc32_update
+        from pitstop.shell.format.checksums import crc32_update
 
         def two_threads() -> None:
             chunk = blobread.CHUNK
@@ -512,13 +512,23 @@ def install_phases() -> Phases:
     import importlib
 
     def module(name: str) -> Any:  # None where this checkout has no such module
-        try:
-            return importlib.import_module(f"pitstop.shell.{name}")
-        except ImportError:
-            return None
+        for path in (name, name.rpartition(".")[2]):  # in its room, or an older flat shell's
+            try:
+                return importlib.import_module(f"pitstop.shell.{path}")
+            except ImportError:
+                continue
+        return None
 
     directory, fileformat, fileread, resolve, restore, resuming = map(
-        module, ("directory", "fileformat", "fileread", "resolve", "restore", "resuming")
+        module,
+        (
+            "store.directory",
+            "format.fileformat",
+            "format.fileread",
+            "store.resolve",
+            "state.restore",
+            "resuming",
+        ),
     )
     if resuming is None:  # an older checkout: the resume lived in the manager
         resuming = module("manager")
@@ -795,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     if NEW_FLOOR in candidates and args.device != "cpu":
         candidates.remove(NEW_FLOOR)  # its new memory is the host's: a CPU reference only
 
-    from pitstop.shell.checksums import ENGINE
+    from pitstop.shell.format.checksums import ENGINE
 
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "

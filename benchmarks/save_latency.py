@@ -394,7 +394,7 @@ class DcpAsyncSave(Candidate):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        from pitstop.shell.shardstage import stager_spent
+        from pitstop.shell.sharded.shardstage import stager_spent
 
         self.spent = stager_spent
 

@@ -5,7 +5,7 @@ One process, one state (~64 float32 tensors), side by side:
 * save to durable: pitstop (prepare + write + fsync + rename + directory fsync), ``torch.save``
   then fsync, and the physical limit — ``write`` of the same tensor bytes then ``fsync``
   (the ratios' base), and the same with write-behind (every 2 MiB handed to the kernel's
-  writeback as it is written, ``pitstop.shell.writebehind``: what pitstop's save does), which
+  writeback as it is written, ``pitstop.shell.format.writebehind``: what pitstop's save does), which
   is faster than the plain limit because the disk starts before the last byte is written;
 * load, every page touched, from a cold page cache (the file's pages are dropped with
   ``posix_fadvise(DONTNEED)`` first): ``pitstop.load`` (memory-mapped), ``torch.load``
@@ -35,10 +35,10 @@ import torch
 
 from pitstop.core.metadata import entry_meta
 from pitstop.core.records import CheckpointEntry, Progress, SaveReason
-from pitstop.shell import checksums, fileformat
-from pitstop.shell.publish import publish_file
-from pitstop.shell.storage import LocalStorage
-from pitstop.shell.writebehind import KICK, WriteBehind
+from pitstop.shell.format import checksums, fileformat
+from pitstop.shell.format.writebehind import KICK, WriteBehind
+from pitstop.shell.store.publish import publish_file
+from pitstop.shell.store.storage import LocalStorage
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -109,15 +109,15 @@ def worker(args: argparse.Namespace) -> int:
 
     import pitstop
     from pitstop.core.naming import temp_name
-    from pitstop.shell.distributed import Ranks
-    from pitstop.shell.sharded import (
+    from pitstop.shell.ranks.distributed import Ranks
+    from pitstop.shell.sharded.engine import (
         async_write_sharded,
         make_stager,
         publish_sharded,
         write_manifest,
         write_sharded,
     )
-    from pitstop.shell.storage import LocalStorage
+    from pitstop.shell.store.storage import LocalStorage
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -266,7 +266,7 @@ def _resume_rounds(
     from torch.distributed.checkpoint.state_dict_loader import load
 
     import pitstop
-    from pitstop.shell.sharded import read_sharded
+    from pitstop.shell.sharded.engine import read_sharded
 
     directory = root / "resume"
     state = {"optimizer": optimizer}

@@ -8,7 +8,7 @@ Writes the same bytes (``--mib`` of random float32, in 2 MiB ``write`` calls, as
 * ``crc beside each write``: a helper thread checksums each chunk while the main thread writes
   it (what ``fileformat.write`` did at first);
 * ``crc during fsync, N threads``: write everything, then start the fsync on a helper thread
-  and checksum on N threads (8 MiB pieces, ``pitstop.shell.checksums``) while it runs, then
+  and checksum on N threads (8 MiB pieces, ``pitstop.shell.format.checksums``) while it runs, then
   write a 4 KiB tail and fsync again (what ``fileformat.write`` does now, with its manifest);
 * ``pwrite, N threads``: the floor again, the file cut into N parts written by N threads with
   ``os.pwrite`` — whether more writer threads reach the disk faster.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from pitstop.shell import checksums
+from pitstop.shell.format import checksums
 
 CHUNK = 2 << 20
 TAIL = bytes(4096)

@@ -13,8 +13,8 @@ from pitstop.core.metadata import entry_meta
 from pitstop.core.plan import SavePlan, plan_save
 from pitstop.core.records import Progress
 from pitstop.core.schedule import Call, ScheduleState, decide_save
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory
 
 
 def state_at(step: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pitstop.core.support import SHARDED_STATE
-from pitstop.shell.support import sharded_missing
+from pitstop.shell.sharded.support import sharded_missing
 
 SHARDED_MISSING = sharded_missing()
 SHARDED_REASON = (

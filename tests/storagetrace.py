@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, cast
 
 from pitstop.core.naming import TEMP_PREFIX, EntryKind, classify
-from pitstop.shell.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 
 class Op(NamedTuple):

@@ -13,7 +13,7 @@ import pytest
 from dirtools import save
 from pitstop.core.records import Best, Policy
 from pitstop.core.schedule import Call
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.store.directory import CheckpointDirectory
 
 SMOKE = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"
 
@@ -220,7 +220,7 @@ def test_inspect_json_and_that_it_reads_no_tensor_bytes(
 ) -> None:
     import json
 
-    from pitstop.shell import fileformat
+    from pitstop.shell.format import fileformat
 
     directory = _checkpointer_run(tmp_path)
     path = directory / "step_000000000007.pitstop"
@@ -591,7 +591,7 @@ def test_resume_from_a_missing_directory_starts_fresh_with_one_warning(
 def _big_checkpoint(tmp_path: Path) -> Path:
     import torch
 
-    from pitstop.shell import fileformat
+    from pitstop.shell.format import fileformat
 
     path = tmp_path / "step_000000000001.pitstop"
     from pitstop.core.metadata import entry_meta

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import pitstop
-from pitstop.shell.directory import scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 
 
 def test_the_demo_pauses_resumes_and_matches_the_straight_run(tmp_path: Path) -> None:

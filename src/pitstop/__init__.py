@@ -33,13 +33,14 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 if TYPE_CHECKING:
     from pitstop.shell.checkpoint import Checkpoint
-    from pitstop.shell.importer import import_checkpoint
-    from pitstop.shell.info import info
     from pitstop.shell.manager import Checkpointer
-    from pitstop.shell.resolve import load, verify
+    from pitstop.shell.portable.importer import import_checkpoint
+    from pitstop.shell.portable.info import info
+    from pitstop.shell.portable.loading import load
+    from pitstop.shell.portable.weights import export_weights, load_weights
     from pitstop.shell.sampler import ResumableSampler
     from pitstop.shell.stop import StopRequest
-    from pitstop.shell.weights import export_weights, load_weights
+    from pitstop.shell.store.resolve import verify
 
 # Public names that need torch, and the module each comes from.
 _LAZY = {
@@ -47,12 +48,12 @@ _LAZY = {
     "Checkpointer": "pitstop.shell.manager",
     "ResumableSampler": "pitstop.shell.sampler",
     "StopRequest": "pitstop.shell.stop",
-    "export_weights": "pitstop.shell.weights",
-    "import_checkpoint": "pitstop.shell.importer",
-    "info": "pitstop.shell.info",
-    "load": "pitstop.shell.resolve",
-    "load_weights": "pitstop.shell.weights",
-    "verify": "pitstop.shell.resolve",
+    "export_weights": "pitstop.shell.portable.weights",
+    "import_checkpoint": "pitstop.shell.portable.importer",
+    "info": "pitstop.shell.portable.info",
+    "load": "pitstop.shell.portable.loading",
+    "load_weights": "pitstop.shell.portable.weights",
+    "verify": "pitstop.shell.store.resolve",
 }
 
 

@@ -1,6 +1,6 @@
 """Rich progress bars for long byte work, shared by the CLI and the trainer's reports.
 
-A task from :mod:`pitstop.shell.progress` (verifying a file, writing a checkpoint, exporting
+A task from :mod:`pitstop.shell.format.progress` (verifying a file, writing a checkpoint, exporting
 weights) gets a bar — bytes done / total, the rate, the time left — once it has run for about a
 second (``PITSTOP_PROGRESS_DELAY`` seconds when set), so short work prints nothing; the bar
 goes away when the task ends. :func:`make_progress` builds a rich ``Progress`` whose columns
@@ -103,7 +103,7 @@ class _Handle:
 
 
 class ByteBars:
-    """A :class:`pitstop.shell.progress.Listener` drawing a bar per task after ``delay``.
+    """A :class:`pitstop.shell.format.progress.Listener` drawing a bar per task after ``delay``.
 
     ``shared``: draw into this Progress (already started by its owner, who stops it);
     otherwise a transient one of its own is started for the first bar and stopped after the

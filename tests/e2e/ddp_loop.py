@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
-from pitstop.shell import fileformat, filewrite
+from pitstop.shell.format import fileformat, filewrite
 
 SAMPLES, BATCH, FEATURES = 40, 4, 4  # 2 ranks: 20 samples each, 5 batches per epoch
 HOLD_LIMIT_S = 300.0  # a held rank gives up (exit 4) if no signal comes: never hang forever

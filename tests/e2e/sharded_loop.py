@@ -45,9 +45,10 @@ from torch.distributed.tensor import DTensor
 import pitstop
 from pitstop.core.naming import temp_name
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import dcpstate, fileformat
-from pitstop.shell.distributed import Ranks
-from pitstop.shell.sharded import (
+from pitstop.shell.format import fileformat
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded import dcpstate
+from pitstop.shell.sharded.engine import (
     async_write_sharded,
     is_sharded,
     make_stager,
@@ -56,7 +57,7 @@ from pitstop.shell.sharded import (
     write_manifest,
     write_sharded,
 )
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.storage import LocalStorage
 
 EXIT_PITSTOP_ERROR = 3
 TOKEN = "test"

@@ -88,7 +88,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import dcpio, resuming, sharddir, shardsave, shardwrite
+from pitstop.shell import resuming, shardsave
+from pitstop.shell.sharded import dcpio, shardwrite
+from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
 

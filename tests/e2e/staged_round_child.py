@@ -39,7 +39,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import pitstop
-from pitstop.shell import distributed, saving, shardsave, shardstage
+from pitstop.shell import saving, shardsave
+from pitstop.shell.ranks import distributed
+from pitstop.shell.sharded import shardstage
 
 events: list[str] = []
 

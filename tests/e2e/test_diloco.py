@@ -33,7 +33,7 @@ import torch
 
 import pitstop
 from multirank import Job
-from pitstop.shell import fileformat
+from pitstop.shell.format import fileformat
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from pitstop.shell import fileformat
+from pitstop.shell.format import fileformat
 from trees import assert_same
 
 SCRIPT = Path(__file__).with_name("train_loop.py")

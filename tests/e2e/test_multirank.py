@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from multirank import Finished, Job
-from pitstop.shell import fileformat
+from pitstop.shell.format import fileformat
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(

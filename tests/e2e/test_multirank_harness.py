@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from multirank import LAUNCHER, Job, JobFailed, JobTimeout, alive
-from pitstop.shell import fileformat
+from pitstop.shell.format import fileformat
 from teejoin import TeeJoiner
 from trees import assert_same
 

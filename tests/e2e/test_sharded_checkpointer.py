@@ -47,10 +47,10 @@ import pitstop
 from multirank import Finished, Job
 from pitstop.cli import main as cli
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.sharded import MODEL, full_state_dict
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.sharded.engine import MODEL, full_state_dict
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.storage import LocalStorage
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(

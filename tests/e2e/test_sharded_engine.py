@@ -1,7 +1,7 @@
 """The sharded engine with real processes: FSDP2 on gloo, 2 ranks on the CPU (and 4, slow).
 
 tests/e2e/sharded_loop.py trains an FSDP2 MLP with AdamW and saves it through
-pitstop.shell.sharded twice (write_sharded, and async_write_sharded with a stager), or
+pitstop.shell.sharded.engine twice (write_sharded, and async_write_sharded with a stager), or
 restores a checkpoint into a model built from another seed. Checked here: a save publishes a
 complete directory (every DCP file listed with its writer, size and CRC-32, no temp left);
 the export gathers a full state dict that an unsharded model loads with strict=True. Under
@@ -31,9 +31,9 @@ from torch import nn
 from multirank import Finished, Job
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint, SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.distributed import Ranks
-from pitstop.shell.sharded import (
+from pitstop.shell.format import fileformat
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded.engine import (
     delete_sharded,
     full_state_dict,
     is_sharded,
@@ -44,7 +44,7 @@ from pitstop.shell.sharded import (
     write_manifest,
     write_sharded,
 )
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.storage import LocalStorage
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(
@@ -201,7 +201,7 @@ def held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def tear_after_verify(monkeypatch: pytest.MonkeyPatch, victim: str) -> None:
     """The checkpoint's ``victim`` file loses its second half once every file has verified,
     before DCP reads it (as a disk failing, or a file cut, between the check and the read)."""
-    from pitstop.shell import sharded
+    from pitstop.shell.sharded import engine as sharded
 
     real = sharded.verify_sharded
 
@@ -247,7 +247,7 @@ def test_a_fresh_optimizer_has_no_state_after_a_failed_read(
 def test_a_failure_while_the_state_is_applied_puts_back_what_dcp_read(
     saved: Saved, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pitstop.shell import dcpstate
+    from pitstop.shell.sharded import dcpstate
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("optimizer refused its state")

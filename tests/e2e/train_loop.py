@@ -25,7 +25,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pitstop
-from pitstop.shell import fileformat
+from pitstop.shell.format import fileformat
 
 SAMPLES, BATCH = 40, 4  # 10 micro-batches per epoch
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, NamedTuple, cast
 
-from pitstop.shell.storage import FileKind, LocalStorage
+from pitstop.shell.store.storage import FileKind, LocalStorage
 
 SECTOR = 512
 

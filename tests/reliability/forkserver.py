@@ -36,8 +36,8 @@ import torch
 
 import pitstop
 from pitstop.errors import DirectoryLocked
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.storage import LocalStorage
 
 MODES: dict[str, bool | str] = {"sync": False, "async": True, "overlap": "overlap"}
 _STORAGE_OPS = ("create_exclusive", "sync_file", "replace", "sync_directory", "symlink", "remove")

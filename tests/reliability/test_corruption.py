@@ -31,9 +31,9 @@ import torch
 
 import pitstop
 from pitstop.core.records import Best, Pointers, Policy
-from pitstop.shell import fileformat
-from pitstop.shell.directory import scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 
 BEST = Best("loss")
 LOSSES = {1: 0.9, 2: 0.5, 3: 0.7}
@@ -72,7 +72,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The name of every file whose tensors are loaded (through pitstop.shell.fileformat)."""
+    """The name of every file whose tensors are loaded (through pitstop.shell.format.fileformat)."""
     seen: list[str] = []
     real = fileformat.load
 

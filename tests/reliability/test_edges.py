@@ -26,9 +26,9 @@ import torch
 import pitstop
 from dirtools import snapshot
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.directory import scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 
 
 def _run(path: Path, steps: tuple[int, ...] = (1, 2), **options: Any) -> None:

@@ -25,9 +25,9 @@ from pitstop.core.naming import TEMP_PREFIX
 from pitstop.core.records import Best, Policy
 from pitstop.core.schedule import Call
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.storage import LocalStorage
 
 ERRNOS = (errno.EIO, errno.ENOSPC, errno.EROFS)
 STEP1, STEP2 = "step_000000000001.pitstop", "step_000000000002.pitstop"

@@ -32,8 +32,8 @@ import pytest
 
 from pitstop.core.naming import LATEST_JSON, TEMP_PREFIX
 from pitstop.core.records import NO_CHECKPOINT, PointerName
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, choose_resume
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory, choose_resume
 from reliability.forkclient import ForkServer
 
 MODES = ("sync", "async", "overlap")

@@ -35,10 +35,10 @@ from pitstop.core.naming import NOT_A_CHECKPOINT, EntryKind, checkpoint_name, cl
 from pitstop.core.records import Best, PointerName, Pointers, Policy, Progress
 from pitstop.core.retention import plan_retention
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.directory import choose_resume, scan
-from pitstop.shell.publish import delete_checkpoints
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import choose_resume, scan
+from pitstop.shell.store.publish import delete_checkpoints
+from pitstop.shell.store.storage import LocalStorage
 from reliability.crashsim import CrashStorage, crash_state, materialize
 
 POLICY = Policy(keep_last=2, best=Best("loss"))

@@ -26,9 +26,9 @@ from dirtools import save, state_at
 from pitstop.core.naming import LATEST_JSON, TEMP_PREFIX
 from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Policy
 from pitstop.core.schedule import Call
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory, choose_resume, scan
+from pitstop.shell.store.storage import LocalStorage
 from reliability.crashsim import CrashStorage, Event, crash_state, epochs, materialize, reorderings
 
 POLICY = Policy(keep_last=2, best=Best("loss"))

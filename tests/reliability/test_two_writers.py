@@ -22,9 +22,9 @@ import pytest
 from dirtools import save
 from pitstop.core.records import Policy
 from pitstop.errors import DirectoryLocked, SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.storage import LocalStorage
 from reliability.forkclient import ForkServer
 
 POLICY = Policy(keep_last=3)

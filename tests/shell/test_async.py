@@ -15,11 +15,11 @@ from torch import nn
 
 import pitstop
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.capture import deferrable
-from pitstop.shell.directory import scan
-from pitstop.shell.staging import StagingPool, storage_keys
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.state.capture import deferrable
+from pitstop.shell.state.staging import StagingPool, storage_keys
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 
 
 def _run(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -157,7 +157,7 @@ CHILD = textwrap.dedent(
     import sys, threading
     import torch
     import pitstop
-    from pitstop.shell.storage import LocalStorage
+    from pitstop.shell.store.storage import LocalStorage
 
     directory = sys.argv[1]
     real_create, real_sync = LocalStorage.create_exclusive, LocalStorage.sync_file

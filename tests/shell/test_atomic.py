@@ -11,9 +11,9 @@ from typing import BinaryIO
 import pytest
 
 from pitstop.errors import SaveError
-from pitstop.shell import atomic
-from pitstop.shell.atomic import write_atomically
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store import atomic
+from pitstop.shell.store.atomic import write_atomically
+from pitstop.shell.store.storage import LocalStorage
 from storagetrace import Op, OsSpy, durability_problems, recording_local_storage
 
 

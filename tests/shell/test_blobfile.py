@@ -17,12 +17,12 @@ from torch import nn
 
 import pitstop
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell import blobread
-from pitstop.shell import fileformat as ff
-from pitstop.shell.blobfile import BlobFile, byte_view, drop_cached
-from pitstop.shell.capture import LiveState
-from pitstop.shell.hostmem import new_aligned_bytes
+from pitstop.shell.format import blobread
+from pitstop.shell.format import fileformat as ff
+from pitstop.shell.format.blobfile import BlobFile, byte_view, drop_cached
+from pitstop.shell.format.hostmem import new_aligned_bytes
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.state.capture import LiveState
 
 PAGE = mmap.PAGESIZE
 

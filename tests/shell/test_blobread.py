@@ -16,10 +16,10 @@ from torch import nn
 
 import pitstop
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell import blobread
-from pitstop.shell import fileformat as ff
-from pitstop.shell.capture import LiveState
+from pitstop.shell.format import blobread
+from pitstop.shell.format import fileformat as ff
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.state.capture import LiveState
 
 CPU = torch.device("cpu")
 
@@ -317,7 +317,7 @@ _MEMORY_PROBE = textwrap.dedent(
     import torch
     from torch import nn
     import pitstop
-    from pitstop.shell import blobread
+    from pitstop.shell.format import blobread
 
     MIB = 1 << 20
     READERS = int(sys.argv[2])

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell import blobread
-from pitstop.shell import fileformat as ff
+from pitstop.shell.format import blobread
+from pitstop.shell.format import fileformat as ff
 
 DEVICE = torch.device("cuda", 0)  # only a name here: the stand-in allocates on the CPU
 UNWRITTEN = 0xA5

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
-import pitstop.shell.restore as restore
+import pitstop.shell.state.restore as restore
 from pitstop import (
     Best,
     Checkpointer,
@@ -37,8 +37,8 @@ from pitstop import (
     SaveReason,
     StopRequest,
 )
-from pitstop.shell import fileformat
-from pitstop.shell.distributed import Ranks
+from pitstop.shell.format import fileformat
+from pitstop.shell.ranks.distributed import Ranks
 
 CONFIG: dict[str, Any] = {"lr": 0.1, "model": {"hidden": 16}}
 DATA = torch.randn(64, 4, generator=torch.Generator().manual_seed(7))

@@ -54,7 +54,7 @@ def _model() -> nn.Module:
         (
             {"storage": "/tmp/elsewhere"},
             ConfigError,
-            "Checkpointer.storage must implement pitstop.shell.storage.Storage",
+            "Checkpointer.storage must implement pitstop.shell.store.storage.Storage",
         ),
         (
             {"timeout_s": -1},

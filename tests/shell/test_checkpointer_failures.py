@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-import pitstop.shell.directory as directory_module
 import pitstop.shell.manager as manager
+import pitstop.shell.store.directory as directory_module
 from pitstop import Checkpointer, IncompatibleCheckpoint, PitstopError, Progress, SaveError
 from pitstop.core.naming import LATEST_JSON, LOCK_NAME
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.storage import FileKind, LocalStorage
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.storage import FileKind, LocalStorage
 
 
 def _model() -> nn.Module:

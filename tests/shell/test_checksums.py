@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from dirtools import save, snapshot
 from pitstop.core.records import Policy
 from pitstop.errors import SaveError
-from pitstop.shell import checksums, fileformat, filewrite
-from pitstop.shell.checksums import PIECE, Checksummer, crc32, crc32_combine, crc32_update
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import checksums, fileformat, filewrite
+from pitstop.shell.format.checksums import PIECE, Checksummer, crc32, crc32_combine, crc32_update
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.storage import LocalStorage
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300), st.integers(0, 0xFFFFFFFF))
@@ -66,7 +66,7 @@ def test_files_written_with_one_crc_engine_verify_with_the_other(tmp_path: Path)
     script = (
         "import sys; sys.modules['isal'] = None\n"
         "import torch\n"
-        "from pitstop.shell import checksums, fileformat\n"
+        "from pitstop.shell.format import checksums, fileformat\n"
         "assert checksums.ENGINE == 'zlib', checksums.ENGINE\n"
         f"fileformat.verify({str(here)!r})\n"
         f"w = torch.arange({3 * PIECE // 4 + 5}, dtype=torch.float32)\n"

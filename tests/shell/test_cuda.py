@@ -21,7 +21,7 @@ from torch import nn
 
 import pitstop
 from onerank import NEEDS_SHARDED
-from pitstop.shell import blobread
+from pitstop.shell.format import blobread
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

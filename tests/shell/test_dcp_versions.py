@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import pitstop
 from onerank import NEEDS_GLOO, sharded_model
-from pitstop.shell import shardstage
-from pitstop.shell.sharddir import read_layout
+from pitstop.shell.sharded import shardstage
+from pitstop.shell.store.sharddir import read_layout
 
 pytestmark = NEEDS_GLOO
 

@@ -1,4 +1,5 @@
-"""The file table of a sharded save comes from CRCs taken as DCP writes (pitstop.shell.dcpwrite).
+"""The file table of a sharded save comes from CRCs taken as DCP writes
+(pitstop.shell.sharded.dcpwrite).
 
 A small FSDP2 model (DTensor parameters, AdamW state: tensors and byte values) is saved in
 one process on a 1-rank gloo group, with write_sharded and with async_write_sharded. Checked:
@@ -26,11 +27,11 @@ import pitstop
 from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.errors import SaveError
-from pitstop.shell import sharddir
-from pitstop.shell.dcpio import DCP_METADATA, Writer, own_failure
-from pitstop.shell.dcpwrite import CrcFileSystem
-from pitstop.shell.distributed import Ranks
-from pitstop.shell.sharded import async_write_sharded, make_stager, write_sharded
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded.dcpio import DCP_METADATA, Writer, own_failure
+from pitstop.shell.sharded.dcpwrite import CrcFileSystem
+from pitstop.shell.sharded.engine import async_write_sharded, make_stager, write_sharded
+from pitstop.shell.store import sharddir
 from storagetrace import OsSpy
 
 pytestmark = NEEDS_GLOO

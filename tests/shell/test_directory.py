@@ -13,8 +13,8 @@ from dirtools import save, snapshot
 from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Policy
 from pitstop.core.schedule import Call
 from pitstop.errors import SaveError
-from pitstop.shell.directory import CheckpointDirectory, choose_resume, scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.directory import CheckpointDirectory, choose_resume, scan
+from pitstop.shell.store.storage import LocalStorage
 
 
 def _name(step: int) -> str:

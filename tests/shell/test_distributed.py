@@ -14,8 +14,8 @@ from pitstop.errors import (
     PitstopError,
     SaveError,
 )
-from pitstop.shell.distributed import Ranks, outcome_of, raise_outcome
-from pitstop.shell.packing import pack_state, unpack_state
+from pitstop.shell.ranks.distributed import Ranks, outcome_of, raise_outcome
+from pitstop.shell.ranks.packing import pack_state, unpack_state
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ import pytest
 
 from dirtools import save
 from pitstop.core.records import Best, Policy
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.storage import LocalStorage
 from storagetrace import (
     Op,
     RecordingStorage,

@@ -29,8 +29,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
-from pitstop.shell import fileformat as ff
-from pitstop.shell.treecodec import DTYPES, MAX_DEPTH, TENSOR_DTYPES, check_tree
+from pitstop.shell.format import fileformat as ff
+from pitstop.shell.format.treecodec import DTYPES, MAX_DEPTH, TENSOR_DTYPES, check_tree
 
 ALL_DTYPES = sorted(TENSOR_DTYPES.values(), key=str)
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1

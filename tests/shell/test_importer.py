@@ -20,7 +20,7 @@ from torch import nn
 
 import pitstop
 from pitstop import Checkpointer, ImportRefused, IncompatibleCheckpoint, SaveError
-from pitstop.shell.importer import read_foreign
+from pitstop.shell.portable.importer import read_foreign
 
 
 class Net(nn.Module):
@@ -369,7 +369,7 @@ def test_the_safetensors_reader_matches_the_real_one_when_installed(tmp_path: Pa
     safetensors = pytest.importorskip("safetensors.torch")
     tensors = {"a": torch.randn(3, 2), "b": torch.arange(5), "c": torch.randn(4).bfloat16()}
     safetensors.save_file(tensors, tmp_path / "model.safetensors")
-    from pitstop.shell.foreignread import read_safetensors as _read_safetensors
+    from pitstop.shell.portable.foreignread import read_safetensors as _read_safetensors
 
     assert _same(tensors, _read_safetensors(tmp_path / "model.safetensors"))
 

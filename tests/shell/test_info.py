@@ -13,8 +13,8 @@ from torch import nn
 
 import pitstop
 from pitstop import Checkpoint, Checkpointer, Progress, SaveReason
-from pitstop.shell import fileformat
 from pitstop.shell.checkpoint import TensorInfo
+from pitstop.shell.format import fileformat
 
 
 def _run(tmp_path: Path) -> Path:

@@ -18,9 +18,9 @@ import pytest
 import pitstop
 from pitstop import Checkpointer, Progress
 from pitstop.core.session import Event, Phase
-from pitstop.shell.directory import scan
 from pitstop.shell.session import SaveSession
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 from tinyrun import same, train_step, trained, weights
 from writergate import TIMEOUT
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from pitstop.errors import DirectoryLocked, SaveError
-from pitstop.shell.lock import DirectoryLock
+from pitstop.shell.store.lock import DirectoryLock
 
 HOLDER = """
 import sys
-from pitstop.shell.lock import DirectoryLock
+from pitstop.shell.store.lock import DirectoryLock
 lock = DirectoryLock(sys.argv[1], run_id="child-run")
 lock.acquire()
 print("locked", flush=True)
@@ -104,7 +104,7 @@ def _second_writer_during_the_window(
     """Writer "first" takes the lock; in the instant after its flock and before its record is
     written, writer "second" tries (on its own thread). Returns the first lock and what the
     second one raised."""
-    from pitstop.shell import lock as lock_module
+    from pitstop.shell.store import lock as lock_module
 
     real = lock_module.os.ftruncate
     errors: list[BaseException] = []

@@ -12,8 +12,8 @@ import torch
 from rich.console import Console
 
 from pitstop.bars import ByteBars
-from pitstop.shell import fileformat
-from pitstop.shell import progress as events
+from pitstop.shell.format import fileformat
+from pitstop.shell.format import progress as events
 
 
 class Recorder:

@@ -15,9 +15,9 @@ from dirtools import save, snapshot
 from pitstop.core.records import Best, Policy
 from pitstop.core.schedule import Call
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.storage import LocalStorage
 from storagetrace import StuckLeftovers
 
 

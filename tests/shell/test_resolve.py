@@ -14,8 +14,8 @@ from dirtools import save, state_at
 from pitstop.core.records import Best, Policy
 from pitstop.core.schedule import Call
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.resolve import resolve_checkpoint
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.resolve import resolve_checkpoint
 from reliability.bounds import bounded
 
 

@@ -23,8 +23,8 @@ import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
-from pitstop.shell import publish
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.store import publish
+from pitstop.shell.store.directory import CheckpointDirectory
 
 AFTER = "after the publish"
 

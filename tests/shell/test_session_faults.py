@@ -22,9 +22,9 @@ import pitstop.shell.session as session_module
 from pitstop import Checkpointer, Progress
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import DirectoryLocked, SaveError
-from pitstop.shell.directory import scan
-from pitstop.shell.staging import StagingPool
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.state.staging import StagingPool
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 from tinyrun import same, train_step, trained, weights
 from writergate import TIMEOUT, WriterGate
 

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.staging import DefaultStager
 import pitstop
 from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import shardsave, shardwrite
+from pitstop.shell import shardsave
+from pitstop.shell.sharded import shardwrite
 
 pytestmark = NEEDS_GLOO
 
@@ -208,7 +209,7 @@ def test_a_ctrl_c_while_close_waits_for_the_shards_leaves_the_save_for_the_next_
 def test_close_releases_the_stager_of_a_background_sharded_run(
     group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: bool | str
 ) -> None:
-    from pitstop.shell import shardstage
+    from pitstop.shell.sharded import shardstage
 
     made: list[Any] = []
     closed: list[Any] = []

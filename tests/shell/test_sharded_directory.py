@@ -29,10 +29,10 @@ from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, Policy, Progres
 from pitstop.core.schedule import Call, ScheduleState, decide_save
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.errors import CheckpointCorrupt, SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.directory import CheckpointDirectory, scan, verify_any
-from pitstop.shell.sharddir import file_table, write_manifest
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import CheckpointDirectory, scan, verify_any
+from pitstop.shell.store.sharddir import file_table, write_manifest
+from pitstop.shell.store.storage import LocalStorage
 from storagetrace import StuckLeftovers
 
 

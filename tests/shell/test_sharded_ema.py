@@ -31,8 +31,8 @@ import pitstop
 from onerank import NEEDS_GLOO, Scaled
 from pitstop.core.schema import EMA, WEIGHTS
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
-from pitstop.shell import fileformat
-from pitstop.shell.sharddir import read_layout
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.sharddir import read_layout
 
 pytestmark = NEEDS_GLOO
 

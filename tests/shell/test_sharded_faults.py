@@ -17,8 +17,8 @@ from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.session import Event, left_by_raise
 from pitstop.core.sharded import sharded_name
 from pitstop.shell import shardsave
-from pitstop.shell.directory import scan
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.storage import LocalStorage
 
 pytestmark = [NEEDS_GLOO, NEEDS_SHARDED]
 

@@ -24,8 +24,8 @@ from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.compat import Kind
 from pitstop.core.sharded import sharded_name
 from pitstop.errors import IncompatibleCheckpoint
-from pitstop.shell import sharded
-from pitstop.shell.distributed import Ranks
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded import engine as sharded
 
 pytestmark = [NEEDS_GLOO, NEEDS_SHARDED]
 

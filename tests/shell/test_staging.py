@@ -16,9 +16,9 @@ from torch import nn
 
 import pitstop
 from pitstop.errors import SaveError
-from pitstop.shell import fileformat
-from pitstop.shell.staging import StagingPool, slack
-from pitstop.shell.treewalk import DTYPES, MAX_DEPTH
+from pitstop.shell.format import fileformat
+from pitstop.shell.format.treewalk import DTYPES, MAX_DEPTH
+from pitstop.shell.state.staging import StagingPool, slack
 
 KIB = 1 << 10
 

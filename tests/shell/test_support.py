@@ -16,8 +16,8 @@ from torch import nn
 
 import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, SHARDED_MISSING, sharded_model
-from pitstop.shell import support
-from pitstop.shell.shardsave import is_sharded
+from pitstop.shell.sharded import support
+from pitstop.shell.sharded.support import is_sharded
 
 pytestmark = NEEDS_GLOO
 

@@ -25,15 +25,16 @@ from pitstop.core.metadata import entry_meta
 from pitstop.core.records import Best, CheckpointEntry, Policy, Progress
 from pitstop.core.schedule import Call
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint, SaveError
-from pitstop.shell import atomic, fileformat
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.weights import (
+from pitstop.shell.format import fileformat
+from pitstop.shell.portable.weights import (
     export_weights,
     load_weights,
     plain_state_dict,
     unwrap_model,
     weights_view,
 )
+from pitstop.shell.store import atomic
+from pitstop.shell.store.directory import CheckpointDirectory
 from storagetrace import Op, OsSpy, durability_problems, recording_local_storage
 
 # --- helpers ----------------------------------------------------------------------------------

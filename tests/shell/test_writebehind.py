@@ -1,4 +1,4 @@
-"""Write-behind (pitstop.shell.writebehind): a file's written bytes handed to the kernel's
+"""Write-behind (pitstop.shell.format.writebehind): a file's written bytes handed to the kernel's
 writeback as they come, by a checkpoint file's writer and by the streams DCP writes through.
 
 The kernel's function is replaced by a recorder where a test checks which ranges were handed
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pitstop.shell import fileformat, writebehind
-from pitstop.shell.dcpwrite import CrcFileSystem
-from pitstop.shell.writebehind import KICK, WriteBehind
+from pitstop.shell.format import fileformat, writebehind
+from pitstop.shell.format.writebehind import KICK, WriteBehind
+from pitstop.shell.sharded.dcpwrite import CrcFileSystem
 
 MIB = 1 << 20
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 from trainkit import SMOKE, cli, last, smoke_config, steps_on_disk, train, tree
 
-from pitstop.shell import fileformat
+from pitstop.shell.format import fileformat
 
 
 def summary(stdout: str) -> tuple[int, int, int, int]:

@@ -17,8 +17,8 @@ from trainkit import last, steps_on_disk, tree
 
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.errors import ConfigError, SaveError
-from pitstop.shell import atomic
 from pitstop.shell.manager import Checkpoint
+from pitstop.shell.store import atomic
 from pitstop.train import Reporter, TrainConfig, Trainer, TrainState
 from pitstop.train.task import mse_loss
 from storagetrace import Op, OsSpy, durability_problems, recording_local_storage

@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 
 from pitstop.core.records import CheckpointEntry
-from pitstop.shell import fileformat
-from pitstop.shell.directory import scan
-from pitstop.shell.resolve import resolve_checkpoint
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.resolve import resolve_checkpoint
+from pitstop.shell.store.storage import LocalStorage
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "configs" / "smoke.yaml"

@@ -20,9 +20,9 @@ from pitstop.core.naming import (
 )
 from pitstop.core.records import NO_CHECKPOINT, PointerName
 from pitstop.errors import CheckpointNotFound
-from pitstop.shell.directory import Scan, choose_resume, scan
-from pitstop.shell.resolve import pointer_on_disk, recorded_policy, split_argument
-from pitstop.shell.storage import FileKind, LocalStorage
+from pitstop.shell.store.directory import Scan, choose_resume, scan
+from pitstop.shell.store.resolve import pointer_on_disk, recorded_policy, split_argument
+from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = ["Target", "loading_target", "named_target", "os_error_message", "split_argument"]
 

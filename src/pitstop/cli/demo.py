@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from pitstop.shell.atomic import write_atomically
+from pitstop.shell.store.atomic import write_atomically
 
 __all__ = ["DEMO_CONFIG", "add_parser", "run_demo"]
 

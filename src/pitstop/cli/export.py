@@ -41,7 +41,7 @@ def run_export(console: Console, args: argparse.Namespace) -> int:
     from pitstop.cli.common import loading_target
     from pitstop.cli.progress import progress_bars
     from pitstop.formatting import format_size
-    from pitstop.shell.weights import export_weights
+    from pitstop.shell.portable.weights import export_weights
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Path(args.out)

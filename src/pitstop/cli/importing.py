@@ -29,7 +29,7 @@ def run_import(console: Console, args: argparse.Namespace) -> int:
     """Run ``pitstop import``; 0 when written, 1 when the source is refused or missing."""
     from pitstop.cli.progress import progress_bars
     from pitstop.formatting import format_size
-    from pitstop.shell.importer import read_foreign, write_foreign
+    from pitstop.shell.portable.importer import read_foreign, write_foreign
 
     foreign = read_foreign(args.source)
     for note in foreign.notes:

@@ -60,10 +60,10 @@ def run_inspect(console: Console, args: argparse.Namespace) -> int:
     from pitstop.cli.listing import format_metrics
     from pitstop.core.compat import flatten
     from pitstop.formatting import format_size
-    from pitstop.shell import fileformat
     from pitstop.shell.checkpoint import TensorInfo
-    from pitstop.shell.info import info
-    from pitstop.shell.resolve import manifest_path
+    from pitstop.shell.format import fileformat
+    from pitstop.shell.portable.info import info
+    from pitstop.shell.store.resolve import manifest_path
 
     record = info(args.checkpoint)
     manifest = fileformat.read_manifest(manifest_path(record.path))

@@ -18,10 +18,10 @@ from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, PointerName
 from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.formatting import format_size
-from pitstop.shell import fileformat
-from pitstop.shell.directory import ResumeChoice, choose_resume, scan, verify_any
-from pitstop.shell.resolve import manifest_path, recorded_policy
-from pitstop.shell.storage import LocalStorage
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import ResumeChoice, choose_resume, scan, verify_any
+from pitstop.shell.store.resolve import manifest_path, recorded_policy
+from pitstop.shell.store.storage import LocalStorage
 
 __all__ = ["format_metrics", "list_directory", "verify_checkpoint"]
 

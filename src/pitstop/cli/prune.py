@@ -58,10 +58,10 @@ def run_prune(console: Console, args: argparse.Namespace) -> int:
     from pitstop.core.retention import plan_retention
     from pitstop.errors import CheckpointNotFound
     from pitstop.formatting import format_size
-    from pitstop.shell.directory import CheckpointDirectory, Scan, choose_resume, scan
-    from pitstop.shell.publish import delete_checkpoints
-    from pitstop.shell.resolve import recorded_policy
-    from pitstop.shell.storage import LocalStorage, Storage
+    from pitstop.shell.store.directory import CheckpointDirectory, Scan, choose_resume, scan
+    from pitstop.shell.store.publish import delete_checkpoints
+    from pitstop.shell.store.resolve import recorded_policy
+    from pitstop.shell.store.storage import LocalStorage, Storage
 
     path = Path(args.directory)
     if not path.is_dir():

@@ -131,7 +131,7 @@ class Manifest:
     """What a checkpoint file says about itself, checked; no tensor bytes were read.
 
     ``tree`` is the stored tree with a placeholder where each tensor is
-    (``pitstop.shell.treecodec.TensorRef``; ``tensors[ref.index]`` describes it);
+    (``pitstop.shell.format.treecodec.TensorRef``; ``tensors[ref.index]`` describes it);
     ``tensor_paths[i]`` lists the key paths of tensor ``i``; ``meta`` is the writer's meta
     mapping as written.
     """

@@ -20,11 +20,11 @@ from typing import Any
 from pitstop.core.plan import SavePlan
 from pitstop.core.records import NO_CHECKPOINT
 from pitstop.core.session import Event
-from pitstop.shell import fileformat
-from pitstop.shell.capture import LiveState, capture, deferrable
-from pitstop.shell.directory import CheckpointDirectory
+from pitstop.shell.format import fileformat
 from pitstop.shell.session import SaveSession
-from pitstop.shell.staging import StagingPool
+from pitstop.shell.state.capture import LiveState, capture, deferrable
+from pitstop.shell.state.staging import StagingPool
+from pitstop.shell.store.directory import CheckpointDirectory
 
 __all__ = ["carry_out"]
 

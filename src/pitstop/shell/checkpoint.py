@@ -5,14 +5,14 @@
 # config, the file's size, the tensor table), each with a default, so a record made from a
 # catalog entry alone leaves them empty. One returned by a background save carries a ticket to
 # its save session, so it can say whether it is published yet and wait for it; equality ignores
-# it.
+# it; the record knows the ticket only by what it asks of it (status, wait), never the session.
 # Metrics are floats (numbers, one-element tensors, NumPy scalars; never str or bool): a tensor
 # is read here, the rules are pitstop.core.arguments.call_metrics', and a bad one names the call
 # and the step. A save's reason is a SaveReason (by value) or the caller's own words, recorded
 # as a manual save's detail. A run's config must be a mapping every save can store: it is
 # walked once at construction by the same walk every save's meta goes through
-# (pitstop.shell.treewalk), so a value no checkpoint can hold is refused then, by key path, not
-# at the first save.
+# (pitstop.shell.format.treewalk), so a value no checkpoint can hold is refused then, by key path,
+# not at the first save.
 # How: attrs records and small functions; errors are ConfigError naming the argument.
 
 """Checkpoint: one checkpoint as the Checkpointer reports it."""
@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -36,7 +36,6 @@ from pitstop.core.ranks import CallInput
 from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
 from pitstop.errors import ConfigError, SaveError
-from pitstop.shell.session import RemoteTicket, SaveTicket
 
 __all__ = [
     "Checkpoint",
@@ -49,7 +48,14 @@ __all__ = [
     "stop_detail",
 ]
 
-Ticket = SaveTicket | RemoteTicket
+
+class Ticket(Protocol):
+    """A background save's link to its session (pitstop.shell.session's SaveTicket, or a
+    RemoteTicket on the ranks that hear rank 0): whether it is published yet, or wait for it."""
+
+    def status(self) -> SaveStatus: ...
+
+    def wait(self) -> SaveStatus: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -152,7 +158,7 @@ def checked_options(
     """
     from torch import nn  # imported by then: the caller holds a model
 
-    from pitstop.shell.storage import Storage
+    from pitstop.shell.store.storage import Storage
 
     check_path(directory, argument="Checkpointer.directory")
     if not isinstance(model, nn.Module):
@@ -170,7 +176,7 @@ def checked_options(
         )
     if storage is not None and not isinstance(storage, Storage):
         raise ConfigError(
-            f"Checkpointer.storage must implement pitstop.shell.storage.Storage (or be "
+            f"Checkpointer.storage must implement pitstop.shell.store.storage.Storage (or be "
             f"None: the local filesystem), got {describe_value(storage)}"
         )
     return CheckpointerOptions(
@@ -196,7 +202,7 @@ def config_of(config: object) -> dict[str, Any] | None:
             f"Checkpointer.config must be a mapping of the run's settings (such as "
             f"{{'lr': 0.1}}) or None, got {describe_value(config)}"
         )
-    from pitstop.shell.treewalk import walk  # torch: only once a Checkpointer is made
+    from pitstop.shell.format.treewalk import walk  # torch: only once a Checkpointer is made
 
     try:
         stored = walk(dict(config), on_tensor=None, root="config")  # a copy of every container

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pitstop.shell.directory import CheckpointDirectory
 from pitstop.shell.session import SaveSession
+from pitstop.shell.store.directory import CheckpointDirectory
 
 if TYPE_CHECKING:
-    from pitstop.shell.distributed import Ranks
+    from pitstop.shell.ranks.distributed import Ranks
     from pitstop.shell.saving import Saver
     from pitstop.shell.shardsave import ShardedSaves
 

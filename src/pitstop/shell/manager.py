@@ -44,26 +44,26 @@ from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import PitstopError
-from pitstop.shell.capture import LiveState
 from pitstop.shell.checkpoint import (
     Checkpoint,
     checked_options,
     config_of,
     manual_reason,
 )
-from pitstop.shell.directory import CheckpointDirectory, scan
-from pitstop.shell.distributed import Ranks
 from pitstop.shell.lifetime import close_run, release, shut_down
+from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.registration import add_component, register_component
 from pitstop.shell.resuming import resume_from
 from pitstop.shell.savecall import SaveCalls
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket, SaveSession, SaveTicket
+from pitstop.shell.sharded.support import require_sharded
 from pitstop.shell.shardsave import ShardedSaves, holds_sharded
-from pitstop.shell.staging import StagingPool
-from pitstop.shell.storage import Storage
-from pitstop.shell.support import require_sharded
-from pitstop.shell.unwrap import unwrap_model
+from pitstop.shell.state.capture import LiveState
+from pitstop.shell.state.staging import StagingPool
+from pitstop.shell.state.unwrap import unwrap_model
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.storage import Storage
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
 

@@ -2,7 +2,7 @@
 #
 # Rules: a component has a non-empty str name, once, and state_dict()/load_state_dict(); anything
 # else is a ConfigError naming it. A component registered after a resume whose checkpoint holds
-# it is checked as the constructor's are (pitstop.shell.restore's component differences) and
+# it is checked as the constructor's are (pitstop.shell.state.restore's component differences) and
 # restored on the spot; one the checkpoint does not hold starts fresh, with a warning. With
 # several ranks every rank registers, and the outcome is agreed: refused or failed on any rank,
 # the component is neither added nor loaded anywhere (a rank that loaded it puts it back). A
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
-from pitstop.shell.capture import LiveState
-from pitstop.shell.distributed import Ranks
-from pitstop.shell.restore import component_differences, load_component, undo_all
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.state.capture import LiveState
+from pitstop.shell.state.restore import component_differences, load_component, undo_all
 
 __all__ = ["add_component", "register_component"]
 

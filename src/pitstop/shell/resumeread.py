@@ -12,7 +12,7 @@
 # live tensors at memory speed. No second copy of the state is made in anonymous memory.
 # Other ranks load the file rank 0 chose without checking it again (rank 0 did). In a job of
 # one process, the optimizer's bytes leave the page cache as they are read, or are read past
-# it where the pass runs on several threads (the core's drop_behind; pitstop.shell.blobfile):
+# it where the pass runs on several threads (the core's drop_behind; pitstop.shell.format.blobfile):
 # the file's copy of the state is not held beside the state itself.
 # How: an object whose verify() is choose_resume's check and keeps what it loaded for load().
 
@@ -28,9 +28,9 @@ import torch
 from pitstop.core.resume import drop_behind
 from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
-from pitstop.shell.capture import LiveState
-from pitstop.shell.directory import is_sharded_path
-from pitstop.shell.fileread import KeyPath, load
+from pitstop.shell.format.fileread import KeyPath, load
+from pitstop.shell.state.capture import LiveState
+from pitstop.shell.store.directory import is_sharded_path
 
 __all__ = ["ResumeRead", "placement"]
 
@@ -82,7 +82,7 @@ class ResumeRead:
         """
         self._path = self._tree = None
         if is_sharded_path(path):
-            from pitstop.shell.sharddir import read_layout, verify_sharded
+            from pitstop.shell.store.sharddir import read_layout, verify_sharded
 
             self._tree = load(path / MANIFEST_NAME, verify="file")
             if shards:

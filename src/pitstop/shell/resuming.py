@@ -1,6 +1,6 @@
 # The resume path: choose a checkpoint, read it, check it against the run, restore it.
 #
-# Rules: rank 0 chooses (the core's resume order through pitstop.shell.resolve, each candidate
+# Rules: rank 0 chooses (the core's resume order through pitstop.shell.store.resolve, each candidate
 # checked as it is read: a corrupt newest file is skipped with a warning) and its choice travels
 # to the other ranks; nothing to resume leaves everything untouched. Every rank then reads the
 # chosen file and compares it with its own run; the differences of all ranks, each once, decide
@@ -15,7 +15,7 @@
 # share_checks), and all move to the next candidate when any rank found a problem; its
 # replicated tree is checked and restored as above, and its layout checked on every rank in
 # the same pass, before DCP reads (resharding) the model and the optimizers. An optimizer
-# that had no state has none again unless the resume restored it (pitstop.shell.freshopt).
+# that had no state has none again unless the resume restored it (pitstop.shell.state.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -40,24 +40,24 @@ from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
 from pitstop.core.sharded import share_checks
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, IncompatibleCheckpoint
-from pitstop.shell import fileformat
-from pitstop.shell.capture import (
+from pitstop.shell.format import fileformat
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,
     sharded_components,
     stored_groups,
     stored_world_size,
 )
-from pitstop.shell.directory import CheckpointDirectory, is_sharded_path, scan
-from pitstop.shell.distributed import Ranks
-from pitstop.shell.freshopt import FreshOptimizers
-from pitstop.shell.resolve import find_resume, own_pointer
-from pitstop.shell.restore import Restore, differences
-from pitstop.shell.resumeread import ResumeRead
-from pitstop.shell.sharddir import verify_sharded
+from pitstop.shell.state.freshopt import FreshOptimizers
+from pitstop.shell.state.restore import Restore, differences
+from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
+from pitstop.shell.store.resolve import find_resume, own_pointer
+from pitstop.shell.store.sharddir import verify_sharded
 
 if TYPE_CHECKING:
-    from pitstop.shell.sharded import ShardedPlan
+    from pitstop.shell.sharded.engine import ShardedPlan
 
 __all__ = ["resume_from"]
 
@@ -111,7 +111,7 @@ def resume_from(
         try:
             ranks.each(restore.prepare)
             if sharded:  # checked and verified on every rank before DCP touches a tensor
-                from pitstop.shell.sharded import read_sharded
+                from pitstop.shell.sharded.engine import read_sharded
 
                 # every file was verified when the checkpoint was chosen, with this plan
                 components = sharded_components(live)
@@ -189,7 +189,7 @@ def _candidates(
 
 def _plan(path: Path, live: LiveState, ranks: Ranks) -> ShardedPlan:
     """This rank's plan of the sharded checkpoint ``path``."""
-    from pitstop.shell.sharded import plan_read
+    from pitstop.shell.sharded.engine import plan_read
 
     return plan_read(
         path,
@@ -245,7 +245,7 @@ def _problem(
         if ranks.leader:
             reading.verify(path, shards=False)
         if plan is not None:
-            from pitstop.shell.dcpio import DCP_METADATA
+            from pitstop.shell.sharded.dcpio import DCP_METADATA
 
             mine = shares[ranks.rank] if shares is not None else plan.files
             if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would

@@ -15,7 +15,7 @@
 # rank at a later call (so no rank waits for it). A call that raises from a step that does not end
 # its own save ends it (Saver.abandon: the core's left_by_raise), so that no later call — close()
 # included — waits for a save that nobody carries on.
-# How: the rounds are pitstop.shell.distributed.Ranks' (one process: plain calls).
+# How: the rounds are pitstop.shell.ranks.distributed.Ranks' (one process: plain calls).
 
 """A save call on every rank: hear every rank, decide and plan on rank 0, write."""
 
@@ -31,11 +31,11 @@ import attrs
 from pitstop.core.ranks import CallInput, merge_inputs
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, foresees_write
-from pitstop.shell.capture import LiveState, rank_state
 from pitstop.shell.checkpoint import call_input
-from pitstop.shell.distributed import GATHER_BOX, Ranks, Round
+from pitstop.shell.ranks.distributed import GATHER_BOX, Ranks, Round
 from pitstop.shell.saving import Saver
 from pitstop.shell.shardsave import ShardedSaves, Staged
+from pitstop.shell.state.capture import LiveState, rank_state
 
 __all__ = ["SaveCalls"]
 

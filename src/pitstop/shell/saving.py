@@ -46,12 +46,12 @@ from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save
 from pitstop.core.session import Event, Request, after_raise, left_by_raise
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
-from pitstop.shell.capture import LiveState, capture, with_parts
 from pitstop.shell.carryout import carry_out
-from pitstop.shell.directory import CheckpointDirectory
-from pitstop.shell.publish import PublishedInterrupted
 from pitstop.shell.session import Reported, SaveSession
-from pitstop.shell.staging import StagingPool
+from pitstop.shell.state.capture import LiveState, capture, with_parts
+from pitstop.shell.state.staging import StagingPool
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.publish import PublishedInterrupted
 
 __all__ = ["Saver"]
 

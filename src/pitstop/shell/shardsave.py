@@ -4,7 +4,7 @@
 # when the Checkpointer is built; then every save is a checkpoint directory written through
 # torch.distributed.checkpoint. DCP is imported only when the state is sharded (its import costs
 # a tenth of a second or more, and torch's optimizers import DTensor's module in every run).
-# An EMA is saved through DCP with the model (pitstop.shell.dcpstate). A sharded save is a
+# An EMA is saved through DCP with the model (pitstop.shell.sharded.dcpstate). A sharded save is a
 # collective: rank 0 plans it and creates the temp directory (its name goes with the plan),
 # every rank writes its shards there, and only then does rank 0 write the manifest last and
 # publish; every rank's own part (RNG, per-rank components) reaches rank 0 with the round that
@@ -18,8 +18,8 @@
 # DCP's gloo group) and starts DCP's async_save once that round says every rank staged — else no
 # rank starts it, and a rank's staging or part that failed is its write's failure, heard by every
 # rank as below. With async_save="overlap" the parameters and optimizer state are staged after the
-# call (pitstop.shell.shardstage): by that thread, or by the next optimizer.step()'s pre-hook,
-# whichever comes first. The schedule and pointers move at the call. DCP's completion is a
+# call (pitstop.shell.sharded.shardstage): by that thread, or by the next optimizer.step()'s
+# pre-hook, whichever comes first. The schedule and pointers move at the call. DCP's completion is a
 # collective, so it is finished on the loop's thread, by a later call on every rank: each call asks
 # every rank whether its part is done and, when all are, publishes; a call that must see the save
 # settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised there
@@ -33,63 +33,32 @@
 from __future__ import annotations
 
 import datetime
-import itertools
 import shutil
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
-from torch import nn
 
 from pitstop.core.records import Progress
 from pitstop.core.schema import RANKED
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import SaveError
-from pitstop.shell.capture import LiveState, rank_state, sharded_components
-from pitstop.shell.distributed import Ranks
-from pitstop.shell.freshopt import FreshOptimizers
-from pitstop.shell.packing import Packed, pack_state, unpack_state
-from pitstop.shell.publish import PublishedInterrupted
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.packing import Packed, pack_state, unpack_state
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
+from pitstop.shell.sharded.support import is_sharded
+from pitstop.shell.state.capture import LiveState, rank_state, sharded_components
+from pitstop.shell.state.freshopt import FreshOptimizers
+from pitstop.shell.store.publish import PublishedInterrupted
 
 if TYPE_CHECKING:
-    from pitstop.shell.shardstage import DeferredCopy, StagedShards
+    from pitstop.shell.sharded.shardstage import DeferredCopy, StagedShards
 
-__all__ = ["ShardedSaves", "Staged", "holds_sharded", "is_sharded"]
-
-
-_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
-# DTensor's module: public from torch 2.5; torch 2.4 has only the private one (2.5 on keep it
-# as an alias of the same class). An FSDP2 module imports it.
-_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
-
-
-def is_sharded(model: nn.Module, components: Mapping[str, object] | None = None) -> bool:
-    """Whether ``model`` (or an optimizer among ``components``) holds sharded state: an FSDP2
-    module anywhere in the model, or any DTensor parameter or buffer. Imports nothing (torch's
-    optimizers import DTensor's module, but DCP's import costs a tenth of a second or more)."""
-    classes = (getattr(sys.modules.get(name), "DTensor", None) for name in _DTENSOR_MODULES)
-    dtensor = next((c for c in classes if isinstance(c, type)), None)
-    if dtensor is None:  # no DTensor exists, nor an FSDP2 module
-        return False
-    for name in _FSDP_MODULES:
-        fsdp = getattr(sys.modules.get(name), "FSDPModule", None)
-        if fsdp is not None and any(isinstance(module, fsdp) for module in model.modules()):
-            return True
-    if any(isinstance(t, dtensor) for t in itertools.chain(model.parameters(), model.buffers())):
-        return True
-    return any(
-        isinstance(p, dtensor)
-        for obj in (components or {}).values()
-        if isinstance(obj, torch.optim.Optimizer)
-        for group in obj.param_groups
-        for p in group["params"]
-    )
+__all__ = ["ShardedSaves", "Staged", "holds_sharded"]
 
 
 def holds_sharded(live: LiveState) -> bool:
@@ -143,7 +112,7 @@ class ShardedSaves:
         parameters and optimizer state are copied after the call, before the next
         ``optimizer.step()``). DCP runs its collectives on its own thread, so they get a gloo
         group of their own."""
-        from pitstop.shell.shardstage import make_stager
+        from pitstop.shell.sharded.shardstage import make_stager
 
         self._overlap = overlap
 
@@ -165,12 +134,12 @@ class ShardedSaves:
         (pitstop.shell.savecall): :meth:`save` then starts the write from them. ``None``:
         saves are synchronous. A failure to stage is kept, to be this rank's write failure
         (raised by every rank at a settle); a KeyboardInterrupt is raised."""
-        from pitstop.shell.shardstage import stage_sharded
+        from pitstop.shell.sharded.shardstage import stage_sharded
 
         if self._stager is None:
             return None
         # DCP gives an optimizer without state zeroed state to save; it is taken away again
-        # once staged, and the manifest names it (pitstop.shell.freshopt).
+        # once staged, and the manifest names it (pitstop.shell.state.freshopt).
         with FreshOptimizers(sharded_components(self._live)) as fresh:
             try:
                 staged = stage_sharded(
@@ -266,7 +235,7 @@ class ShardedSaves:
         return partial(pack_state, part)
 
     def _write(self, temp: str, fresh: tuple[str, ...]) -> int:
-        from pitstop.shell.shardwrite import write_shards
+        from pitstop.shell.sharded.shardwrite import write_shards
 
         saver, ranks = self._saver, self._ranks
         root, model = self._directory / temp, self._live.model
@@ -293,7 +262,7 @@ class ShardedSaves:
         return ticket
 
     def _start(self, temp: str, ready: Staged) -> int:
-        from pitstop.shell.shardwrite import start_once_agreed
+        from pitstop.shell.sharded.shardwrite import start_once_agreed
 
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp

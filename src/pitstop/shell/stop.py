@@ -44,7 +44,7 @@ _SIGACTION_BYTES = 1024
 _LAST_FLAG: list[torch.Tensor] = []
 """The last sync()'s tensor, referenced until the next sync (past its StopRequest): torch
 2.4's gloo worker that drops a collective's last tensor reference takes the GIL, which
-destroy_process_group holds while it joins that worker (pitstop.shell.distributed)."""
+destroy_process_group holds while it joins that worker (pitstop.shell.ranks.distributed)."""
 
 
 def _libc() -> Any:

@@ -9,29 +9,30 @@
 # (finish with the stop) and skips the final evaluation; a normal end evaluates (unless the last
 # update just did) and finishes, which saves `final`. A save is reported as published when its save
 # sequence number is new.
-# How: a small class holding the call's state; the Trainer supplies micro-step, update and
-# evaluation.
+# How: a small class holding the call's state. The Trainer supplies its parts (model, optimizer,
+# sampler, loader, reporter, stop request: the Trained protocol) and its three steps (micro-step,
+# update, evaluation: a Steps record of callables); the loop imports nothing of the trainer.
 
 """The loop behind Trainer.train()."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
+import attrs
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from pitstop import Checkpoint, Checkpointer, ConfigError, Progress, StopRequest
+from pitstop import Checkpoint, Checkpointer, ConfigError, Progress, ResumableSampler, StopRequest
 from pitstop.core.targets import plan_run
 from pitstop.train.records import TrainConfig, TrainState
+from pitstop.train.report import Reporter
 
-if TYPE_CHECKING:
-    from pitstop.train.trainer import Trainer
-
-__all__ = ["TrainLoop"]
+__all__ = ["Steps", "TrainLoop", "Trained"]
 
 
 def _many_ranks() -> bool:
@@ -50,18 +51,55 @@ def _batch_size_of(batch: object) -> int:
     return 0
 
 
+class Trained(Protocol):
+    """What the loop uses of the trainer that runs it (pitstop.train.trainer.Trainer)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def sampler(self) -> ResumableSampler: ...
+
+    @property
+    def loader(self) -> Iterable[Any]: ...
+
+    @property
+    def reporter(self) -> Reporter: ...
+
+    @property
+    def stop(self) -> StopRequest: ...
+
+
+@attrs.frozen
+class Steps:
+    """The trainer's steps that the loop drives."""
+
+    micro_step: Callable[[Any, int], torch.Tensor]
+    """Forward and backward one micro-batch of a window of ``accumulate``; its (detached)
+    share of the loss."""
+    update: Callable[[], None]
+    """One optimizer update: step, clear gradients, schedule, average."""
+    evaluate: Callable[[], dict[str, float]]
+    """The evaluation's metrics (``{}``: no evaluation)."""
+
+
 class TrainLoop:
     """One train() call: its limits, its losses, and the loop itself."""
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: Trained,
+        steps: Steps,
         config: TrainConfig,
         checkpointer: Checkpointer | None,
         restored: Progress,
         resumed_from: Path | None,
     ) -> None:
         self.trainer = trainer
+        self.steps = steps
         self.config = config
         self.checkpointer = checkpointer
         self.restored = restored
@@ -111,7 +149,7 @@ class TrainLoop:
         if self.stopping:
             self.save("finish", progress, stop=trainer.stop)
             return self.state(progress, {})
-        final = metrics if metrics is not None else trainer._evaluate()
+        final = metrics if metrics is not None else self.steps.evaluate()
         if final and metrics is None:
             trainer.reporter.evaluated(progress, final)
         self.save("finish", progress, metrics=final or None)
@@ -132,11 +170,11 @@ class TrainLoop:
         for batch in trainer.loader:
             if not window and self.stopping:
                 break  # stop between windows: nothing half-done to finish
-            window.append(trainer._micro_step(batch, accumulate))
+            window.append(self.steps.micro_step(batch, accumulate))
             samples += _batch_size_of(batch)
             if len(window) < accumulate:
                 continue  # a stop request waits for the end of the accumulation window
-            trainer._update()
+            self.steps.update()
             self.agree_stop()
             loss = float(torch.stack(window).sum().item())
             progress = progress.advance(samples=samples)
@@ -148,7 +186,7 @@ class TrainLoop:
             metrics = None
             every = self.config.eval_every
             if every is not None and progress.step % every == 0:
-                metrics = trainer._evaluate()
+                metrics = self.steps.evaluate()
                 if metrics:
                     trainer.reporter.evaluated(progress, metrics)
             self.save("maybe_save", progress, metrics=metrics, stop=trainer.stop)

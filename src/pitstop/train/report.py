@@ -5,7 +5,7 @@
 # PlainReporter prints one line per event (a progress line every log_every updates): for logs,
 # pipes and --quiet. RichReporter draws a progress bar (absolute step / target step and the
 # loss) and prints event lines above it: for a terminal; a save (any byte task of
-# pitstop.shell.progress) that runs for more than about a second gets a bar of its own below
+# pitstop.shell.format.progress) that runs for more than about a second gets a bar of its own below
 # it, bytes written / total and the rate, gone when the save ends. Each line a Reporter prints
 # is flushed at once, so a process reading the output sees it as it happens. close() is safe
 # to call twice and after finished().
@@ -25,12 +25,12 @@ from rich.progress import Progress, TaskID
 
 from pitstop.bars import ByteBars, delay_s, make_progress
 from pitstop.formatting import format_size
-from pitstop.shell import progress as events
+from pitstop.shell.format import progress as events
 
 if TYPE_CHECKING:
     from pitstop.core.records import Progress as RunProgress
-    from pitstop.shell.manager import Checkpoint
-    from pitstop.train.trainer import TrainState
+    from pitstop.shell.checkpoint import Checkpoint
+    from pitstop.train.records import TrainState
 
 __all__ = ["PlainReporter", "Reporter", "RichReporter"]
 

@@ -15,8 +15,9 @@
 # RNG, and evaluation draws none: so N steps, stop, resume, M steps is bitwise the same run as
 # N + M steps on the CPU.
 # How: a Checkpointer per train() call, with optimizer, scheduler and sampler as components; the
-# loop itself is pitstop.train.loop; a Reporter hears about steps, evaluations and saves;
-# save_model writes through pitstop.shell.atomic (temp, fsync, rename, directory fsync).
+# loop itself is pitstop.train.loop, given the trainer's parts and its three steps (micro-step,
+# update, evaluation); a Reporter hears about steps, evaluations and saves; save_model writes
+# through pitstop.shell.store.atomic (temp, fsync, rename, directory fsync).
 
 """Trainer: the reference training loop with stop requests, checkpoints and exact resume."""
 
@@ -49,9 +50,9 @@ from pitstop import (
 from pitstop.core.compat import may_change_patterns
 from pitstop.core.guard import foreign_save_problem
 from pitstop.core.validators import is_int
-from pitstop.shell.atomic import write_atomically
-from pitstop.shell.weights import plain_state_dict
-from pitstop.train.loop import TrainLoop
+from pitstop.shell.portable.weights import plain_state_dict
+from pitstop.shell.store.atomic import write_atomically
+from pitstop.train.loop import Steps, TrainLoop
 from pitstop.train.records import TrainConfig, TrainState
 from pitstop.train.report import Reporter
 
@@ -191,7 +192,8 @@ class Trainer:
             if checkpointer is not None and resume_from is not None:
                 restored = checkpointer.resume(resume_from)
                 resumed_from = checkpointer.resumed_from
-            state = TrainLoop(self, config, checkpointer, restored, resumed_from).run()
+            steps = Steps(self._micro_step, self._update, self._evaluate)
+            state = TrainLoop(self, steps, config, checkpointer, restored, resumed_from).run()
             self.reporter.finished(state)
             return state
 

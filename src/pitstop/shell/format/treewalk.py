@@ -1,0 +1,364 @@
+# What a checkpoint tree may hold, decided once for every path that saves one.
+#
+# Rules: a tree is built from these types, compared by exact type (a subclass is not its base:
+# a defaultdict is not a dict, a namedtuple is not a tuple, a bool is not an int):
+#   containers  dict, OrderedDict, list, tuple, set, frozenset
+#   leaves      str, bytes, int (in [-2**63, 2**64 - 1]), float, bool, None, torch.Size,
+#               torch.dtype (the allow-listed names), and dense tensors (torch.Tensor and
+#               nn.Parameter; not sparse, nested, quantized or on the meta device)
+# A tensor is never a dict key or a set member; containers nest at most MAX_DEPTH deep. Anything
+# else is a SaveError naming its key path (`state.scheduler.lr_lambdas[0]`), raised by the walk
+# — so before a byte is copied or written. A synchronous save (prepare, through the tree
+# encoder), a background one (the staging snapshot) and the writer's meta all walk with `walk`,
+# so they accept and refuse the same trees with the same message; the reader checks a decoded
+# tree against the same tables (pitstop.shell.format.treecodec.check_tree).
+# How: one recursive walk. Scalars are checked inline by exact type, since RNG states are long
+# tuples of ints and a snapshot runs while the training loop waits. A Builder rebuilds each
+# container from its walked contents (the same types for a snapshot, msgpack values for the
+# encoder). Each distinct tensor object is checked and handed to the caller's function once;
+# later occurrences get the same result, so tied weights stay tied.
+
+"""The one definition of what a checkpoint tree may hold, and the walk that enforces it."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Final
+
+import torch
+
+from pitstop.core.manifest import MAX_NDIM
+from pitstop.errors import SaveError
+
+__all__ = [
+    "DTYPES",
+    "INT_MAX",
+    "INT_MIN",
+    "LEAVES",
+    "MAPPINGS",
+    "MAX_DEPTH",
+    "SCALARS",
+    "SEQUENCES",
+    "SETS",
+    "TENSOR_DTYPES",
+    "TENSOR_TYPES",
+    "Builder",
+    "TensorVisit",
+    "dtype_name",
+    "join_key",
+    "short",
+    "show_path",
+    "storage_of",
+    "type_name",
+    "walk",
+]
+
+MAX_DEPTH: Final = 128  # containers nested deeper than this are refused (write) / corrupt (read)
+INT_MIN: Final = -(1 << 63)
+INT_MAX: Final = (1 << 64) - 1
+
+# The types a tree may hold, by exact type.
+SCALARS: Final = frozenset({str, bytes, int, float, bool, type(None)})
+"""Leaves that hold nothing else (an int must also lie in [INT_MIN, INT_MAX])."""
+LEAVES: Final = SCALARS | {torch.Size, torch.dtype}
+"""Every leaf but a tensor."""
+MAPPINGS: Final = frozenset({dict, collections.OrderedDict})
+SEQUENCES: Final = frozenset({list, tuple})
+SETS: Final = frozenset({set, frozenset})
+TENSOR_TYPES: Final = frozenset({torch.Tensor, torch.nn.Parameter})
+_NON_INT_SCALARS: Final = SCALARS - {int}
+_CONTENTS: Final = (
+    "dict, OrderedDict, list, tuple, set, frozenset, str, bytes, int, float, bool, None, "
+    "torch.dtype, torch.Size and tensors"
+)
+
+# The dtype allow-list, by the name torch prints (`torch.float32` -> "float32"). A name is only
+# ever looked up in this table, never resolved by getattr on untrusted input. Names this torch
+# lacks are skipped, so an older torch simply reads fewer dtypes.
+_TENSOR_DTYPE_NAMES: Final = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bits16",
+    *(f"int{n}" for n in range(1, 8)),
+    *(f"uint{n}" for n in range(1, 8)),
+)
+# Quantized dtypes may appear as values in a tree, but quantized tensors are not stored.
+_VALUE_ONLY_DTYPE_NAMES: Final = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+
+
+def _dtype_table(names: Sequence[str]) -> Mapping[str, torch.dtype]:
+    table: dict[str, torch.dtype] = {}
+    for name in names:
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{name}":
+            table[name] = dtype
+    return MappingProxyType(table)
+
+
+TENSOR_DTYPES: Final = _dtype_table(_TENSOR_DTYPE_NAMES)
+"""Dtypes a stored tensor may have, by name."""
+DTYPES: Final = _dtype_table((*_TENSOR_DTYPE_NAMES, *_VALUE_ONLY_DTYPE_NAMES))
+"""Dtypes a tree may hold as values, by name."""
+_TENSOR_DTYPE_SET: Final = frozenset(TENSOR_DTYPES.values())
+_DTYPE_SET: Final = frozenset(DTYPES.values())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the name a dtype is stored under (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+# --- key paths --------------------------------------------------------------------------------
+
+
+def join_key(path: str, key: object) -> str:
+    """Return the key path of ``key`` under ``path``: ``a.b``, ``a[0]``, ``a['x.y']``."""
+    if isinstance(key, str) and key.isidentifier():
+        return f"{path}.{key}" if path else key
+    return f"{path}[{short(key)}]"
+
+
+def show_path(path: str) -> str:
+    """Return ``path`` for a message (the root is ``<root>``)."""
+    return path or "<root>"
+
+
+def short(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def type_name(value: object) -> str:
+    """The name of ``value``'s type, with its module unless it is a builtin."""
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+# --- tensors ----------------------------------------------------------------------------------
+
+
+def _check_tensor(tensor: torch.Tensor, path: str) -> None:
+    where = show_path(path)
+    if type(tensor) not in TENSOR_TYPES:
+        raise SaveError(
+            f"{where}: tensor subclass {type(tensor).__qualname__} is not supported; "
+            f"store a plain tensor"
+        )
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        raise SaveError(f"{where}: {tensor.layout} tensors are not supported, only dense ones")
+    if tensor.is_quantized:
+        raise SaveError(f"{where}: quantized tensors are not supported")
+    if tensor.is_meta:
+        raise SaveError(f"{where}: a tensor on the meta device has no data to save")
+    if tensor.dtype not in _TENSOR_DTYPE_SET:
+        raise SaveError(f"{where}: tensors of dtype {tensor.dtype} are not supported")
+    if tensor.dim() > MAX_NDIM:
+        raise SaveError(f"{where}: {tensor.dim()} dimensions is more than {MAX_NDIM}")
+
+
+def storage_of(tensor: torch.Tensor, path: str) -> torch.UntypedStorage:
+    """``tensor``'s storage; a :class:`~pitstop.errors.SaveError` naming ``path`` if it has none."""
+    try:
+        return tensor.untyped_storage()
+    except RuntimeError as error:  # a tensor without accessible storage
+        raise SaveError(f"{show_path(path)}: cannot read the tensor's storage: {error}") from error
+
+
+# --- the walk ---------------------------------------------------------------------------------
+
+
+class Builder:
+    """How a walk rebuilds each container from its walked contents.
+
+    This one rebuilds the same types: a copy of every container, so that changing the live
+    tree's containers later does not change the copy. Subclasses build other values, such as
+    msgpack's.
+    """
+
+    def mapping(self, kind: type, items: dict[object, object]) -> object:
+        """A dict or OrderedDict (``kind``) holding ``items``, in order."""
+        return items if kind is dict else collections.OrderedDict(items)
+
+    def sequence(self, kind: type, items: list[object]) -> object:
+        """A list or tuple (``kind``) of ``items``."""
+        return items if kind is list else tuple(items)
+
+    def members(self, kind: type, items: list[object]) -> object:
+        """A set or frozenset (``kind``) of ``items``."""
+        return set(items) if kind is set else frozenset(items)
+
+    def size(self, value: torch.Size) -> object:
+        """A torch.Size leaf."""
+        return value
+
+    def dtype(self, value: torch.dtype, name: str) -> object:
+        """A torch.dtype leaf, stored under ``name``."""
+        return value
+
+
+TensorVisit = Callable[[torch.Tensor, str], object]
+"""Called once per distinct tensor object, with its (first) key path; returns its replacement."""
+
+SAME_TYPES: Final = Builder()
+
+
+def walk(
+    tree: object,
+    *,
+    on_tensor: TensorVisit | None,
+    build: Builder = SAME_TYPES,
+    root: str = "",
+) -> object:
+    """Check ``tree`` against the rules above and rebuild it with ``build``.
+
+    Each distinct tensor object is checked, then replaced by ``on_tensor(tensor, key_path)``
+    (every occurrence by the same result); ``on_tensor=None`` forbids tensors. ``root``
+    prefixes key paths in messages. Raises :class:`~pitstop.errors.SaveError` naming the key
+    path of the first value (in depth-first order) that a checkpoint cannot hold.
+    """
+    try:
+        return _Walk(on_tensor, build).value(tree, root, 0, None)
+    except RecursionError:
+        raise SaveError(
+            f"{show_path(root)}: the tree is nested too deeply to walk (limit {MAX_DEPTH})"
+        ) from None
+
+
+class _Walk:
+    def __init__(self, on_tensor: TensorVisit | None, build: Builder) -> None:
+        self._on_tensor = on_tensor
+        self._build = build
+        self._done: dict[int, object] = {}  # id(tensor) -> its replacement; the tree keeps ids
+
+    def value(self, value: object, path: str, depth: int, hashable: str | None) -> object:
+        # ``hashable`` names the role ("dict key", "set member") when value must stay hashable.
+        if depth > MAX_DEPTH:
+            raise SaveError(f"{show_path(path)}: nested deeper than {MAX_DEPTH} levels")
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:  # the commonest leaf first
+            assert isinstance(value, torch.Tensor)
+            return self._tensor(value, path, hashable)
+        if kind in _NON_INT_SCALARS:
+            return value
+        if kind is int:
+            assert isinstance(value, int)
+            if not INT_MIN <= value <= INT_MAX:
+                raise SaveError(
+                    f"{show_path(path)}: int {short(value)} is outside the int64/uint64 range "
+                    f"a checkpoint stores ([-2**63, 2**64 - 1])"
+                )
+            return value
+        if kind is dict or kind is collections.OrderedDict:
+            assert isinstance(value, dict)
+            return self._mapping(kind, value, path, depth + 1)
+        if kind is list or kind is tuple:
+            assert isinstance(value, (list, tuple))
+            return self._sequence(kind, value, path, depth + 1, hashable)
+        if kind is set or kind is frozenset:
+            assert isinstance(value, (set, frozenset))
+            return self._members(kind, value, path, depth + 1)
+        if kind is torch.Size:
+            assert isinstance(value, torch.Size)
+            return self._build.size(value)
+        if kind is torch.dtype:
+            assert isinstance(value, torch.dtype)
+            if value not in _DTYPE_SET:
+                raise SaveError(f"{show_path(path)}: dtype {value} cannot be stored")
+            return self._build.dtype(value, dtype_name(value))
+        if isinstance(value, torch.Tensor):  # a subclass: _tensor() refuses it by name
+            return self._tensor(value, path, hashable)
+        raise SaveError(
+            f"{show_path(path)}: cannot store a value of type {type_name(value)} "
+            f"({short(value)}); a checkpoint holds {_CONTENTS}"
+        )
+
+    # Each container loop passes scalars through inline — the same test as value()'s first
+    # branches — and only calls value() (and builds a key path) for anything else.
+
+    def _mapping(self, kind: type, node: dict[object, object], path: str, depth: int) -> object:
+        low, high, plain = INT_MIN, INT_MAX, _NON_INT_SCALARS
+        out: dict[object, object] = {}
+        for key, item in node.items():
+            kk = type(key)
+            stored_key = (
+                key
+                if kk in plain or (kk is int and low <= key <= high)  # type: ignore[operator]
+                else self.value(key, f"{show_path(path)} (key {short(key)})", depth, "dict key")
+            )
+            ki = type(item)
+            out[stored_key] = (
+                item
+                if ki in plain or (ki is int and low <= item <= high)  # type: ignore[operator]
+                else self.value(item, join_key(path, key), depth, None)
+            )
+        return self._build.mapping(kind, out)
+
+    def _sequence(
+        self,
+        kind: type,
+        node: list[object] | tuple[object, ...],
+        path: str,
+        depth: int,
+        hashable: str | None,
+    ) -> object:
+        low, high, plain = INT_MIN, INT_MAX, _NON_INT_SCALARS
+        items = [
+            item
+            if (ki := type(item)) in plain or (ki is int and low <= item <= high)  # type: ignore[operator]
+            else self.value(item, join_key(path, index), depth, hashable)
+            for index, item in enumerate(node)
+        ]
+        return self._build.sequence(kind, items)
+
+    def _members(
+        self, kind: type, node: set[object] | frozenset[object], path: str, depth: int
+    ) -> object:
+        items = [self.value(m, f"{path}{{{short(m)}}}", depth, "set member") for m in node]
+        return self._build.members(kind, items)
+
+    def _tensor(self, tensor: torch.Tensor, path: str, hashable: str | None) -> object:
+        if hashable is not None:
+            raise SaveError(f"{show_path(path)}: a tensor cannot be stored as a {hashable}")
+        if self._on_tensor is None:
+            raise SaveError(f"{show_path(path)}: tensors are not allowed here")
+        done = self._done.get(id(tensor), _NOT_YET)
+        if done is not _NOT_YET:
+            return done
+        _check_tensor(tensor, path)
+        result = self._on_tensor(tensor, path)
+        self._done[id(tensor)] = result
+        return result
+
+
+_NOT_YET: Final = object()

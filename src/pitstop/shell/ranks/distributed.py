@@ -1,0 +1,408 @@
+# The ranks of a job, as the Checkpointer talks to them.
+#
+# Rules: pitstop's collectives run on a process group of its own (gloo, so CPU objects travel
+# whatever backend the loop uses), created when every rank constructs its Checkpointer, and
+# only ever from the loop's thread — never from the background writer, so a collective of
+# pitstop can never interleave with the loop's own on one group (KempnerForge #104). Every
+# collective has a timeout: a rank that never arrives becomes an error, not a hang. Rank 0 is
+# the writer: it holds the directory lock and writes; the others never touch the directory.
+# Errors travel as (class name, message) and are rebuilt as the same pitstop error class, so
+# every rank raises the same error at the same call. A gather-then-lead round may be begun
+# (this rank's value on its way, the gather running on gloo's threads) and led later by the same
+# thread, with no other collective of pitstop's between (Ranks.begin, Round.lead): the caller
+# works meanwhile.
+# Per-rank state trees travel in pitstop's own tree encoding with each storage's bytes once
+# (so storage sharing survives), decoded as a checkpoint's tree is.
+# How: a value is pickled in memory between this job's own processes, as torch.distributed's
+# object collectives do (nothing read from a checkpoint is ever unpickled), and travels in a
+# fixed box: one collective per all_gather or broadcast, where torch's object collectives take
+# two (the sizes, then the data); a larger value takes a second round, which every rank knows
+# of from the sizes in the first. An all-gather's box is received once per rank, so it is small
+# (a call's inputs); the once-a-save round that carries every rank's part (its RNG streams, a
+# per-rank component) is a gather to rank 0 instead, the only rank that needs them, with a
+# point-to-point send for a part too big for its box.
+# The tensors of pitstop's last collective stay referenced (by this module) until the next
+# one: in torch 2.4's gloo, a worker thread that drops the last reference to a finished
+# collective's tensor takes the GIL, and destroy_process_group joins those threads holding it
+# — a job's teardown hung (about one run in two) when the Checkpointer, and with it the
+# tensors, had gone first.
+
+"""Ranks: rank 0 decides and writes; every rank hears the same answer."""
+
+from __future__ import annotations
+
+import datetime
+import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
+from collections.abc import Callable
+from typing import Any, Final, Generic, TypeVar
+
+import attrs
+import torch
+
+from pitstop import errors
+from pitstop.core.ranks import INTERRUPTED, OK, Outcome, agree
+from pitstop.shell.ranks.packing import pack_state, unpack_state
+
+__all__ = [
+    "BROADCAST_BOX",
+    "GATHER_BOX",
+    "PART_BOX",
+    "Ranks",
+    "Round",
+    "outcome_of",
+    "raise_outcome",
+    "rebuilt",
+]
+
+T = TypeVar("T")
+
+_ERRORS = {
+    cls.__name__: cls
+    for cls in (
+        errors.PitstopError,
+        errors.CheckpointCorrupt,
+        errors.CheckpointNotFound,
+        errors.ConfigError,
+        errors.DirectoryLocked,
+        errors.IncompatibleCheckpoint,
+        errors.SaveError,
+    )
+}
+
+
+def outcome_of(exc: BaseException, rank: int) -> Outcome:
+    """``exc`` as an outcome other ranks can raise (any ``KeyboardInterrupt`` as one)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return Outcome(kind=INTERRUPTED, error=str(exc) or "interrupted (Ctrl-C)", rank=rank)
+    differences = getattr(exc, "differences", None)
+    message = "\n".join(differences) if differences else str(exc)
+    return Outcome(kind=type(exc).__name__, error=message or type(exc).__name__, rank=rank)
+
+
+def rebuilt(outcome: Outcome) -> errors.PitstopError | KeyboardInterrupt:
+    """A failed ``outcome`` as the error another rank raises: the same pitstop class (any
+    other as a SaveError naming it), its message prefixed with the rank it came from; an
+    interrupt as a ``KeyboardInterrupt`` naming the rank it came from."""
+    cls = _ERRORS.get(outcome.kind)
+    where = f"rank {outcome.rank}: "
+    if outcome.interrupted:
+        return KeyboardInterrupt(f"{where}{outcome.error}")
+    if cls is errors.IncompatibleCheckpoint:
+        return errors.IncompatibleCheckpoint(where + line for line in outcome.error.splitlines())
+    if cls is None:
+        return errors.SaveError(f"{where}{outcome.kind}: {outcome.error}")
+    return cls(where + outcome.error)
+
+
+def raise_outcome(outcome: Outcome, *, own: BaseException | None = None) -> None:
+    """Raise ``outcome`` (this rank's own exception when it is this rank's)."""
+    if outcome.ok:
+        return
+    raise own if own is not None else rebuilt(outcome)
+
+
+GATHER_BOX: Final = 1 << 10
+"""Bytes of a pickled value an all-gather sends in one collective (a larger one takes a
+second): a call's inputs fit. Every rank receives one box per rank, so it stays small."""
+
+BROADCAST_BOX: Final = 4 << 10
+"""Bytes of a pickled value a broadcast sends in one collective: a plan, an outcome fit."""
+
+PART_BOX: Final = 32 << 10
+"""The box of the once-a-save rounds that carry every rank's own part (its RNG streams and a
+sampler's state: about 13 KiB on the CPU)."""
+
+_HEADER: Final = 8  # the value's size, little-endian, before it in its box
+
+
+def _dumps(value: object) -> bytes:
+    # Between this job's own processes, as torch.distributed's object collectives do.
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _loads(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _bytes_tensor(data: bytes, size: int) -> torch.Tensor:
+    tensor = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        tensor[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tensor
+
+
+def _boxed(data: bytes, box: int) -> torch.Tensor:
+    """``data``'s size, then ``data`` itself if it fits: a box of ``box`` bytes for one round."""
+    size = len(data).to_bytes(_HEADER, "little")
+    return _bytes_tensor(size + data if len(data) <= box else size, _HEADER + box)
+
+
+def _size_of(box: torch.Tensor) -> int:
+    return int.from_bytes(box[:_HEADER].numpy().tobytes(), "little")
+
+
+def _wait(work: Any, timeout: datetime.timedelta) -> None:
+    """Wait for a ``work`` started with ``async_op`` or point to point (``timeout`` at most:
+    then it raises)."""
+    assert work is not None  # None only on a rank outside the group, never pitstop's own
+    work.wait(timeout)
+
+
+_HELD: list[tuple[object, ...]] = []
+"""The tensors of this process's last collective of pitstop (see the rules above)."""
+
+
+class Ranks:
+    """This process's place in the job, and pitstop's collectives."""
+
+    def __init__(
+        self, rank: int, world_size: int, group: Any = None, *, timeout_s: float = 600.0
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._group = group
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+
+    def _hold(self, *tensors: object) -> None:
+        """Keep ``tensors`` (the collective just run) until the next collective, here or in
+        another Ranks (so also after this one is gone: a job's teardown follows its last)."""
+        _HELD[:] = [tensors]
+
+    @classmethod
+    def current(cls, timeout_s: float) -> Ranks:
+        """The ranks of the initialised process group (one rank without torch.distributed)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(0, 1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        return cls(dist.get_rank(), dist.get_world_size(), group, timeout_s=timeout_s)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank decides and writes (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def many(self) -> bool:
+        """Whether there is more than one rank."""
+        return self.world_size > 1
+
+    def all_gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
+        """Every rank's ``value``, in rank order, on every rank (in one collective when every
+        pickled value fits ``box`` bytes, in two otherwise)."""
+        if not self.many:
+            return [value]
+        data = _dumps(value)
+        boxed = _boxed(data, box)
+        boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
+        torch.distributed.all_gather(boxes, boxed, group=self._group)
+        self._hold(boxes, boxed)
+        sizes = [_size_of(b) for b in boxes]
+        if max(sizes) <= box:  # one round: every value fitted its box
+            return [_loads(b[_HEADER : _HEADER + n]) for b, n in zip(boxes, sizes, strict=True)]
+        # Every rank saw the same sizes, so every rank takes this second round.
+        whole = _bytes_tensor(data, max(sizes))
+        wholes = [torch.empty_like(whole) for _ in range(self.world_size)]
+        torch.distributed.all_gather(wholes, whole, group=self._group)
+        self._hold(wholes, whole)
+        return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
+
+    def broadcast(self, value: T) -> T:
+        """Rank 0's ``value`` on every rank (in one collective when it fits BROADCAST_BOX)."""
+        if not self.many:
+            return value
+        data = _dumps(value) if self.leader else b""
+        boxed = _boxed(data, BROADCAST_BOX)
+        torch.distributed.broadcast(boxed, src=0, group=self._group)
+        self._hold(boxed)
+        size = _size_of(boxed)
+        if size <= BROADCAST_BOX:  # one round: it fitted the box
+            return _loads(boxed[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
+        whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
+        torch.distributed.broadcast(whole, src=0, group=self._group)
+        self._hold(whole)
+        return _loads(whole)  # type: ignore[no-any-return]
+
+    def gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
+        """Every rank's ``value``, in rank order, on rank 0 (its own as it is; an empty list
+        elsewhere): one collective when every pickled value fits ``box`` bytes; a value that
+        does not then travels on its own, from its rank to rank 0 (which knows which from the
+        sizes). Rank 0 receives one box per rank; no other rank receives anything."""
+        if not self.many:
+            return [value]
+        return self._gathered(self._send(value, box))
+
+    def _send(self, value: T, box: int) -> _Gathering[T]:
+        """Start :meth:`gather`'s collective (its box on its way; it runs on gloo's threads)."""
+        data = _dumps(value)
+        boxed = _boxed(data, box)
+        boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
+        work = torch.distributed.gather(
+            boxed, gather_list=boxes, dst=0, group=self._group, async_op=True
+        )
+        self._hold(boxes, boxed)
+        return _Gathering(value, data, boxed, boxes, work, box)
+
+    def _gathered(self, sent: _Gathering[T]) -> list[T]:
+        """End the collective :meth:`_send` started: :meth:`gather`'s result."""
+        dist = torch.distributed
+        _wait(sent.work, self._timeout)
+        data, boxes, box = sent.data, sent.boxes, sent.box
+        self._hold(boxes, sent.boxed)
+        if not self.leader:
+            if len(data) > box:  # rank 0 saw the size and waits for it
+                whole = _bytes_tensor(data, len(data))
+                _wait(dist.isend(whole, dst=0, group=self._group), self._timeout)
+                self._hold(whole)
+            return []
+        assert boxes is not None
+        values: list[T] = [sent.value]
+        received: list[torch.Tensor] = []
+        for rank, got in enumerate(boxes[1:], start=1):
+            size = _size_of(got)
+            if size <= box:
+                values.append(_loads(got[_HEADER : _HEADER + size]))
+            else:
+                whole = torch.empty(size, dtype=torch.uint8)
+                _wait(dist.irecv(whole, src=rank, group=self._group), self._timeout)
+                received.append(whole)
+                values.append(_loads(whole))
+        if received:
+            self._hold(boxes, sent.boxed, received)
+        return values
+
+    def gather_then_lead(
+        self, each: Callable[[], Any], work: Callable[[list[Any]], T], *, box: int = PART_BOX
+    ) -> T:
+        """Run ``each`` on every rank, hand every result to rank 0 (:meth:`gather`), run
+        ``work(results)`` there and hand its result, or the first error, to every rank: two
+        collectives, rank 0 the only one that receives every rank's. An error of ``each`` on
+        any rank (the lowest such rank's) is raised on every rank instead, and ``work`` does
+        not run; a rank raises its own exception as itself."""
+        return self.begin(each, box=box).lead(work)
+
+    def begin(self, each: Callable[[], Any], *, box: int = PART_BOX) -> Round:
+        """:meth:`gather_then_lead` begun: ``each`` runs here and its result is on its way to
+        rank 0, without waiting for it; this rank may do other work before the round's
+        :meth:`Round.lead` (which every rank calls next, before any other collective)."""
+        return Round(self, each, box)
+
+    def gather_state(self, value: object, work: Callable[[list[Any]], T]) -> T:
+        """:meth:`gather_then_lead` of every rank's state tree: ``work(trees)`` on rank 0
+        with every rank's tree, storage sharing intact; a tree that cannot be packed raises
+        the same SaveError on every rank (its own, naming its key path, on its rank).
+
+        Rank 0 keeps its own tree as it is (references to live tensors); the others travel
+        packed (:func:`pack_state`: each storage once, so tensors that share storage on a rank
+        still share it on rank 0, and are written once) and arrive on the CPU.
+        """
+
+        def trees(packed: list[Any]) -> T:
+            return work([value, *(unpack_state(other) for other in packed[1:])])
+
+        return self.gather_then_lead(lambda: None if self.leader else pack_state(value), trees)
+
+    def any_failed_later(self, failed: bool) -> Callable[[float], bool]:
+        """Start, without waiting for it, the round that tells every rank whether any rank
+        ``failed``; the callable it returns waits for that round (``timeout`` s at most; from
+        any thread: the collective itself was started here, on the calling thread) and says
+        whether any rank did."""
+        if not self.many:
+            return lambda timeout: failed
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        dist = torch.distributed
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._hold(flag)
+
+        def wait(timeout: float) -> bool:
+            work.wait(datetime.timedelta(seconds=timeout))
+            return bool(flag.item())
+
+        return wait
+
+    def _attempt(self, work: Callable[[], T]) -> tuple[Any, Outcome, BaseException | None]:
+        """``work()``'s result and outcome here (its own exception kept to raise as itself).
+        A Ctrl-C in ``work`` is an outcome too: the round still runs, so that the other ranks
+        hear of it (and raise it) instead of waiting for this rank until the timeout."""
+        try:
+            return work(), OK, None
+        except (Exception, KeyboardInterrupt) as exc:
+            return None, outcome_of(exc, self.rank), exc
+
+    def lead(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on rank 0 and hand its result, or its error, to every rank."""
+        if not self.many:
+            return work()
+        attempt: tuple[Any, Outcome, BaseException | None] = (None, OK, None)
+        if self.leader:
+            attempt = self._attempt(work)
+        result, outcome, own = attempt
+        outcome, result = self.broadcast((outcome, result))
+        raise_outcome(outcome, own=own)
+        return result  # type: ignore[no-any-return]
+
+    def all_gather_each(self, work: Callable[[], T], *, box: int = GATHER_BOX) -> list[T]:
+        """Run ``work`` on every rank and hand every result to every rank, or the same error
+        (``box``: as for :meth:`all_gather`)."""
+        if not self.many:
+            return [work()]
+        result, outcome, own = self._attempt(work)
+        pairs = self.all_gather((outcome, result), box=box)
+        agreed = agree([o for o, _ in pairs])
+        raise_outcome(agreed, own=own if agreed == outcome else None)
+        return [r for _, r in pairs]
+
+    def each(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on every rank; if it fails anywhere, raise the same error everywhere."""
+        if not self.many:
+            return work()
+        result, outcome, own = self._attempt(work)
+        agreed = agree(self.all_gather(outcome))
+        raise_outcome(agreed, own=own if agreed == outcome else None)
+        return result  # type: ignore[no-any-return]
+
+
+@attrs.frozen
+class _Gathering(Generic[T]):
+    """A :meth:`Ranks.gather` under way: this rank's value, its pickle, rank 0's boxes."""
+
+    value: T
+    data: bytes
+    boxed: torch.Tensor
+    boxes: list[torch.Tensor] | None
+    work: Any
+    box: int
+
+
+class Round:
+    """A :meth:`Ranks.gather_then_lead` that :meth:`Ranks.begin` began: this rank's ``each()``
+    ran and its result is on its way to rank 0; :meth:`lead` ends the round."""
+
+    def __init__(self, ranks: Ranks, each: Callable[[], Any], box: int) -> None:
+        self._ranks = ranks
+        self.value, self._outcome, self._own = ranks._attempt(each)
+        """This rank's ``each()`` (``None`` when it raised: the round raises it at the end)."""
+        self._sent = ranks._send((self._outcome, self.value), box) if ranks.many else None
+
+    def lead(self, work: Callable[[list[Any]], T]) -> T:
+        """Rank 0 runs ``work`` on every rank's result; its result, or the first error, is
+        raised or returned on every rank (as :meth:`Ranks.gather_then_lead` does)."""
+        ranks, sent = self._ranks, self._sent
+        if sent is None:  # one rank
+            if self._own is not None:
+                raise self._own
+            return work([self.value])
+        gathered = ranks._gathered(sent)
+        answer: tuple[Outcome, Any] = (OK, None)
+        outcome, own = self._outcome, self._own
+        if ranks.leader:
+            agreed = agree([o for o, _ in gathered])
+            if agreed.ok:
+                value, outcome, own = ranks._attempt(lambda: work([r for _, r in gathered]))
+                answer = (outcome, value)
+            else:
+                answer = (agreed, None)
+        agreed, value = ranks.broadcast(answer)
+        raise_outcome(agreed, own=own if agreed == outcome else None)
+        return value  # type: ignore[no-any-return]

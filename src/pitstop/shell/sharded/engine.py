@@ -1,0 +1,312 @@
+# Sharded state (FSDP2, DTensor) through torch.distributed.checkpoint (DCP), published like a
+# file. What DCP saves and fills — the model, its EMA, the optimizers — is
+# pitstop.shell.sharded.dcpstate's.
+#
+# Rules: every rank makes the same calls. A save: every rank writes its shards into a temp
+# directory and the tables of its files are gathered (pitstop.shell.sharded.shardwrite, whose names
+# are re-exported here); rank 0 builds the layout (pitstop.core.sharded), writes the manifest last
+# (publish_file: temp name, fsync, rename, directory fsync — which makes the names of every rank's
+# files durable too), renames the temp directory into place and fsyncs the parent. A load: the
+# layout comes from the manifest (DCP's pickled `.metadata` is never read: see
+# pitstop.shell.sharded.dcpio), the live state is compared with it (IncompatibleCheckpoint listing
+# every difference), every file DCP's local read plans name is verified once, by one of the ranks
+# that read it (the plans are gathered: pitstop.core.sharded.share_checks), the outcome is agreed,
+# and only then does DCP read, resharding to this world size. DCP reads into the live tensors, so
+# each rank first keeps a host copy of every tensor it reads into; when the read or the apply that
+# follows fails on any rank (DCP's errors reach every rank, the apply's are agreed), every rank
+# copies its tensors back and hands each optimizer its own state and groups again — and an optimizer
+# that had no state (DCP gives it zeroed state to read into) has none again. DCP's collectives run
+# on `group` (async: on DCP's upload thread, so then `group` must be a process group of its own);
+# pitstop's agreement runs on `ranks`, from the calling thread only.
+# How: DCP does the tensor I/O and the resharding; pitstop.shell.store.sharddir the files around it.
+
+"""Sharded checkpoints: write, publish, verify and read DCP directories; gather for export."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+from pitstop.core.compat import Difference, Kind, diff_ema
+from pitstop.core.sharded import (
+    LiveValue,
+    ShardedLayout,
+    files_for,
+    fresh_optimizers,
+    layout_differences,
+    share_checks,
+)
+from pitstop.errors import IncompatibleCheckpoint
+from pitstop.shell.format.treewalk import TENSOR_DTYPES, dtype_name
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded.dcpio import (
+    SafePlanner,
+    load_checked,
+    metadata_of,
+)
+from pitstop.shell.sharded.dcpstate import (
+    EMA,
+    MODEL,
+    Optimizers,
+    apply_state,
+    dcp_state,
+    local_shard,
+)
+from pitstop.shell.sharded.shardwrite import (
+    PendingShardedWrite,
+    WrittenShards,
+    async_write_sharded,
+    make_stager,
+    write_sharded,
+    write_shards,
+)
+from pitstop.shell.sharded.support import is_sharded
+from pitstop.shell.state.freshopt import FreshOptimizers
+from pitstop.shell.store.publish import delete_sharded
+from pitstop.shell.store.sharddir import (
+    publish_sharded,
+    read_layout,
+    verify_sharded,
+    write_manifest,
+)
+
+__all__ = [
+    "EMA",
+    "MODEL",
+    "PendingShardedWrite",
+    "ShardedPlan",
+    "WrittenShards",
+    "async_write_sharded",
+    "delete_sharded",
+    "full_state_dict",
+    "holds_ema",
+    "is_sharded",
+    "make_stager",
+    "plan_read",
+    "publish_sharded",
+    "read_layout",
+    "read_sharded",
+    "verify_sharded",
+    "write_manifest",
+    "write_sharded",
+    "write_shards",
+]
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def _live(value: object) -> LiveValue:
+    if isinstance(value, torch.Tensor):  # a DTensor's shape is the global one
+        return LiveValue(dtype=dtype_name(value.dtype), shape=tuple(value.shape))
+    return LiveValue(dtype=None)
+
+
+def _planned_files(
+    directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
+) -> tuple[str, ...]:
+    """Check that ``state`` fits ``layout``; the files DCP's local plan reads on this rank."""
+    planner = SafePlanner()
+    planner.set_up_planner(state, metadata_of(layout), rank == 0)
+    live = {fqn: _live(value) for fqn, value in planner.state_dict.items()}
+    problems = layout_differences(layout, live)
+    if problems:
+        raise IncompatibleCheckpoint(f"{directory}: {p}" for p in problems)
+    reads = [r.storage_index for r in planner.create_local_plan().items]
+    return files_for(
+        layout, [(i.fqn, None if i.offset is None else tuple(i.offset)) for i in reads]
+    )
+
+
+def holds_ema(layout: ShardedLayout) -> bool:
+    """Whether the checkpoint ``layout`` describes holds an EMA's weights."""
+    return any(v.path[:1] == (EMA,) for v in layout.values)
+
+
+def _state(
+    layout: ShardedLayout, model: nn.Module, optimizers: Optimizers, ema: nn.Module | None
+) -> dict[str, Any]:
+    """What a load of ``layout`` fills: the EMA's only when it holds one (a run's EMA that
+    the checkpoint lacks is a difference of its own, pitstop.core.compat.diff_ema)."""
+    return dcp_state(model, optimizers, ema if holds_ema(layout) else None)
+
+
+@attrs.frozen(eq=False)
+class ShardedPlan:
+    """One rank's plan for reading a sharded checkpoint, made before a byte of its files is
+    read: what a resume checks (the files to verify, the differences) and then reads with."""
+
+    directory: Path
+    """The checkpoint directory."""
+    layout: ShardedLayout
+    """The layout in its manifest."""
+    meta: Mapping[str, Any]
+    """Its manifest's meta."""
+    state: dict[str, Any]
+    """What DCP fills on this rank (:func:`~pitstop.shell.sharded.dcpstate.dcp_state`)."""
+    files: tuple[str, ...]
+    """The files DCP's read plan names on this rank — or, when the state does not fit the
+    layout, an equal share of every file the layout lists."""
+    differences: tuple[Difference, ...]
+    """Every difference between this rank's state and the layout (empty when it fits), an
+    EMA on one side only judged as for a file checkpoint."""
+
+
+def plan_read(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    rank: int,
+    world_size: int,
+    ema: nn.Module | None = None,
+) -> ShardedPlan:
+    """This rank's :class:`ShardedPlan` of ``directory``; reads the manifest only."""
+    root = Path(directory)
+    layout, meta = read_layout(root)
+    found = diff_ema(stored=holds_ema(layout), live=ema is not None)
+    state: dict[str, Any] = {}
+    try:
+        state = _state(layout, model, optimizers, ema)
+        files = _planned_files(root, layout, state, rank)
+    except IncompatibleCheckpoint as exc:
+        found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
+        names = [f.name for f in layout.files]
+        files = tuple(names[rank::world_size])
+    return ShardedPlan(
+        directory=root,
+        layout=layout,
+        meta=meta,
+        state=state,
+        files=files,
+        differences=tuple(found),
+    )
+
+
+class _Kept:
+    """This rank's sharded state before DCP reads into it: a host copy of every tensor of
+    ``state`` (a DTensor's local shard) and each optimizer's own state and groups."""
+
+    def __init__(self, state: dict[str, Any], optimizers: Optimizers) -> None:
+        self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._optimizers = [(o, o.state, o.param_groups) for o in optimizers.values()]
+
+        def keep(_path: object, value: object) -> None:
+            if isinstance(value, torch.Tensor):
+                local = local_shard(value)
+                self._tensors.append((local, local.detach().to("cpu", copy=True)))
+
+        traverse_state_dict(state, keep)
+
+    def put_back(self) -> None:
+        """Everything as it was when kept."""
+        with torch.no_grad():
+            for live, kept in self._tensors:
+                live.copy_(kept)
+        for optimizer, own, groups in self._optimizers:
+            optimizer.state, optimizer.param_groups = own, groups
+
+
+def _layout_and_fresh(root: Path) -> tuple[ShardedLayout, tuple[str, ...]]:
+    layout, meta = read_layout(root)
+    return layout, fresh_optimizers(meta)
+
+
+def _chosen(root: Path, plan: ShardedPlan) -> tuple[ShardedLayout, tuple[str, ...], dict[str, Any]]:
+    """A chosen plan's layout, its optimizers stored fresh, and its state; refused where the
+    state does not fit (a resume refuses that before it reads)."""
+    if plan.directory != root:
+        raise ValueError(f"the plan is for {plan.directory}, not {root}")
+    shapes = [d.message for d in plan.differences if d.kind is Kind.SHAPE]
+    if shapes:
+        raise IncompatibleCheckpoint(shapes)
+    return plan.layout, fresh_optimizers(plan.meta), plan.state
+
+
+def read_sharded(
+    directory: str | os.PathLike[str],
+    model: nn.Module,
+    optimizers: Optimizers,
+    *,
+    ranks: Ranks,
+    group: Any = None,
+    chosen: ShardedPlan | None = None,
+    ema: nn.Module | None = None,
+) -> ShardedLayout:
+    """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
+    directory, all or nothing (the ``ema`` only when the checkpoint holds one).
+
+    Before any tensor is touched, the manifest is read, the live state is checked against it
+    (:class:`~pitstop.errors.IncompatibleCheckpoint` listing every difference) and every file
+    DCP will read is verified, once, by one of the ranks that read it
+    (:class:`~pitstop.errors.CheckpointCorrupt` naming the file); every rank raises the same
+    error. Then DCP reads, resharding to this world size, and ``set_*_state_dict`` applies
+    the state (an optimizer that had no state when the checkpoint was saved is left without).
+    A failure there on any rank (DCP could not read a file:
+    :class:`~pitstop.errors.CheckpointCorrupt`) puts every rank's state back as it was, from
+    a host copy of this rank's tensors kept while DCP reads. Returns the layout.
+    ``chosen``: this rank's :func:`plan_read` of ``directory``, made by a resume that has
+    compared it with the run and verified every file of it on every rank already: read with
+    it, without reading the manifest or planning again.
+    """
+    root = Path(directory)
+    with FreshOptimizers(optimizers) as fresh:
+        if chosen is not None:
+            layout, stored_fresh, state = ranks.each(lambda: _chosen(root, chosen))
+        else:
+            layout, stored_fresh = ranks.each(lambda: _layout_and_fresh(root))
+            state = _state(layout, model, optimizers, ema)
+            reads = ranks.all_gather_each(lambda: _planned_files(root, layout, state, ranks.rank))
+            mine = share_checks(layout, reads)[ranks.rank]  # each file, once, by a reader
+            ranks.each(lambda: verify_sharded(root, layout, mine))
+        kept = _Kept(state, optimizers)
+        try:
+            load_checked(root, state, layout, process_group=group)
+            live_ema = ema if EMA in state else None
+            ranks.each(lambda: apply_state(model, optimizers, live_ema, state, stored_fresh))
+        except BaseException:
+            kept.put_back()
+            raise
+        fresh.keep()
+    return layout
+
+
+def full_state_dict(
+    directory: str | os.PathLike[str],
+    component: str = MODEL,
+    *,
+    keys: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """The full, unsharded state of ``component`` as plain CPU tensors, read in this process
+    (only its entries ``keys``, when given).
+
+    Verifies the files that hold it first and never unpickles. The model's state (and the
+    EMA's) loads into an unsharded copy of the model with ``strict=True``.
+    """
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    chosen = None if keys is None else {(component, key) for key in keys}
+    wanted = [
+        v
+        for v in layout.values
+        if v.path[:1] == (component,) and (chosen is None or v.path[:2] in chosen)
+    ]
+    if not wanted:
+        raise IncompatibleCheckpoint([f"{root}: the checkpoint holds no {component!r} state"])
+    verify_sharded(root, layout, {c.file for v in wanted for c in v.chunks})
+    state: dict[Any, Any] = {}
+    for value in wanted:
+        node = state
+        for key in value.path[:-1]:
+            node = node.setdefault(key, {})
+        dtype = None if value.dtype is None else TENSOR_DTYPES[value.dtype]
+        # A non-tensor value: DCP puts what it stored in place of the None.
+        node[value.path[-1]] = None if dtype is None else torch.empty(value.shape, dtype=dtype)
+    load_checked(root, state, layout, no_dist=True)
+    return dict(state[component])

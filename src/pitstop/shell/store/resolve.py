@@ -1,0 +1,238 @@
+# What a `checkpoint` argument means.
+#
+# Rules: every public function that takes a checkpoint accepts a checkpoint file, a pointer in
+# a checkpoint directory (`run/checkpoints/best`, whether or not the filesystem has symlinks),
+# or a checkpoint directory (meaning its `last`). A pointer or directory is resolved by scanning
+# the directory and asking the core — the symlink itself is never blindly followed. With
+# fallback (loading), a corrupt target falls back along the core's resume order with a warning;
+# without it (verifying), the target itself is checked.
+# How: scan + choose_resume from pitstop.shell.store.directory.
+
+"""Resolving a checkpoint argument (file, pointer or directory) to one checkpoint file."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from pitstop.core.arguments import CHECKPOINT_PATH, check_path
+from pitstop.core.metadata import (
+    entry_from_meta,
+    pointers_from_latest_json,
+    policy_from_latest_json,
+)
+from pitstop.core.naming import (
+    LATEST_JSON,
+    NOT_A_CHECKPOINT,
+    POINTER_NAMES,
+    checkpoint_name,
+    parse_checkpoint,
+    parse_sharded_name,
+)
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
+from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.errors import CheckpointNotFound
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.directory import (
+    CheckpointDirectory,
+    choose_resume,
+    is_sharded_path,
+    read_latest_json,
+    scan,
+    verify_any,
+)
+from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+
+__all__ = [
+    "find_resume",
+    "is_sharded_checkpoint",
+    "manifest_path",
+    "own_pointer",
+    "pointer_on_disk",
+    "recorded_policy",
+    "resolve_checkpoint",
+    "split_argument",
+    "verify",
+]
+
+
+def recorded_policy(directory: Path) -> Policy | None:
+    """The retention policy and Best metric a directory's ``latest.json`` records, if any."""
+    data, _ = read_latest_json(LocalStorage(directory))  # None when missing or refused
+    return policy_from_latest_json(data)
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether ``path`` itself (not a symlink's target) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (a checkpoint's name, and a
+    manifest in it) rather than a directory of checkpoints."""
+    return (
+        parse_sharded_name(path.name) is not NOT_A_CHECKPOINT
+        and path.is_dir()
+        and (path / MANIFEST_NAME).exists()
+    )
+
+
+def manifest_path(path: Path) -> Path:
+    """The file holding ``path``'s manifest: itself, or a sharded directory's manifest."""
+    return path / MANIFEST_NAME if is_sharded_path(path) else path
+
+
+def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerName | None]:
+    """``(directory, pointer)`` for a pointer or directory argument, ``(file, None)`` for a file.
+
+    Raises :class:`~pitstop.errors.CheckpointNotFound` when the argument names nothing.
+    """
+    path = Path(checkpoint)
+    if is_sharded_checkpoint(path):
+        return path, None
+    if path.name in POINTER_NAMES and path.is_symlink() and path.parent.is_dir():
+        return path.parent, PointerName(path.name)  # even one whose target is a directory
+    if path.is_dir():
+        return path, PointerName.LAST
+    if path.name in POINTER_NAMES and path.parent.is_dir() and not _is_regular(path):
+        # a symlink, a name only latest.json holds, or a FIFO or device in a pointer's place:
+        # the directory says where the pointer goes
+        return path.parent, PointerName(path.name)
+    if path.is_file():
+        return path, None
+    raise CheckpointNotFound(f"no checkpoint at {path}: not a file, pointer or directory")
+
+
+def pointer_on_disk(storage: Storage, pointer: PointerName) -> tuple[str | None, str]:
+    """The checkpoint name ``pointer`` holds on disk — its symlink, else its entry in
+    ``latest.json`` — and which of the two it was read from; ``(None, "")``: neither names one.
+
+    This is what the pointer says even when that file is truncated or gone: what verifying the
+    pointer must check, never falling back past it.
+    """
+    if storage.kind(pointer.value) is FileKind.SYMLINK:
+        target = storage.read_link(pointer.value)
+        if parse_checkpoint(target) is not NOT_A_CHECKPOINT:
+            return target, "symlink"
+    data, _ = read_latest_json(storage)
+    if data is not None:
+        named = pointers_from_latest_json(data)[0].target(pointer)
+        if named is not NO_CHECKPOINT:
+            return named, "latest.json"
+    return None, ""
+
+
+def _missing_target(storage: Storage, pointer: PointerName, named: str, source: str) -> str:
+    """Why ``pointer`` (read from ``source``: its symlink or ``latest.json``) names nothing."""
+    if source == "symlink":
+        where = f"{storage.path(pointer.value)} points to"
+    else:
+        where = f"{storage.path(LATEST_JSON)} says {pointer.value} is"
+    return f"{where} {storage.path(named)}, which does not exist"
+
+
+def resolve_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    *,
+    fallback: bool = True,
+    verify: Callable[[Path], None] = verify_any,
+) -> Path:
+    """Return the checkpoint file that ``checkpoint`` names.
+
+    ``fallback``: when the pointer's target does not verify, use the next candidate of the
+    resume order (with a warning) instead of returning the corrupt file; ``verify(path)``
+    is the check (a caller may pass one that also loads, reading the file once). Without
+    it, the file the pointer names on disk (:func:`pointer_on_disk`), even a damaged one;
+    with no pointer on disk, the directory's reconciled one.
+    Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches, and (without
+    ``fallback``) when the pointer names a checkpoint that does not exist, naming both.
+    """
+    directory, pointer = split_argument(checkpoint)
+    if pointer is None:
+        return directory
+    storage = LocalStorage(directory)
+    if not fallback:
+        named, source = pointer_on_disk(storage, pointer)
+        if named is not None:
+            if storage.kind(named) is FileKind.MISSING:
+                raise CheckpointNotFound(_missing_target(storage, pointer, named, source))
+            return storage.path(named)
+    policy = recorded_policy(directory)
+    best = None if policy is None else policy.best
+    found = scan(storage, best)
+    if fallback:
+        choice = choose_resume(storage, found, pointer, best, verify=verify)
+        if choice.path is not None:
+            return choice.path
+        detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
+        raise CheckpointNotFound(f"{directory} has no valid {pointer.value} checkpoint{detail}")
+    target = found.pointers.target(pointer)
+    if target is NO_CHECKPOINT:
+        raise CheckpointNotFound(f"{directory} has no {pointer.value} checkpoint")
+    return storage.path(target)
+
+
+def verify(checkpoint: str | os.PathLike[str]) -> Path:
+    """Check every byte of ``checkpoint``; raise :class:`~pitstop.errors.CheckpointCorrupt`.
+
+    A pointer or directory is checked at its target, without falling back (a target that
+    does not exist is :class:`~pitstop.errors.CheckpointNotFound`, naming the pointer and the
+    file). Returns the path of the file that was verified.
+    """
+    check_path(checkpoint, argument="verify checkpoint", to=CHECKPOINT_PATH)
+    path = resolve_checkpoint(checkpoint, fallback=False)
+    verify_any(path)
+    return path
+
+
+def own_pointer(
+    directory: CheckpointDirectory, source: str | os.PathLike[str]
+) -> PointerName | None:
+    """The pointer of ``directory`` that ``source`` names — a pointer name, or a path to one
+    of the directory's own pointers (resumed from it, fresh if it has none) — else ``None``."""
+    names = {p.value for p in PointerName}
+    if isinstance(source, str) and source in names:
+        return PointerName(source)
+    path = Path(source)
+    if path.name in names and path.parent.resolve() == directory.path.resolve():
+        return PointerName(path.name)
+    return None
+
+
+def find_resume(
+    directory: CheckpointDirectory,
+    source: str | os.PathLike[str],
+    *,
+    verify: Callable[[Path], None] = verify_any,
+) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
+    """What ``Checkpointer.resume(source)`` restores: a verified file and its entry.
+
+    ``source`` is a pointer name of ``directory`` (or a path to one of its own pointers: fresh
+    when it has none), or any checkpoint argument, which must verify (no fallback).
+    ``verify(path)`` checks each candidate, raising ``CheckpointCorrupt`` (the resume path
+    passes one that loads the file in the same pass, so the file is read once).
+    """
+    pointer = own_pointer(directory, source)
+    best = directory.policy.best
+    if pointer is not None:
+        source = pointer.value
+        storage = directory.storage
+        found = scan(storage, best)
+        choice = choose_resume(storage, found, PointerName(source), best, verify=verify)
+        if choice.path is None and source != PointerName.LAST.value and found.catalog:
+            raise CheckpointNotFound(f"{directory.path} has no valid {source} checkpoint")
+        return choice.path, choice.entry
+    path = resolve_checkpoint(source, fallback=False)
+    verify(path)
+    meta = fileformat.read_manifest(manifest_path(path)).meta
+    name = path.name if parse_checkpoint(path.name) is not NOT_A_CHECKPOINT else None
+    if name is None:
+        progress = meta.get("progress")
+        step = progress.get("step") if isinstance(progress, Mapping) else None
+        name = checkpoint_name(step) if isinstance(step, int) else path.name
+    return path, entry_from_meta(name, meta)

@@ -1,0 +1,282 @@
+# Reading a checkpoint directory: what it holds, and which checkpoint a resume would use.
+#
+# Rules: scanning reads names (classified by the core) and each checkpoint's footer and manifest
+# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks
+# and latest.json, both untrusted — to the core to reconcile. A symlink is only followed when
+# its target is a plain checkpoint name of this directory. A sharded checkpoint (a directory,
+# pitstop.shell.store.sharddir) is listed once its manifest reads back. Choosing a resume point
+# tries the core's resume order until a candidate verifies, warning about each one skipped.
+# How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
+
+"""Scanning a checkpoint directory and choosing the checkpoint to resume from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import attrs
+
+from pitstop.core.metadata import (
+    checked_best_value,
+    entry_from_meta,
+    pointers_from_latest_json,
+)
+from pitstop.core.naming import (
+    LATEST_JSON,
+    NOT_A_CHECKPOINT,
+    EntryKind,
+    classify,
+    parse_checkpoint,
+    parse_name,
+    parse_sharded_name,
+)
+from pitstop.core.pointers import reconcile_pointers
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Best,
+    Catalog,
+    CheckpointEntry,
+    NoCheckpoint,
+    PointerName,
+    Pointers,
+)
+from pitstop.core.resume import resume_order
+from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.errors import CheckpointCorrupt
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.storage import FileKind, Storage
+
+__all__ = [
+    "LATEST_JSON_LIMIT",
+    "ResumeChoice",
+    "Scan",
+    "choose_resume",
+    "is_sharded_path",
+    "named_by_pointers",
+    "read_latest_json",
+    "scan",
+    "verify_any",
+]
+
+log = logging.getLogger("pitstop")
+
+LATEST_JSON_LIMIT = 1 << 20
+"""The largest latest.json a reader accepts (a real one is well under a kilobyte)."""
+
+
+@attrs.frozen(kw_only=True)
+class Scan:
+    """What a checkpoint directory holds.
+
+    ``catalog``: the checkpoints whose manifest reads back. ``pointers``: reconciled, so every
+    target is in the catalog. ``unreadable``: checkpoint-named files left out, and why.
+    ``sizes``: bytes per catalog entry. ``warnings``: everything ignored or repaired.
+    """
+
+    catalog: Catalog
+    pointers: Pointers
+    unreadable: Mapping[str, str]
+    sizes: Mapping[str, int]
+    warnings: tuple[str, ...]
+
+
+def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
+    targets: dict[PointerName, str | NoCheckpoint] = dict.fromkeys(PointerName, NO_CHECKPOINT)
+    for pointer in PointerName:
+        kind = storage.kind(pointer.value)
+        if kind is FileKind.MISSING:
+            continue
+        if kind is not FileKind.SYMLINK:
+            warnings.append(
+                f"{storage.path(pointer.value)} is a {kind.value}, not a symlink; ignored"
+            )
+            continue
+        target = storage.read_link(pointer.value)
+        if parse_checkpoint(target) is NOT_A_CHECKPOINT:
+            warnings.append(
+                f"pointer {pointer.value} -> {target!r} is not a checkpoint file of this "
+                "directory; ignored, never followed"
+            )
+            continue
+        sharded = parse_sharded_name(target) is not NOT_A_CHECKPOINT
+        wanted = FileKind.DIRECTORY if sharded else FileKind.REGULAR
+        if storage.kind(target) is not wanted:
+            what = "a directory" if sharded else "a regular file"
+            warnings.append(f"pointer {pointer.value} -> {target} is not {what}; ignored")
+            continue
+        targets[pointer] = target
+    return Pointers(
+        last=targets[PointerName.LAST],
+        best=targets[PointerName.BEST],
+        final=targets[PointerName.FINAL],
+    )
+
+
+def read_latest_json(storage: Storage) -> tuple[object, str | None]:
+    """Decode the directory's ``latest.json``: ``(data, None)``, or ``(None, why not)``.
+
+    The one reader of ``latest.json``: a missing file is ``(None, None)``; anything but a
+    regular file, a file over :data:`LATEST_JSON_LIMIT`, bytes that are not JSON, or JSON
+    nested too deeply to decode is refused without being read whole, never raised.
+    """
+    kind = storage.kind(LATEST_JSON)
+    if kind is FileKind.MISSING:
+        return None, None
+    if kind is not FileKind.REGULAR:
+        return None, f"{storage.path(LATEST_JSON)} is a {kind.value}; ignored"
+    try:
+        return json.loads(storage.read_bytes(LATEST_JSON, LATEST_JSON_LIMIT).decode("utf-8")), None
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{storage.path(LATEST_JSON)} is unreadable ({exc}); ignored"
+
+
+def named_by_pointers(storage: Storage) -> frozenset[str] | None:
+    """Every name a pointer on disk holds — each symlink's target and each name in
+    ``latest.json`` — as written, followed or not; ``None`` when that cannot be read whole."""
+    names = set()
+    try:
+        for pointer in PointerName:
+            if storage.kind(pointer.value) is FileKind.SYMLINK:
+                names.add(storage.read_link(pointer.value))
+        data, problem = read_latest_json(storage)
+    except OSError:
+        return None
+    if problem is not None:
+        return None
+    if isinstance(data, Mapping):
+        names |= pointers_from_latest_json(data)[0].targets()
+        if isinstance(data.get("path"), str):
+            names.add(data["path"])
+    return frozenset(names)
+
+
+def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
+    data, problem = read_latest_json(storage)
+    if problem is not None:
+        warnings.append(problem)
+    if data is None:
+        return Pointers()
+    pointers, problems = pointers_from_latest_json(data)
+    warnings.extend(problems)
+    return pointers
+
+
+def scan(storage: Storage, best: Best | None = None) -> Scan:
+    """Scan the directory behind ``storage``: catalog, reconciled pointers, and warnings."""
+    warnings: list[str] = []
+    entries: list[CheckpointEntry] = []
+    unreadable: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for name in storage.names():
+        if classify(name) is not EntryKind.CHECKPOINT:
+            continue
+        if parse_sharded_name(name) is not NOT_A_CHECKPOINT:
+            _scan_sharded(storage, name, entries, unreadable, sizes)
+            continue
+        if storage.kind(name) is not FileKind.REGULAR:
+            unreadable[name] = f"not a regular file ({storage.kind(name).value})"
+            continue
+        try:
+            manifest = fileformat.read_manifest(storage.path(name))
+            entries.append(entry_from_meta(name, manifest.meta))
+            sizes[name] = storage.size(name)
+        except (CheckpointCorrupt, OSError) as exc:
+            unreadable[name] = str(exc)
+    for name, why in unreadable.items():
+        warnings.append(f"skipping {storage.path(name)}: {why}")
+    catalog = Catalog(entries=entries)
+    links = _read_links(storage, warnings)
+    manifest_pointers, problems = checked_best_value(
+        _read_latest_json(storage, warnings), catalog, best
+    )
+    warnings.extend(problems)
+    pointers, problems = reconcile_pointers(
+        catalog, links=links, manifest=manifest_pointers, best=best
+    )
+    return Scan(
+        catalog=catalog,
+        pointers=pointers,
+        unreadable=unreadable,
+        sizes=sizes,
+        warnings=(*warnings, *problems),
+    )
+
+
+def _scan_sharded(
+    storage: Storage,
+    name: str,
+    entries: list[CheckpointEntry],
+    unreadable: dict[str, str],
+    sizes: dict[str, int],
+) -> None:
+    """A sharded checkpoint directory is listed once its manifest reads back (it is written
+    last: a directory without one, or with a bad one, is no checkpoint)."""
+    from pitstop.shell.store.sharddir import read_layout  # sharddir publishes through this package
+
+    if storage.kind(name) is not FileKind.DIRECTORY:
+        unreadable[name] = f"not a directory ({storage.kind(name).value})"
+        return
+    try:
+        layout, meta = read_layout(storage.path(name))
+        entries.append(entry_from_meta(name, meta))
+        manifest = os.stat(storage.path(name) / MANIFEST_NAME).st_size
+        sizes[name] = manifest + sum(f.size for f in layout.files)
+    except (CheckpointCorrupt, OSError) as exc:
+        unreadable[name] = str(exc)
+
+
+def is_sharded_path(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is a sharded directory: a directory, and not named
+    like a checkpoint file (``step_….pitstop`` is read as a file, whatever is there)."""
+    return parse_name(path.name) is NOT_A_CHECKPOINT and path.is_dir()
+
+
+def verify_any(path: Path) -> None:
+    """Check every byte of the checkpoint at ``path``: a file, or a sharded directory (every
+    file its manifest lists, and the manifest itself)."""
+    if is_sharded_path(path):
+        from pitstop.shell.store.sharddir import read_layout, verify_sharded
+
+        fileformat.verify(path / MANIFEST_NAME)
+        layout, _ = read_layout(path)
+        verify_sharded(path, layout)
+        return
+    fileformat.verify(path)
+
+
+@attrs.frozen(kw_only=True)
+class ResumeChoice:
+    """The checkpoint a resume uses (``NO_CHECKPOINT``: start fresh), and what it skipped."""
+
+    entry: CheckpointEntry | NoCheckpoint
+    path: Path | None
+    skipped: Mapping[str, str]
+
+
+def choose_resume(
+    storage: Storage,
+    found: Scan,
+    source: PointerName,
+    best: Best | None = None,
+    verify: Callable[[Path], None] = verify_any,
+) -> ResumeChoice:
+    """Try the core's resume order for ``source`` until a checkpoint verifies.
+
+    Each skipped checkpoint is logged as a warning naming it and why it was skipped.
+    """
+    skipped: dict[str, str] = {}
+    for name in resume_order(found.catalog, found.pointers, source, best):
+        path = storage.path(name)
+        try:
+            verify(path)
+        except (CheckpointCorrupt, OSError) as exc:
+            skipped[name] = str(exc)
+            log.warning("resume skips a checkpoint that does not verify: %s", exc)
+            continue
+        entry = found.catalog.get(name)
+        return ResumeChoice(entry=entry, path=path, skipped=skipped)
+    return ResumeChoice(entry=NO_CHECKPOINT, path=None, skipped=skipped)
