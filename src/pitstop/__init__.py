@@ -17,12 +17,14 @@ from pitstop.core.targets import target_step
 from pitstop.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
+    CollectiveError,
     ConfigError,
     DirectoryLocked,
     ImportRefused,
     IncompatibleCheckpoint,
     InvalidValue,
     PitstopError,
+    ResumeWarning,
     SaveError,
 )
 
@@ -72,6 +74,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointNotFound",
     "Checkpointer",
+    "CollectiveError",
     "ConfigError",
     "DirectoryLocked",
     "ImportRefused",
@@ -81,6 +84,7 @@ __all__ = [
     "Policy",
     "Progress",
     "ResumableSampler",
+    "ResumeWarning",
     "SaveError",
     "SaveReason",
     "SaveStatus",
