@@ -1,8 +1,10 @@
 """What pitstop costs a step that saves nothing, with several ranks: one all-reduce, or more?
 
 A real job of ``--ranks`` processes (one per rank; a gloo process group on 127.0.0.1, a free
-port) times, on every rank, ``--steps`` calls of each candidate in turn, back to back after a
-barrier and ``--warmup`` untimed calls:
+port) times, on every rank, ``--steps`` calls of each candidate, after ``--warmup`` untimed
+ones. The candidates take turns: rounds of ``--batch`` calls of each, back to back after a
+barrier, the order rotating from one round to the next, so that the load of a shared machine
+hits all of them alike:
 
 * ``all_reduce 8 B (floor)``: ``dist.all_reduce`` of one int64 on a gloo group of its own —
   the least any agreement between the ranks can cost;
@@ -15,7 +17,7 @@ Each row is the median per call of the slowest rank (each rank's median, then th
 with its 10th-90th percentile range on that rank, and the ratio to the floor. ``--step-ms``
 gives the step the cost is compared with (125 ms: nanoGPT's on this machine, 2 ranks).
 
-    .venv/bin/python benchmarks/step_cost.py --ranks 2,4 --steps 2000
+    .venv/bin/python benchmarks/step_cost.py --ranks 2,4 --steps 3000
 
 Every child is ended: each has ``--timeout`` seconds to finish, then it is killed.
 """
@@ -45,21 +47,29 @@ CANDIDATES = (
 )
 
 
-def _timed(call: Callable[[], object], steps: int, warmup: int) -> list[float]:
+def _timed(
+    calls: dict[str, Callable[[], object]], steps: int, warmup: int, batch: int
+) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    for _ in range(warmup):
-        call()
-    dist.barrier()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for round_no in range(max(1, steps // batch)):
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            call = calls[name]
+            dist.barrier()
+            for _ in range(batch):
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
     return times
 
 
-def worker(root: Path, steps: int, warmup: int) -> dict[str, Any]:
+def worker(root: Path, steps: int, warmup: int, batch: int) -> dict[str, Any]:
     """One rank: every candidate, timed; its per-call times in seconds."""
     import torch
     import torch.distributed as dist
@@ -91,7 +101,7 @@ def worker(root: Path, steps: int, warmup: int) -> dict[str, Any]:
         CANDIDATES[2]: stop.sync,
         CANDIDATES[3]: both,
     }
-    out = {name: _timed(call, steps, warmup) for name, call in calls.items()}
+    out = _timed(calls, steps, warmup, batch)
     ckpt.close()
     dist.destroy_process_group()
     return out
@@ -104,7 +114,9 @@ def _free_port() -> int:
         return port
 
 
-def run_job(ranks: int, steps: int, warmup: int, timeout: float) -> list[dict[str, Any]]:
+def run_job(
+    ranks: int, steps: int, warmup: int, batch: int, timeout: float
+) -> list[dict[str, Any]]:
     """Launch ``ranks`` workers; each rank's times."""
     with tempfile.TemporaryDirectory(prefix="pitstop-step-cost-") as tmp:
         root = Path(tmp)
@@ -121,7 +133,7 @@ def run_job(ranks: int, steps: int, warmup: int, timeout: float) -> list[dict[st
             }
             out = root / f"rank{rank}.json"
             command = [sys.executable, __file__, "--worker", str(out), "--dir", str(root)]
-            command += ["--steps", str(steps), "--warmup", str(warmup)]
+            command += ["--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch)]
             children.append((subprocess.Popen(command, env=env), out))
         try:
             for child, _ in children:
@@ -175,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
     parser.add_argument("--steps", type=int, default=2000, help="timed calls per candidate")
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls first")
+    parser.add_argument("--batch", type=int, default=100, help="calls of a candidate per turn")
     parser.add_argument("--step-ms", type=float, default=125.0, help="the step compared with")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     parser.add_argument("--json", default=None, help="write the rows here")
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        times = worker(Path(args.dir), args.steps, args.warmup)
+        times = worker(Path(args.dir), args.steps, args.warmup, args.batch)
         Path(args.worker).write_text(json.dumps(times))
         return 0
     if args.steps < 10:
@@ -191,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}")
     rows: list[dict[str, Any]] = []
     for ranks in world_sizes:
-        rows += rows_of(ranks, run_job(ranks, args.steps, args.warmup, args.timeout), args.step_ms)
+        batch = min(args.batch, args.steps)
+        per_rank = run_job(ranks, args.steps, args.warmup, batch, args.timeout)
+        rows += rows_of(ranks, per_rank, args.step_ms)
     print_table(rows, args.step_ms)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

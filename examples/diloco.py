@@ -43,7 +43,7 @@ Run it (CPU, gloo; a tiny model and synthetic data, seconds)::
     # or, one process per rank:
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/diloco.py ...
 
-SIGINT/SIGTERM to any rank stops every rank at the same step (``stop.sync()``) with one
+SIGINT/SIGTERM to any rank stops every rank at the same step (``maybe_save`` agrees it) with one
 checkpoint; running the same command again resumes. Without WORLD_SIZE it runs as one process.
 
     python examples/diloco.py --dir D [--rounds 4] [--inner 4] [--every N] [--init FILE]

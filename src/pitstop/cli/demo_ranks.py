@@ -10,8 +10,8 @@ Python and NumPy RNG streams differently, so each has its own dropout masks and 
 Every rank makes the same pitstop calls on the same directory: ``Checkpointer(...)``,
 ``resume()``, ``maybe_save(progress, stop=stop)`` after each update, ``finish``, ``close``.
 SIGTERM or SIGINT to any one rank's process stops every rank at the same step
-(``StopRequest.sync()`` after each update): one checkpoint is published, with the stop's
-reason.
+(``maybe_save(progress, stop=stop)`` agrees it after each update): one checkpoint is
+published, with the stop's reason.
 
 At the end each rank writes ``<out>.rank<R>.json``: its step, its stop reason, a SHA-256 of
 its live weights' bytes, and the exact bits (``float.hex``) of draws from its torch, Python

@@ -131,6 +131,7 @@ class Ranks:
         self._number = next(_GROUPS) if group is not None else 0
         self._call = "a pitstop call"
         self._round = 0
+        self._packed = torch.zeros(1, dtype=torch.int64)  # flags()' one integer, reused
         self.failed: errors.CollectiveError | None = None
         """The first collective that failed here: the ranks are out of step for good, so
         every later collective fails at once (and close() ends each rank on its own)."""
@@ -312,17 +313,19 @@ class Ranks:
 
         return self.gather_then_lead(lambda: None if self.leader else pack_state(value), trees)
 
-    def flags(self, values: Sequence[int]) -> list[int]:
-        """Every rank's ``values`` (small non-negative integers), each the largest any rank
-        gave: one all-reduce of a few bytes, the cheapest agreement there is."""
+    def flags(self, values: Sequence[bool]) -> list[bool]:
+        """Whether any rank set each of ``values`` (at most four): one all-reduce of one
+        integer, the cheapest agreement there is (each flag counted in 16 bits of its own)."""
         if not self.many:
             return list(values)
-        flags = torch.tensor(list(values), dtype=torch.int32)
+        packed = self._packed
+        packed[0] = sum(int(bool(v)) << (16 * i) for i, v in enumerate(values))
         dist = torch.distributed
         with self._named("the call's all-reduce"):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        self._hold(flags)
-        return [int(v) for v in flags.tolist()]
+            dist.all_reduce(packed, group=self._group)
+        self._hold(packed)
+        total = int(packed[0])
+        return [bool((total >> (16 * i)) & 0xFFFF) for i in range(len(values))]
 
     def any_failed_later(self, failed: bool) -> Callable[[float], bool]:
         """Start, without waiting for it, the round that tells every rank whether any rank

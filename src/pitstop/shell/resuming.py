@@ -91,6 +91,7 @@ def resume_from(
         # checks as it reads: the disk read once
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
+        listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
         plan = None
         if sharded and pointer is not None:
             path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
@@ -144,21 +145,16 @@ def resume_from(
                 ", ".join(sorted(deferred)),
             )
         if ranks.leader:
-            _say_resumed(path, entry, directory, fell_back=pointer is PointerName.LAST)
+            _say_resumed(path, entry, listed if pointer is PointerName.LAST else [])
         return path, entry
 
 
-def _say_resumed(
-    path: Path,
-    entry: CheckpointEntry | NoCheckpoint,
-    directory: CheckpointDirectory,
-    *,
-    fell_back: bool,
-) -> None:
-    """One INFO line: which checkpoint, which step, and how many newer ones were skipped."""
+def _say_resumed(path: Path, entry: CheckpointEntry | NoCheckpoint, listed: list[int]) -> None:
+    """One INFO line: which checkpoint, which step, and how many newer ones (of the save
+    sequence numbers ``listed`` before a resume of ``last`` chose) were skipped."""
     if entry is NO_CHECKPOINT:
         return
-    newer = [e for e in directory.catalog if e.seq > entry.seq] if fell_back else []
+    newer = [seq for seq in listed if seq > entry.seq]
     skipped = f"; {len(newer)} newer checkpoint(s) skipped, see the warnings" if newer else ""
     progress = entry.progress
     log.info(
