@@ -43,7 +43,7 @@ Run it (CPU, gloo; a tiny model and synthetic data, seconds)::
     # or, one process per rank:
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python examples/diloco.py ...
 
-SIGINT/SIGTERM to any rank stops every rank at the same step (``stop.sync()``) with one
+SIGINT/SIGTERM to any rank stops every rank at the same step (``maybe_save`` agrees it) with one
 checkpoint; running the same command again resumes. Without WORLD_SIZE it runs as one process.
 
     python examples/diloco.py --dir D [--rounds 4] [--inner 4] [--every N] [--init FILE]
@@ -499,10 +499,9 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
             "coordinator": _snapshot(coordinator),
         }
 
-        stopped = False
         stream = _batches(sampler, progress)
         with stop.catch_signals():
-            while progress.step < target and not stopped:
+            while progress.step < target and not stop:
                 indices = next(stream)
                 if indices is None:
                     progress = progress.next_epoch()
@@ -517,8 +516,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> int:
                     report(args.report, f"round {len(coordinator.applied)}")
                 report(args.report, f"step {progress.step}")
                 if holding and progress.step == args.hold_at:
-                    _wait_for_a_signal(wakeup, lambda: stop.requested)
-                stopped = stop.sync()
+                    _wait_for_a_signal(wakeup, lambda: stop.requested_here)
                 saved = ckpt.maybe_save(progress, stop=stop)
                 if saved is not None:
                     report(args.report, f"saved {saved.step}")

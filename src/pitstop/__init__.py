@@ -17,12 +17,14 @@ from pitstop.core.targets import target_step
 from pitstop.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
+    CollectiveError,
     ConfigError,
     DirectoryLocked,
     ImportRefused,
     IncompatibleCheckpoint,
     InvalidValue,
     PitstopError,
+    ResumeWarning,
     SaveError,
 )
 
@@ -73,6 +75,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointNotFound",
     "Checkpointer",
+    "CollectiveError",
     "ConfigError",
     "DirectoryLocked",
     "ImportRefused",
@@ -82,6 +85,7 @@ __all__ = [
     "Policy",
     "Progress",
     "ResumableSampler",
+    "ResumeWarning",
     "SaveError",
     "SaveReason",
     "SaveStatus",

@@ -12,12 +12,14 @@ from collections.abc import Iterable
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointNotFound",
+    "CollectiveError",
     "ConfigError",
     "DirectoryLocked",
     "ImportRefused",
     "IncompatibleCheckpoint",
     "InvalidValue",
     "PitstopError",
+    "ResumeWarning",
     "SaveError",
 ]
 
@@ -95,3 +97,21 @@ class ImportRefused(PitstopError):
 
 class SaveError(PitstopError):
     """A checkpoint could not be written or published; nothing was published."""
+
+
+class CollectiveError(PitstopError):
+    """A collective between ranks did not complete: a rank did not arrive within the timeout,
+    or its connection closed.
+
+    The message names the call and round (``maybe_save at step 12, round 1``), the ranks that did
+    not arrive, and what to check. ``missing`` holds those ranks (empty: not known).
+    """
+
+    def __init__(self, message: str, missing: Iterable[int] = ()) -> None:
+        self.missing: tuple[int, ...] = tuple(missing)
+        super().__init__(message)
+
+
+class ResumeWarning(UserWarning):
+    """A resume that ``strict=False`` let through with a difference it would otherwise refuse
+    (another world size: the per-rank state starts fresh)."""

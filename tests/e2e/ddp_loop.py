@@ -5,7 +5,8 @@ dropout (each rank its own dropout masks: the ranks' torch, Python and NumPy RNG
 seeded differently) through DistributedDataParallel on gloo, with AdamW, a LambdaLR warm-up,
 an optional AveragedModel EMA, a per-rank component (``meter``: this rank's loss sum and
 count, declared ``per_rank``), and map-style data read through a ResumableSampler sharded by
-rank. It stops on SIGTERM/SIGINT (stop.sync() makes the ranks agree) and resumes.
+rank. It stops on SIGTERM/SIGINT (``maybe_save(progress, stop=stop)`` makes the ranks agree)
+and resumes.
 
 Each rank writes what a test compares to ``<out>.rank<R>.pitstop`` (a pitstop file, so
 reading it never unpickles): every state dict (model, EMA, optimizer, scheduler, meter), the
@@ -263,9 +264,8 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
             "optimizer": _clone(optimizer.state_dict()),
         }
         sampler.set_position(progress)
-        stopped = False
         with stop.catch_signals():
-            while progress.step < args.target and not stopped:
+            while progress.step < args.target and not stop:
                 sampler.set_position(progress)
                 for indices in sampler:
                     batches.append(list(indices))
@@ -280,14 +280,13 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
                     progress = progress.advance(samples=len(indices) * world)
                     report(args.report, f"step {progress.step}")
                     if holding and progress.step == args.hold_at:
-                        _wait_for_a_signal(wakeup, lambda: stop.requested)
-                    stopped = stop.sync()
+                        _wait_for_a_signal(wakeup, lambda: stop.requested_here)
                     bad = rank == 1 and progress.step == args.bad_metric_at
                     metrics = {"loss": "high" if bad else loss.item()}
                     saved = ckpt.maybe_save(progress, stop=stop, metrics=metrics)
                     if saved is not None:
                         report(args.report, f"saved {saved.step}")
-                    if stopped or progress.step >= args.target:
+                    if stop or progress.step >= args.target:
                         break
                 else:
                     progress = progress.next_epoch()

@@ -6,7 +6,7 @@ In ``runs/demo-ranks/`` (under the current directory) it:
    on 127.0.0.1 at a free port) straight through to step 40 (``runs/demo-ranks/straight``);
 2. runs them again (``runs/demo-ranks/resumed``), paced so that there is time to watch, and
    sends a real SIGTERM to the last rank's process only, once it reports step 17: every rank
-   stops at the same step (``StopRequest.sync()``) and one checkpoint is published, with the
+   stops at the same step (``maybe_save`` agrees the stop) and one checkpoint is published, with the
    reason ``stop (SIGTERM)``;
 3. resumes that run, all N ranks, to the same target;
 4. lists its checkpoint directory (``pitstop ls``);

@@ -10,8 +10,8 @@ Python and NumPy RNG streams differently, so each has its own dropout masks and 
 Every rank makes the same pitstop calls on the same directory: ``Checkpointer(...)``,
 ``resume()``, ``maybe_save(progress, stop=stop)`` after each update, ``finish``, ``close``.
 SIGTERM or SIGINT to any one rank's process stops every rank at the same step
-(``StopRequest.sync()`` after each update): one checkpoint is published, with the stop's
-reason.
+(``maybe_save(progress, stop=stop)`` agrees it after each update): one checkpoint is
+published, with the stop's reason.
 
 At the end each rank writes ``<out>.rank<R>.json``: its step, its stop reason, a SHA-256 of
 its live weights' bytes, and the exact bits (``float.hex``) of draws from its torch, Python
@@ -126,10 +126,9 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
     try:
         progress = ckpt.resume()
         print(f"resumed at step {progress.step}" if progress.step else "starting fresh")
-        stopped = False
         last_saved: Path | None = None
         with stop.catch_signals():
-            while progress.step < args.target and not stopped:
+            while progress.step < args.target and not stop:
                 sampler.set_position(progress)
                 for indices in sampler:
                     loss = nn.functional.mse_loss(model(x[indices]), y[indices])
@@ -140,16 +139,15 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
                     print(f"step {progress.step} loss {loss.item():.6f}")
                     if args.pace:
                         time.sleep(args.pace)
-                    stopped = stop.sync()  # every rank: True if any rank was signalled
                     saved = ckpt.maybe_save(progress, stop=stop)
                     if saved is not None:
                         print(_described(saved))
                         last_saved = saved.path
-                    if stopped or progress.step >= args.target:
+                    if stop or progress.step >= args.target:
                         break
                 else:
                     progress = progress.next_epoch()
-        if stopped:
+        if stop:
             print(f"stopped at step {progress.step} ({stop.reason})")
         saved = ckpt.finish(progress, stop=stop)  # the stop's or the end's save, once
         if saved is not None and saved.path != last_saved:

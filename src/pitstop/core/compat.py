@@ -81,6 +81,8 @@ class Difference:
     kind: Kind
     message: str
     soft: bool = False
+    allowed: str = ""
+    """What ``strict=False`` letting it through means (``""``: the message says it)."""
 
     def __str__(self) -> str:
         return self.message
@@ -248,7 +250,10 @@ def diff_world_size(stored: int, live: int, per_rank: Sequence[str] = ()) -> lis
         return []
     return [
         Difference(
-            kind=Kind.WORLD_SIZE, message=per_rank_message(stored, live, per_rank), soft=True
+            kind=Kind.WORLD_SIZE,
+            message=per_rank_message(stored, live, per_rank),
+            soft=True,
+            allowed=per_rank_message(stored, live, per_rank, allowed=True),
         )
     ]
 

@@ -32,6 +32,7 @@ __all__ = [
     "entry_to_wire",
     "merge_inputs",
     "per_rank_message",
+    "stop_origin",
 ]
 
 SECONDHAND = "another rank requested a stop"
@@ -57,6 +58,14 @@ def merge_inputs(inputs: Sequence[CallInput]) -> CallInput:
     reason = reasons[0] if reasons else (stopping[0].reason if stopping else "")
     first = inputs[0]
     return CallInput(stop=bool(stopping), reason=reason, metrics=first.metrics, now=first.now)
+
+
+def stop_origin(inputs: Sequence[CallInput]) -> int | None:
+    """The rank whose reason :func:`merge_inputs` keeps (``None``: no rank stops): the first
+    with a real reason, else the first that stops."""
+    stopping = [rank for rank, i in enumerate(inputs) if i.stop]
+    real = [rank for rank in stopping if inputs[rank].reason not in ("", SECONDHAND)]
+    return real[0] if real else (stopping[0] if stopping else None)
 
 
 @attrs.frozen(kw_only=True)
@@ -100,13 +109,20 @@ def agree(outcomes: Sequence[Outcome]) -> Outcome:
     return OK
 
 
-def per_rank_message(stored: int, live: int, names: Sequence[str]) -> str:
-    """Why a checkpoint of ``stored`` ranks cannot continue ``live`` ranks' per-rank state."""
+def per_rank_message(stored: int, live: int, names: Sequence[str], *, allowed: bool = False) -> str:
+    """Why a checkpoint of ``stored`` ranks cannot continue ``live`` ranks' per-rank state —
+    or, ``allowed`` (a ``resume(strict=False)``), what that resume does instead."""
     state = ", ".join(["RNG streams", *(f"component {n!r}" for n in sorted(names))])
+    sizes = f"world size is {stored} in the checkpoint, {live} in the run"
+    if allowed:
+        return (
+            f"{sizes}: the weights, the optimizer and the other replicated state are restored; "
+            f"the per-rank state ({state}) starts fresh"
+        )
     return (
-        f"world size is {stored} in the checkpoint, {live} in the run: per-rank state "
-        f"({state}) cannot continue; resume(strict=False) loads the weights, the optimizer and "
-        f"the other replicated state and starts the per-rank state fresh"
+        f"{sizes}: per-rank state ({state}) cannot continue; resume(strict=False) loads the "
+        f"weights, the optimizer and the other replicated state and starts the per-rank state "
+        f"fresh"
     )
 
 

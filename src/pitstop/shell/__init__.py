@@ -12,10 +12,12 @@ the doors, and ``make test`` runs them)::
                              import_checkpoint, load, info)
     checkpoint               the public Checkpoint record and the calls' argument checks
     sharded/                 DTensor / FSDP2 state through torch.distributed.checkpoint
+    stop                     the public StopRequest, its answer agreed between ranks (beside
+                             sharded/: neither uses the other)
     ranks/  state/  store/   agreement between ranks; live torch state; where checkpoints live
                              (none of the three uses another)
     format/                  the .pitstop file
-    sampler, stop            the public ResumableSampler and StopRequest: use no other module
+    sampler                  the public ResumableSampler: uses no other module
 
 A room uses only the rooms below it, never a driver; nothing here imports the CLI or the
 trainer. The public modules stay where users import them from (``pitstop.shell.sampler``,

@@ -247,6 +247,13 @@ def call_input(progress: object, stop: object, metrics: object, *, call: str = "
 
 
 def stop_detail(stop: object) -> tuple[bool, str]:
+    """Whether ``stop`` asks to stop, and why: a StopRequest's own offer (what this rank heard,
+    agreed or not: the call's round agrees it), else its truth and ``reason``."""
+    from pitstop.shell.stop import StopRequest  # imported by then: a Checkpointer made the call
+
+    if isinstance(stop, StopRequest):
+        stopped, offered = stop._offer()
+        return stopped, offered if stopped else ""
     if stop is None or not stop:
         return False, ""
     reason = getattr(stop, "reason", None)

@@ -86,7 +86,9 @@ def close_run(
     """Every rank: a Checkpointer's close() — publish what is in flight, then (rank 0) close
     the session, remove the hooks and release the lock once no writer may still write, and
     raise a failed background save's error. An interrupt while a sharded save is settled
-    leaves it in flight (and the lock held) for a later close()."""
+    leaves it in flight (and the lock held) for a later close(). After a collective failed
+    (a rank gone), every rank closes on its own: no collective, and no second error that
+    would hide the first."""
 
     def close() -> None:
         try:
@@ -110,7 +112,10 @@ def close_run(
             try:
                 if shards is not None:
                     shards.release()
-                ranks.lead(close)
+                if ranks.failed is None:
+                    ranks.lead(close)
+                elif ranks.leader:  # the ranks are out of step: each ends on its own
+                    close()
             finally:
                 if not ranks.leader:  # nothing written here, nothing to wait for
                     finalizer.detach()

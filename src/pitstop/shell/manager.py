@@ -153,6 +153,7 @@ class Checkpointer:
             directory, policy=self.policy, storage=storage, protect=not options.overwrite
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._ranks.call(f"Checkpointer({str(directory)!r})")
         self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
         try:
             schedule = ScheduleState(timer_start=time.monotonic())
@@ -225,6 +226,7 @@ class Checkpointer:
     def _settle(self, request: Request) -> None:
         """Rank 0 waits for its save in flight; every rank learns how it ended."""
         session = self._session
+        self._ranks.call(request.value)
         if self._shards is not None:  # every rank: the sharded save in flight, published
             self._shards.settle(block=settles_first(request))
 
@@ -267,6 +269,7 @@ class Checkpointer:
         """
         if not self._finalizer.alive:
             return
+        self._ranks.call("close")
         close_run(
             finalizer=self._finalizer,
             session=self._session,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -39,7 +40,12 @@ from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, P
 from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
 from pitstop.core.sharded import share_checks
-from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, IncompatibleCheckpoint
+from pitstop.errors import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    IncompatibleCheckpoint,
+    ResumeWarning,
+)
 from pitstop.shell.format import fileformat
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
@@ -85,6 +91,7 @@ def resume_from(
         # checks as it reads: the disk read once
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
+        listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
         plan = None
         if sharded and pointer is not None:
             path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
@@ -92,6 +99,8 @@ def resume_from(
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
         entry = entry_from_wire(wire)
         if path is None:
+            if ranks.leader:
+                log.info("resume: %s holds no checkpoint; starting fresh", directory.path)
             return None, NO_CHECKPOINT
         is_directory = ranks.each(partial(is_sharded_path, path))
         if is_directory != sharded:
@@ -105,7 +114,11 @@ def resume_from(
         if judge(found, strict=strict):
             raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
         for difference in found:
-            log.warning("resume from %s: %s", path.name, difference)
+            if difference.allowed:  # a Python warning, which the caller may catch or filter
+                note = f"resume(strict=False) from {path.name}: {difference.allowed}"
+                warnings.warn(note, ResumeWarning, stacklevel=3)
+            else:
+                log.warning("resume from %s: %s", path.name, difference)
         same_world = stored_world_size(meta) == ranks.world_size
         restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
         try:
@@ -131,7 +144,27 @@ def resume_from(
                 path.name,
                 ", ".join(sorted(deferred)),
             )
+        if ranks.leader:
+            _say_resumed(path, entry, listed if pointer is PointerName.LAST else [])
         return path, entry
+
+
+def _say_resumed(path: Path, entry: CheckpointEntry | NoCheckpoint, listed: list[int]) -> None:
+    """One INFO line: which checkpoint, which step, and how many newer ones (of the save
+    sequence numbers ``listed`` before a resume of ``last`` chose) were skipped."""
+    if entry is NO_CHECKPOINT:
+        return
+    newer = [seq for seq in listed if seq > entry.seq]
+    skipped = f"; {len(newer)} newer checkpoint(s) skipped, see the warnings" if newer else ""
+    progress = entry.progress
+    log.info(
+        "resumed from %s: step %d, epoch %d, batch %d%s",
+        path,
+        progress.step,
+        progress.epoch,
+        progress.batch_in_epoch,
+        skipped,
+    )
 
 
 def _load(

@@ -21,14 +21,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from pitstop.core.ranks import CallInput, merge_inputs
+from pitstop.core.ranks import CallInput, merge_inputs, stop_origin
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, foresees_write
 from pitstop.shell.checkpoint import call_input
@@ -36,10 +37,29 @@ from pitstop.shell.ranks.distributed import GATHER_BOX, Ranks, Round
 from pitstop.shell.saving import Saver
 from pitstop.shell.shardsave import ShardedSaves, Staged
 from pitstop.shell.state.capture import LiveState, rank_state
+from pitstop.shell.stop import StopRequest
 
 __all__ = ["SaveCalls"]
 
 Planned = tuple[tuple[Any, ...], str | None]  # rank 0's plan (on the wire), a temp directory
+Agreed = tuple[bool, str, int | None]  # the call's stop: whether, why, which rank asked
+
+log = logging.getLogger("pitstop")
+
+
+def _quick(call: Call, progress: object, policy: Policy) -> bool:
+    """Whether a call may end in the quick round: a ``maybe_save`` that no rank can tell will
+    write (off the interval; its progress checked in the full round otherwise)."""
+    return (
+        call is Call.MAYBE
+        and isinstance(progress, Progress)
+        and not foresees_write(policy, call, progress.step)
+    )
+
+
+def _agreed(inputs: list[CallInput]) -> Agreed:
+    asked = merge_inputs(inputs)
+    return asked.stop, asked.reason, stop_origin(inputs)
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +71,8 @@ class SaveCalls:
     ranks: Ranks
     shards: ShardedSaves | None
     live: LiveState
+    told: set[str] = attrs.field(factory=set, init=False)
+    """What rank 0 has said once (that the run stops)."""
 
     def run(
         self,
@@ -68,10 +90,13 @@ class SaveCalls:
         """Every rank: carry out ``call`` at ``progress``; the planned entry (on the wire) and
         the save's ticket, or ``None`` when the policy saves nothing now."""
         ranks, shards, saver = self.ranks, self.shards, self.saver
+        ranks.call(f"{call.value} at step {getattr(progress, 'step', '?')}")
         # A sharded save in flight: every rank has one, or none has (each call's rounds
         # start and settle it on every rank).
         done = shards.done() if shards is not None else None
+        each: Callable[[], CallInput]
         each = partial(call_input, progress, stop, metrics, call=call.value)
+        held: BaseException | None = None  # rank 0's own decision failed in the quick round
 
         def decide(asked: CallInput) -> bool:
             return saver.decide(policy, call, progress, asked, manual)
@@ -80,22 +105,30 @@ class SaveCalls:
             planned = saver.plan(policy, progress, asked, detail, resumed_from)
             return planned, (shards.begin(progress) if shards is not None else None)
 
-        def decide_and_plan(inputs: list[CallInput]) -> Planned | None:
+        def decide_and_plan(inputs: list[CallInput]) -> tuple[Planned | None, Agreed]:
+            if held is not None:
+                raise held
             asked = merge_inputs(inputs)
-            return plan(asked) if decide(asked) else None
+            return (plan(asked) if decide(asked) else None), _agreed(inputs)
 
         planned: Planned | None
         staged: Staged | None = None
         interrupt: BaseException | None = None  # a Ctrl-C in this rank's copy: raised last
         try:
+            if ranks.many and _quick(call, progress, policy) and (shards is None or done is None):
+                quiet, each, held = self._quick(each, decide)
+                if quiet:  # nobody stops, rank 0 saves nothing, nothing failed: one round
+                    self._agree(stop, (False, "", None), progress, planned=False)
+                    return None
             if shards is None or done is None:  # one round trip: rank 0 hears, decides, plans
                 round_ = ranks.begin(each, box=GATHER_BOX)
                 if shards is not None and self._foresees(call, progress, policy, round_.value):
                     staged, interrupt = _stage_during(shards, round_, ranks.rank)
-                planned = round_.lead(decide_and_plan)
+                planned, agreed = round_.lead(decide_and_plan)
             else:  # every rank hears whether every rank's part of the save in flight is written
                 gathered = ranks.all_gather_each(lambda: (each(), done))
-                asked = merge_inputs([inputs for inputs, _ in gathered])
+                inputs = [inputs for inputs, _ in gathered]
+                asked, agreed = merge_inputs(inputs), _agreed(inputs)
                 shards.settle(block=False, done=[d for _, d in gathered])  # its error raised
                 if shards.done() is None:  # published
                     planned = ranks.lead(lambda: plan(asked) if decide(asked) else None)
@@ -104,6 +137,7 @@ class SaveCalls:
                     planned = ranks.lead(lambda: plan(asked))
                 else:
                     planned = None
+            self._agree(stop, agreed, progress, planned=planned is not None)
             if planned is None:
                 if interrupt is not None:
                     raise interrupt
@@ -124,6 +158,58 @@ class SaveCalls:
         if interrupt is not None:  # this rank's part of the save is handed over, as failed
             raise interrupt
         return wire, ticket
+
+    def _quick(
+        self, each: Callable[[], CallInput], decide: Callable[[CallInput], bool]
+    ) -> tuple[bool, Callable[[], CallInput], BaseException | None]:
+        """The quick round of a ``maybe_save`` off the interval: one all-reduce of three bits
+        (any rank stops, any rank's inputs failed, rank 0 would save or failed deciding).
+        Whether it was quiet (all three clear: the call is over), the inputs for the full
+        round otherwise (this rank's, taken once), and rank 0's own failure to raise there."""
+        mine: CallInput | None = None
+        failed: BaseException | None = None
+        try:
+            mine = each()
+        except (Exception, KeyboardInterrupt) as exc:
+            failed = exc
+        acts, held = False, None
+        if self.ranks.leader and mine is not None and not mine.stop:
+            try:
+                acts = decide(mine)
+            except (Exception, KeyboardInterrupt) as exc:
+                held = exc
+        stops = mine is not None and mine.stop
+        quiet = not any(self.ranks.flags([stops, failed is not None, acts or held is not None]))
+
+        def again() -> CallInput:
+            if failed is not None:
+                raise failed
+            assert mine is not None
+            return mine
+
+        return quiet, again, held
+
+    def _agree(self, stop: object, agreed: Agreed, progress: Progress, *, planned: bool) -> None:
+        """Every rank adopts the call's agreed stop; rank 0 says once why the run stops."""
+        stopping, reason, origin = agreed
+        newly = stopping
+        if isinstance(stop, StopRequest):
+            newly = stop._agreed(stopping, reason, self.ranks.world_size)
+        elif stopping:
+            newly = "stop" not in self.told
+        if not (newly and stopping):
+            return
+        self.told.add("stop")
+        if self.ranks.leader:
+            where = f" on rank {origin}" if self.ranks.many and origin is not None else ""
+            then = "saving it" if planned else "it is saved already"
+            log.info(
+                "stop requested%s (%s) at step %d: every rank stops there; %s",
+                where,
+                reason,
+                progress.step,
+                then,
+            )
 
     def _foresees(self, call: Call, progress: Progress, policy: Policy, asked: object) -> bool:
         """Whether this rank stages a background sharded save while the ranks agree: it has

@@ -8,11 +8,16 @@
 # the C-level disposition it was. A catch_signals() context entered and never exited (the
 # misuse `catch_signals().__enter__()` in a flat script) warns when it is collected and keeps
 # its handlers installed, as install() would, instead of silently restoring the defaults. A
-# second SIGINT while a stop is pending raises KeyboardInterrupt: the user insists. sync()
-# makes every rank agree: True everywhere if any rank asked to stop.
-# How: a plain object with a bool and a reason; the C-level disposition is saved and restored
-# as opaque bytes through the C library's sigaction(); sync() is an all-reduce (MAX) of one
-# integer when torch.distributed is initialized.
+# second SIGINT while a stop is pending raises KeyboardInterrupt: the user insists.
+# With several ranks, what a loop sees (bool(stop), requested, reason) is the ranks' last agreed
+# answer, never this rank's own flag: sync() agrees, and so does every save call given the stop
+# (maybe_save(progress, stop=stop) — pitstop.shell.savecall); a request heard after an agreement
+# waits for the next one. The rule is the core's (pitstop.core.stopping). With one process, a
+# request is the answer at once.
+# How: a plain object holding the core's StopState; the C-level disposition is saved and
+# restored as opaque bytes through the C library's sigaction(); sync() is one all-reduce of a
+# small code per rank, on the default process group, bounded by its timeout (a failure names
+# the call and the ranks that did not arrive: pitstop.shell.ranks.distributed.named_failure).
 
 """StopRequest: pause a run cleanly on a signal, a scheduler's notice, or a request."""
 
@@ -30,6 +35,15 @@ from typing import Any
 import attrs
 import torch
 
+from pitstop.core.stopping import (
+    StopState,
+    agree_codes,
+    agreed,
+    heard,
+    offer_code,
+    offered_reason,
+    visible,
+)
 from pitstop.errors import PitstopError
 
 __all__ = ["SignalScope", "StopRequest"]
@@ -168,41 +182,76 @@ class SignalScope:
         )
 
 
+def _many_ranks() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 class StopRequest:
-    """A request to stop the run at the next safe point; truthy once requested."""
+    """A request to stop the run at the next safe point; truthy once requested.
+
+    With several ranks it is truthy once the ranks *agreed* on a stop — at :meth:`sync` or at a
+    save call given it (``maybe_save(progress, stop=stop)``) — so every rank sees the same
+    answer between two agreements and a loop that acts on it leaves at the same step
+    everywhere; :attr:`requested_here` says what this rank itself heard.
+    """
 
     def __init__(self) -> None:
-        self._requested = False
-        self._reason: str | None = None
+        self._state = StopState()
         self._installed: dict[signal.Signals, _Previous] | None = None
 
     def request(self, reason: str = "requested") -> None:
-        """Ask the run to stop; the first reason given is kept."""
-        if not self._requested:
-            self._reason = reason
-        self._requested = True
+        """Ask the run to stop; the first reason given is kept.
+
+        With several ranks the request counts from the next agreement (:meth:`sync`, or a save
+        call given this StopRequest), on every rank at once.
+        """
+        self._state = heard(self._state, reason)
 
     @property
     def requested(self) -> bool:
-        """Whether a stop was requested (on this rank; see :meth:`sync`)."""
-        return self._requested
+        """Whether to stop: the ranks' last agreed answer (one process: the request itself)."""
+        return visible(self._state, many=_many_ranks())[0]
+
+    @property
+    def requested_here(self) -> bool:
+        """Whether this rank itself heard a request (a signal, :meth:`request`), agreed or
+        not yet."""
+        return self._state.heard
 
     @property
     def reason(self) -> str | None:
-        """Why the stop was requested (``"SIGTERM"``, ``"SIGINT"``, a caller's text), if it was."""
-        return self._reason
+        """Why the run stops (``"SIGTERM"``, ``"SIGINT"``, a caller's text), if it does: the
+        agreed reason with several ranks, the same on every rank."""
+        return visible(self._state, many=_many_ranks())[1]
 
     def __bool__(self) -> bool:
-        return self._requested
+        return self.requested
 
     def __repr__(self) -> str:
-        state = f"requested ({self._reason})" if self._requested else "not requested"
+        seen, reason = visible(self._state, many=_many_ranks())
+        state = f"requested ({reason})" if seen else "not requested"
+        if not seen and self._state.heard:
+            state += f", heard here ({self._state.heard_reason}), agreed at the next call"
         return f"<StopRequest {state}>"
+
+    def _offer(self) -> tuple[bool, str]:
+        """What this rank brings to a save call's inputs (the core's ``offered_reason``)."""
+        return offered_reason(self._state)
+
+    def _agreed(self, stop: bool, reason: str, ranks: int) -> bool:
+        """Adopt the ranks' agreement (every rank at the same call); whether it stops now
+        where it did not before."""
+        before = self._state.agreed
+        self._state = agreed(self._state, stop=stop, reason=reason, ranks=ranks)
+        return self._state.agreed and not before
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self._requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt(f"{name} again while a stop ({self._reason}) was pending")
+        if self._state.heard and signum == signal.SIGINT:
+            raise KeyboardInterrupt(
+                f"{name} again while a stop ({self._state.heard_reason}) was pending"
+            )
         self.request(name)
 
     def catch_signals(self) -> SignalScope:
@@ -242,23 +291,32 @@ class StopRequest:
             self._installed = saved
 
     def sync(self) -> bool:
-        """Return whether any rank requested a stop (every rank gets the same answer).
+        """Agree with every rank on whether to stop, and return the answer (the same on every
+        rank: True if any rank heard a request, now or before).
 
-        Single-process runs just return the flag. With torch.distributed initialized this is a
-        collective: every rank must call it at the same point of the loop.
+        Single-process runs just return the request. With torch.distributed initialized this
+        is a collective on the default process group: every rank must call it at the same
+        point of the loop. It is optional: a save call given the StopRequest
+        (``maybe_save(progress, stop=stop)``) agrees too, in the round it makes anyway.
         """
+        if not _many_ranks():
+            return self.requested
+        from pitstop.shell.ranks.roundfailure import named_failure
+
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return self._requested
-        backend = dist.get_backend()
         device = (
             torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
+            if dist.get_backend() == "nccl"
             else torch.device("cpu")
         )
-        flag = torch.tensor([1 if self._requested else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        _LAST_FLAG[:] = [flag]  # held past this StopRequest: see _LAST_FLAG
-        if flag.item() and not self._requested:
-            self.request("another rank requested a stop")
-        return bool(flag.item())
+        world, rank = dist.get_world_size(), dist.get_rank()
+        codes = torch.zeros(world, dtype=torch.int32, device=device)
+        codes[rank] = offer_code(self._state)
+        try:
+            dist.all_reduce(codes, op=dist.ReduceOp.SUM)
+        except RuntimeError as exc:
+            raise named_failure("StopRequest.sync()", "its all-reduce", exc) from exc
+        _LAST_FLAG[:] = [codes]  # held past this StopRequest: see _LAST_FLAG
+        stop, reason = agree_codes(codes.tolist())
+        self._agreed(stop, reason, world)
+        return self.requested

@@ -4,8 +4,9 @@
 # updates are done, report, evaluate every eval_every updates, maybe_save (with the stop
 # request, so a stop's save records its reason). A stop request is looked at between windows
 # and after each update, never inside a window; with several ranks (a process group of more
-# than one), StopRequest.sync() after each update makes every rank stop at the same step, and
-# the loop acts on that agreed answer until the next update. At the end: a stop saves `last`
+# than one) the StopRequest shows the ranks' agreed answer, which maybe_save (given the stop)
+# agrees after each update — the loop documented for users — so every rank stops at the same
+# step; without a Checkpointer, StopRequest.sync() agrees instead. At the end: a stop saves `last`
 # (finish with the stop) and skips the final evaluation; a normal end evaluates (unless the last
 # update just did) and finishes, which saves `final`. A save is reported as published when its save
 # sequence number is new.
@@ -112,7 +113,6 @@ class TrainLoop:
                 f"{trainer.sampler.batches_per_epoch} an epoch has"
             )
         self.losses: list[tuple[int, float]] = []
-        self._agreed = False  # the ranks' last agreed stop answer (several ranks only)
         # The highest save sequence number seen: a higher one is a newly published file.
         self.published = 0
         if checkpointer is not None:
@@ -175,7 +175,8 @@ class TrainLoop:
             if len(window) < accumulate:
                 continue  # a stop request waits for the end of the accumulation window
             self.steps.update()
-            self.agree_stop()
+            if self.checkpointer is None:  # else maybe_save agrees, below
+                self.agree_stop()
             loss = float(torch.stack(window).sum().item())
             progress = progress.advance(samples=samples)
             window, samples = [], 0
@@ -195,18 +196,15 @@ class TrainLoop:
         return progress, metrics
 
     def agree_stop(self) -> None:
-        """With several ranks, agree on the stop request (a collective, once per update).
-
-        Between two of these calls every rank acts on the agreed answer, so a signal that
-        reaches one rank stops every rank at the same step.
-        """
+        """With several ranks, agree on the stop request now (a collective): at the start, and
+        after each update when no Checkpointer's maybe_save agrees it."""
         if _many_ranks():
-            self._agreed = self.trainer.stop.sync()
+            self.trainer.stop.sync()
 
     @property
     def stopping(self) -> bool:
         """Whether to stop: the agreed answer with several ranks, else the request itself."""
-        return self._agreed if _many_ranks() else bool(self.trainer.stop)
+        return bool(self.trainer.stop)
 
     def lr(self) -> float | None:
         groups = self.trainer.optimizer.param_groups

@@ -1,8 +1,9 @@
 """Agreement between ranks: rank 0 decides and writes; every rank hears the same answer.
 
 Rules: :class:`~pitstop.shell.ranks.distributed.Ranks` carries out :mod:`pitstop.core.ranks`'s
-rounds over torch.distributed (one process: no collective at all), and ``packing`` turns a
-state tree into bytes for another rank and back. It uses the core, the errors and
-:mod:`pitstop.shell.format` (the tree codec); never live state (``state``), a directory
-(``store``) or DCP (``sharded``).
+rounds over torch.distributed (one process: no collective at all); ``outcomes`` raises an
+error on one rank as the same error on every rank, ``roundfailure`` names a collective that
+did not complete, and ``packing`` turns a state tree into bytes for another rank and back. It
+uses the core, the errors and :mod:`pitstop.shell.format` (the tree codec); never live state
+(``state``), a directory (``store``) or DCP (``sharded``).
 """

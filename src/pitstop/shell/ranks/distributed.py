@@ -21,6 +21,10 @@
 # (a call's inputs); the once-a-save round that carries every rank's part (its RNG streams, a
 # per-rank component) is a gather to rank 0 instead, the only rank that needs them, with a
 # point-to-point send for a part too big for its box.
+# Every collective is named: the Checkpointer tells its Ranks which call it is in (Ranks.call),
+# the collectives count their rounds, and one that fails (gloo's timeout, a peer gone) is a
+# CollectiveError naming the call, the round and the ranks that did not arrive
+# (pitstop.shell.ranks.roundfailure) on every rank that can still speak.
 # The tensors of pitstop's last collective stay referenced (by this module) until the next
 # one: in torch 2.4's gloo, a worker thread that drops the last reference to a finished
 # collective's tensor takes the GIL, and destroy_process_group joins those threads holding it
@@ -31,17 +35,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
 import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import attrs
 import torch
 
 from pitstop import errors
-from pitstop.core.ranks import INTERRUPTED, OK, Outcome, agree
+from pitstop.core.ranks import OK, Outcome, agree
+from pitstop.shell.ranks.outcomes import outcome_of, raise_outcome, rebuilt
 from pitstop.shell.ranks.packing import pack_state, unpack_state
+from pitstop.shell.ranks.roundfailure import named_failure
 
 __all__ = [
     "BROADCAST_BOX",
@@ -55,51 +63,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-_ERRORS = {
-    cls.__name__: cls
-    for cls in (
-        errors.PitstopError,
-        errors.CheckpointCorrupt,
-        errors.CheckpointNotFound,
-        errors.ConfigError,
-        errors.DirectoryLocked,
-        errors.IncompatibleCheckpoint,
-        errors.SaveError,
-    )
-}
-
-
-def outcome_of(exc: BaseException, rank: int) -> Outcome:
-    """``exc`` as an outcome other ranks can raise (any ``KeyboardInterrupt`` as one)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return Outcome(kind=INTERRUPTED, error=str(exc) or "interrupted (Ctrl-C)", rank=rank)
-    differences = getattr(exc, "differences", None)
-    message = "\n".join(differences) if differences else str(exc)
-    return Outcome(kind=type(exc).__name__, error=message or type(exc).__name__, rank=rank)
-
-
-def rebuilt(outcome: Outcome) -> errors.PitstopError | KeyboardInterrupt:
-    """A failed ``outcome`` as the error another rank raises: the same pitstop class (any
-    other as a SaveError naming it), its message prefixed with the rank it came from; an
-    interrupt as a ``KeyboardInterrupt`` naming the rank it came from."""
-    cls = _ERRORS.get(outcome.kind)
-    where = f"rank {outcome.rank}: "
-    if outcome.interrupted:
-        return KeyboardInterrupt(f"{where}{outcome.error}")
-    if cls is errors.IncompatibleCheckpoint:
-        return errors.IncompatibleCheckpoint(where + line for line in outcome.error.splitlines())
-    if cls is None:
-        return errors.SaveError(f"{where}{outcome.kind}: {outcome.error}")
-    return cls(where + outcome.error)
-
-
-def raise_outcome(outcome: Outcome, *, own: BaseException | None = None) -> None:
-    """Raise ``outcome`` (this rank's own exception when it is this rank's)."""
-    if outcome.ok:
-        return
-    raise own if own is not None else rebuilt(outcome)
-
 
 GATHER_BOX: Final = 1 << 10
 """Bytes of a pickled value an all-gather sends in one collective (a larger one takes a
@@ -151,6 +114,9 @@ def _wait(work: Any, timeout: datetime.timedelta) -> None:
 _HELD: list[tuple[object, ...]] = []
 """The tensors of this process's last collective of pitstop (see the rules above)."""
 
+_GROUPS = itertools.count(1)
+"""Numbers pitstop's process groups in the order they are made (the same on every rank)."""
+
 
 class Ranks:
     """This process's place in the job, and pitstop's collectives."""
@@ -162,6 +128,41 @@ class Ranks:
         self.world_size = world_size
         self._group = group
         self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._number = next(_GROUPS) if group is not None else 0
+        self._call = "a pitstop call"
+        self._round = 0
+        self._packed = torch.zeros(1, dtype=torch.int64)  # flags()' one integer, reused
+        self.failed: errors.CollectiveError | None = None
+        """The first collective that failed here: the ranks are out of step for good, so
+        every later collective fails at once (and close() ends each rank on its own)."""
+
+    def call(self, name: str) -> None:
+        """Name the call whose collectives follow (``"maybe_save at step 12"``): a collective
+        that fails names it, and its round within it."""
+        self._call, self._round = name, 0
+
+    @contextlib.contextmanager
+    def _named(self, what: str) -> Iterator[None]:
+        """One collective of the call: its failure (a timeout, a peer gone) as a
+        CollectiveError naming the call, this round and the ranks that did not arrive."""
+        self._round += 1
+        if self.failed is not None:
+            raise errors.CollectiveError(
+                f"{self._call}: {what} not attempted: an earlier collective failed ({self.failed})",
+                self.failed.missing,
+            )
+        try:
+            yield
+        except RuntimeError as exc:
+            self.failed = named_failure(
+                self._call,
+                what,
+                exc,
+                round_no=self._round,
+                group=str(self._number),
+                timeout_s=self._timeout.total_seconds(),
+            )
+            raise self.failed from exc
 
     def _hold(self, *tensors: object) -> None:
         """Keep ``tensors`` (the collective just run) until the next collective, here or in
@@ -196,7 +197,8 @@ class Ranks:
         data = _dumps(value)
         boxed = _boxed(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
-        torch.distributed.all_gather(boxes, boxed, group=self._group)
+        with self._named("an all-gather"):
+            torch.distributed.all_gather(boxes, boxed, group=self._group)
         self._hold(boxes, boxed)
         sizes = [_size_of(b) for b in boxes]
         if max(sizes) <= box:  # one round: every value fitted its box
@@ -204,7 +206,8 @@ class Ranks:
         # Every rank saw the same sizes, so every rank takes this second round.
         whole = _bytes_tensor(data, max(sizes))
         wholes = [torch.empty_like(whole) for _ in range(self.world_size)]
-        torch.distributed.all_gather(wholes, whole, group=self._group)
+        with self._named("an all-gather's second part"):
+            torch.distributed.all_gather(wholes, whole, group=self._group)
         self._hold(wholes, whole)
         return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
 
@@ -214,13 +217,15 @@ class Ranks:
             return value
         data = _dumps(value) if self.leader else b""
         boxed = _boxed(data, BROADCAST_BOX)
-        torch.distributed.broadcast(boxed, src=0, group=self._group)
+        with self._named("rank 0's broadcast"):
+            torch.distributed.broadcast(boxed, src=0, group=self._group)
         self._hold(boxed)
         size = _size_of(boxed)
         if size <= BROADCAST_BOX:  # one round: it fitted the box
             return _loads(boxed[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
         whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
-        torch.distributed.broadcast(whole, src=0, group=self._group)
+        with self._named("rank 0's broadcast's second part"):
+            torch.distributed.broadcast(whole, src=0, group=self._group)
         self._hold(whole)
         return _loads(whole)  # type: ignore[no-any-return]
 
@@ -238,22 +243,26 @@ class Ranks:
         data = _dumps(value)
         boxed = _boxed(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
-        work = torch.distributed.gather(
-            boxed, gather_list=boxes, dst=0, group=self._group, async_op=True
-        )
+        with self._named("a gather to rank 0"):
+            work = torch.distributed.gather(
+                boxed, gather_list=boxes, dst=0, group=self._group, async_op=True
+            )
+        self._round -= 1  # its wait (in _gathered) is the same round
         self._hold(boxes, boxed)
         return _Gathering(value, data, boxed, boxes, work, box)
 
     def _gathered(self, sent: _Gathering[T]) -> list[T]:
         """End the collective :meth:`_send` started: :meth:`gather`'s result."""
         dist = torch.distributed
-        _wait(sent.work, self._timeout)
+        with self._named("a gather to rank 0"):
+            _wait(sent.work, self._timeout)
         data, boxes, box = sent.data, sent.boxes, sent.box
         self._hold(boxes, sent.boxed)
         if not self.leader:
             if len(data) > box:  # rank 0 saw the size and waits for it
                 whole = _bytes_tensor(data, len(data))
-                _wait(dist.isend(whole, dst=0, group=self._group), self._timeout)
+                with self._named("a send to rank 0"):
+                    _wait(dist.isend(whole, dst=0, group=self._group), self._timeout)
                 self._hold(whole)
             return []
         assert boxes is not None
@@ -265,7 +274,8 @@ class Ranks:
                 values.append(_loads(got[_HEADER : _HEADER + size]))
             else:
                 whole = torch.empty(size, dtype=torch.uint8)
-                _wait(dist.irecv(whole, src=rank, group=self._group), self._timeout)
+                with self._named(f"a receive from rank {rank}"):
+                    _wait(dist.irecv(whole, src=rank, group=self._group), self._timeout)
                 received.append(whole)
                 values.append(_loads(whole))
         if received:
@@ -302,6 +312,20 @@ class Ranks:
             return work([value, *(unpack_state(other) for other in packed[1:])])
 
         return self.gather_then_lead(lambda: None if self.leader else pack_state(value), trees)
+
+    def flags(self, values: Sequence[bool]) -> list[bool]:
+        """Whether any rank set each of ``values`` (at most four): one all-reduce of one
+        integer, the cheapest agreement there is (each flag counted in 16 bits of its own)."""
+        if not self.many:
+            return list(values)
+        packed = self._packed
+        packed[0] = sum(int(bool(v)) << (16 * i) for i, v in enumerate(values))
+        dist = torch.distributed
+        with self._named("the call's all-reduce"):
+            dist.all_reduce(packed, group=self._group)
+        self._hold(packed)
+        total = int(packed[0])
+        return [bool((total >> (16 * i)) & 0xFFFF) for i in range(len(values))]
 
     def any_failed_later(self, failed: bool) -> Callable[[float], bool]:
         """Start, without waiting for it, the round that tells every rank whether any rank
