@@ -39,6 +39,8 @@ import contextlib
 import datetime
 import itertools
 import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, Generic, TypeVar
 
@@ -49,7 +51,7 @@ from pitstop import errors
 from pitstop.core.ranks import OK, Outcome, agree
 from pitstop.shell.ranks.outcomes import outcome_of, raise_outcome, rebuilt
 from pitstop.shell.ranks.packing import pack_state, unpack_state
-from pitstop.shell.ranks.roundfailure import named_failure
+from pitstop.shell.ranks.roundfailure import named_failure, peer_failure
 
 __all__ = [
     "BROADCAST_BOX",
@@ -104,15 +106,28 @@ def _size_of(box: torch.Tensor) -> int:
     return int.from_bytes(box[:_HEADER].numpy().tobytes(), "little")
 
 
-def _wait(work: Any, timeout: datetime.timedelta) -> None:
-    """Wait for a ``work`` started with ``async_op`` or point to point (``timeout`` at most:
-    then it raises)."""
-    assert work is not None  # None only on a rank outside the group, never pitstop's own
-    work.wait(timeout)
-
-
 _HELD: list[tuple[object, ...]] = []
 """The tensors of this process's last collective of pitstop (see the rules above)."""
+
+
+def _abort(group: Any) -> None:
+    """Abort pitstop's ``group`` after one of its collectives failed here (where this torch
+    can): its connections close, so a rank still waiting on this one in the same round fails
+    at once and can say where it was, instead of at its timeout. On a daemon thread, never
+    waited for: an abort that blocks costs nothing here."""
+    abort = getattr(group, "abort", None)
+    if not callable(abort):
+        return
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            abort()
+
+    threading.Thread(target=run, name="pitstop-abort", daemon=True).start()
+
+
+WAIT_SLICE_S: Final = 1.0
+"""How often a rank waiting in a collective looks whether another rank of the group failed."""
 
 _GROUPS = itertools.count(1)
 """Numbers pitstop's process groups in the order they are made (the same on every rank)."""
@@ -154,6 +169,7 @@ class Ranks:
         try:
             yield
         except RuntimeError as exc:
+            _abort(self._group)  # the ranks still waiting on this one fail now, not at timeout
             self.failed = named_failure(
                 self._call,
                 what,
@@ -163,6 +179,25 @@ class Ranks:
                 timeout_s=self._timeout.total_seconds(),
             )
             raise self.failed from exc
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective this rank started (``timeout_s`` at most), in slices: between
+        two, a rank that failed in this group (gone, or out of step) fails this one too, at
+        once, so that no rank waits for the timeout once another knows the round is lost."""
+        assert work is not None  # None only on a rank outside the group, never pitstop's own
+        timeout = self._timeout.total_seconds()
+        started = time.monotonic()
+        while True:
+            left = timeout - (time.monotonic() - started)
+            try:
+                work.wait(datetime.timedelta(seconds=max(0.001, min(WAIT_SLICE_S, left))))
+                return
+            except RuntimeError as exc:
+                if left <= WAIT_SLICE_S or "timed out" not in str(exc).lower():
+                    raise  # the collective's own failure, or the whole timeout spent
+            failed = peer_failure(str(self._number), self.rank, self.world_size)
+            if failed is not None:
+                raise RuntimeError(failed)
 
     def _hold(self, *tensors: object) -> None:
         """Keep ``tensors`` (the collective just run) until the next collective, here or in
@@ -198,7 +233,7 @@ class Ranks:
         boxed = _boxed(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
         with self._named("an all-gather"):
-            torch.distributed.all_gather(boxes, boxed, group=self._group)
+            self._wait(torch.distributed.all_gather(boxes, boxed, group=self._group, async_op=True))
         self._hold(boxes, boxed)
         sizes = [_size_of(b) for b in boxes]
         if max(sizes) <= box:  # one round: every value fitted its box
@@ -207,7 +242,9 @@ class Ranks:
         whole = _bytes_tensor(data, max(sizes))
         wholes = [torch.empty_like(whole) for _ in range(self.world_size)]
         with self._named("an all-gather's second part"):
-            torch.distributed.all_gather(wholes, whole, group=self._group)
+            self._wait(
+                torch.distributed.all_gather(wholes, whole, group=self._group, async_op=True)
+            )
         self._hold(wholes, whole)
         return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
 
@@ -218,14 +255,14 @@ class Ranks:
         data = _dumps(value) if self.leader else b""
         boxed = _boxed(data, BROADCAST_BOX)
         with self._named("rank 0's broadcast"):
-            torch.distributed.broadcast(boxed, src=0, group=self._group)
+            self._wait(torch.distributed.broadcast(boxed, src=0, group=self._group, async_op=True))
         self._hold(boxed)
         size = _size_of(boxed)
         if size <= BROADCAST_BOX:  # one round: it fitted the box
             return _loads(boxed[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
         whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
         with self._named("rank 0's broadcast's second part"):
-            torch.distributed.broadcast(whole, src=0, group=self._group)
+            self._wait(torch.distributed.broadcast(whole, src=0, group=self._group, async_op=True))
         self._hold(whole)
         return _loads(whole)  # type: ignore[no-any-return]
 
@@ -255,14 +292,14 @@ class Ranks:
         """End the collective :meth:`_send` started: :meth:`gather`'s result."""
         dist = torch.distributed
         with self._named("a gather to rank 0"):
-            _wait(sent.work, self._timeout)
+            self._wait(sent.work)
         data, boxes, box = sent.data, sent.boxes, sent.box
         self._hold(boxes, sent.boxed)
         if not self.leader:
             if len(data) > box:  # rank 0 saw the size and waits for it
                 whole = _bytes_tensor(data, len(data))
                 with self._named("a send to rank 0"):
-                    _wait(dist.isend(whole, dst=0, group=self._group), self._timeout)
+                    self._wait(dist.isend(whole, dst=0, group=self._group))
                 self._hold(whole)
             return []
         assert boxes is not None
@@ -275,7 +312,7 @@ class Ranks:
             else:
                 whole = torch.empty(size, dtype=torch.uint8)
                 with self._named(f"a receive from rank {rank}"):
-                    _wait(dist.irecv(whole, src=rank, group=self._group), self._timeout)
+                    self._wait(dist.irecv(whole, src=rank, group=self._group))
                 received.append(whole)
                 values.append(_loads(whole))
         if received:
@@ -322,7 +359,7 @@ class Ranks:
         packed[0] = sum(int(bool(v)) << (16 * i) for i, v in enumerate(values))
         dist = torch.distributed
         with self._named("the call's all-reduce"):
-            dist.all_reduce(packed, group=self._group)
+            self._wait(dist.all_reduce(packed, group=self._group, async_op=True))
         self._hold(packed)
         total = int(packed[0])
         return [bool((total >> (16 * i)) & 0xFFFF) for i in range(len(values))]

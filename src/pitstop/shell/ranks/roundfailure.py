@@ -23,7 +23,7 @@ from typing import Any
 
 from pitstop.errors import CollectiveError
 
-__all__ = ["named_failure"]
+__all__ = ["named_failure", "peer_failure"]
 
 PROBE_S = 5.0
 """At most how long a failing rank waits to hear where the other ranks failed."""
@@ -57,6 +57,21 @@ def _ask(prefix: str, rank: int, world: int, mine: str, wait_s: float) -> dict[i
     thread.start()
     thread.join(wait_s + 2.0)
     return answer[0] if answer else None
+
+
+def peer_failure(group: str, rank: int, world: int) -> str | None:
+    """Where another rank of ``group`` failed (``"rank 1 failed at ..."``), if one posted it;
+    ``None`` if none did or the store cannot be asked. One look, no wait."""
+    prefix = f"pitstop/failed/{group}"
+    try:
+        store = _store()
+        for r in range(world):
+            key = f"{prefix}/{r}"
+            if r != rank and store.check([key]):
+                return f"rank {r} failed at {store.get(key).decode('utf-8', 'replace')}"
+    except Exception:  # the store is gone with its rank: the collective's own error will come
+        return None
+    return None
 
 
 def _ranks(ranks: list[int]) -> str:
