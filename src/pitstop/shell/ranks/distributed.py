@@ -15,12 +15,12 @@
 # (so storage sharing survives), decoded as a checkpoint's tree is.
 # How: a value is pickled in memory between this job's own processes, as torch.distributed's
 # object collectives do (nothing read from a checkpoint is ever unpickled), and travels in a
-# fixed box: one collective per all_gather or broadcast, where torch's object collectives take
-# two (the sizes, then the data); a larger value takes a second round, which every rank knows
-# of from the sizes in the first. An all-gather's box is received once per rank, so it is small
-# (a call's inputs); the once-a-save round that carries every rank's part (its RNG streams, a
-# per-rank component) is a gather to rank 0 instead, the only rank that needs them, with a
-# point-to-point send for a part too big for its box.
+# fixed box (pitstop.shell.ranks.boxes): one collective per all_gather or broadcast, where
+# torch's object collectives take two (the sizes, then the data); a larger value takes a second
+# round, which every rank knows of from the sizes in the first. An all-gather's box is received
+# once per rank, so it is small (a call's inputs); the once-a-save round that carries every
+# rank's part (its RNG streams, a per-rank component) is a gather to rank 0 instead, the only
+# rank that needs them, with a point-to-point send for a part too big for its box.
 # Every collective is named: the Checkpointer tells its Ranks which call it is in (Ranks.call),
 # the collectives count their rounds, and one that fails (gloo's timeout, a peer gone) is a
 # CollectiveError naming the call, the round and the ranks that did not arrive
@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +48,7 @@ import torch
 
 from pitstop import errors
 from pitstop.core.ranks import OK, Outcome, agree
+from pitstop.shell.ranks.boxes import HEADER, boxed_value, bytes_tensor, dumps, loads, size_of
 from pitstop.shell.ranks.outcomes import outcome_of, raise_outcome, rebuilt
 from pitstop.shell.ranks.packing import pack_state, unpack_state
 from pitstop.shell.ranks.roundfailure import named_failure, peer_failure
@@ -76,35 +76,6 @@ BROADCAST_BOX: Final = 4 << 10
 PART_BOX: Final = 32 << 10
 """The box of the once-a-save rounds that carry every rank's own part (its RNG streams and a
 sampler's state: about 13 KiB on the CPU)."""
-
-_HEADER: Final = 8  # the value's size, little-endian, before it in its box
-
-
-def _dumps(value: object) -> bytes:
-    # Between this job's own processes, as torch.distributed's object collectives do.
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _loads(data: torch.Tensor) -> Any:
-    return pickle.loads(data.numpy().tobytes())
-
-
-def _bytes_tensor(data: bytes, size: int) -> torch.Tensor:
-    tensor = torch.zeros(size, dtype=torch.uint8)
-    if data:
-        tensor[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return tensor
-
-
-def _boxed(data: bytes, box: int) -> torch.Tensor:
-    """``data``'s size, then ``data`` itself if it fits: a box of ``box`` bytes for one round."""
-    size = len(data).to_bytes(_HEADER, "little")
-    return _bytes_tensor(size + data if len(data) <= box else size, _HEADER + box)
-
-
-def _size_of(box: torch.Tensor) -> int:
-    return int.from_bytes(box[:_HEADER].numpy().tobytes(), "little")
-
 
 _HELD: list[tuple[object, ...]] = []
 """The tensors of this process's last collective of pitstop (see the rules above)."""
@@ -229,42 +200,42 @@ class Ranks:
         pickled value fits ``box`` bytes, in two otherwise)."""
         if not self.many:
             return [value]
-        data = _dumps(value)
-        boxed = _boxed(data, box)
+        data = dumps(value)
+        boxed = boxed_value(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
         with self._named("an all-gather"):
             self._wait(torch.distributed.all_gather(boxes, boxed, group=self._group, async_op=True))
         self._hold(boxes, boxed)
-        sizes = [_size_of(b) for b in boxes]
+        sizes = [size_of(b) for b in boxes]
         if max(sizes) <= box:  # one round: every value fitted its box
-            return [_loads(b[_HEADER : _HEADER + n]) for b, n in zip(boxes, sizes, strict=True)]
+            return [loads(b[HEADER : HEADER + n]) for b, n in zip(boxes, sizes, strict=True)]
         # Every rank saw the same sizes, so every rank takes this second round.
-        whole = _bytes_tensor(data, max(sizes))
+        whole = bytes_tensor(data, max(sizes))
         wholes = [torch.empty_like(whole) for _ in range(self.world_size)]
         with self._named("an all-gather's second part"):
             self._wait(
                 torch.distributed.all_gather(wholes, whole, group=self._group, async_op=True)
             )
         self._hold(wholes, whole)
-        return [_loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
+        return [loads(w[:n]) for w, n in zip(wholes, sizes, strict=True)]
 
     def broadcast(self, value: T) -> T:
         """Rank 0's ``value`` on every rank (in one collective when it fits BROADCAST_BOX)."""
         if not self.many:
             return value
-        data = _dumps(value) if self.leader else b""
-        boxed = _boxed(data, BROADCAST_BOX)
+        data = dumps(value) if self.leader else b""
+        boxed = boxed_value(data, BROADCAST_BOX)
         with self._named("rank 0's broadcast"):
             self._wait(torch.distributed.broadcast(boxed, src=0, group=self._group, async_op=True))
         self._hold(boxed)
-        size = _size_of(boxed)
+        size = size_of(boxed)
         if size <= BROADCAST_BOX:  # one round: it fitted the box
-            return _loads(boxed[_HEADER : _HEADER + size])  # type: ignore[no-any-return]
-        whole = _bytes_tensor(data, size)  # the header told every rank a second round comes
+            return loads(boxed[HEADER : HEADER + size])  # type: ignore[no-any-return]
+        whole = bytes_tensor(data, size)  # the header told every rank a second round comes
         with self._named("rank 0's broadcast's second part"):
             self._wait(torch.distributed.broadcast(whole, src=0, group=self._group, async_op=True))
         self._hold(whole)
-        return _loads(whole)  # type: ignore[no-any-return]
+        return loads(whole)  # type: ignore[no-any-return]
 
     def gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
         """Every rank's ``value``, in rank order, on rank 0 (its own as it is; an empty list
@@ -277,8 +248,8 @@ class Ranks:
 
     def _send(self, value: T, box: int) -> _Gathering[T]:
         """Start :meth:`gather`'s collective (its box on its way; it runs on gloo's threads)."""
-        data = _dumps(value)
-        boxed = _boxed(data, box)
+        data = dumps(value)
+        boxed = boxed_value(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
         with self._named("a gather to rank 0"):
             work = torch.distributed.gather(
@@ -297,7 +268,7 @@ class Ranks:
         self._hold(boxes, sent.boxed)
         if not self.leader:
             if len(data) > box:  # rank 0 saw the size and waits for it
-                whole = _bytes_tensor(data, len(data))
+                whole = bytes_tensor(data, len(data))
                 with self._named("a send to rank 0"):
                     self._wait(dist.isend(whole, dst=0, group=self._group))
                 self._hold(whole)
@@ -306,15 +277,15 @@ class Ranks:
         values: list[T] = [sent.value]
         received: list[torch.Tensor] = []
         for rank, got in enumerate(boxes[1:], start=1):
-            size = _size_of(got)
+            size = size_of(got)
             if size <= box:
-                values.append(_loads(got[_HEADER : _HEADER + size]))
+                values.append(loads(got[HEADER : HEADER + size]))
             else:
                 whole = torch.empty(size, dtype=torch.uint8)
                 with self._named(f"a receive from rank {rank}"):
                     self._wait(dist.irecv(whole, src=rank, group=self._group))
                 received.append(whole)
-                values.append(_loads(whole))
+                values.append(loads(whole))
         if received:
             self._hold(boxes, sent.boxed, received)
         return values
