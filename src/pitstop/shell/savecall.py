@@ -15,6 +15,11 @@
 # rank at a later call (so no rank waits for it). A call that raises from a step that does not end
 # its own save ends it (Saver.abandon: the core's left_by_raise), so that no later call — close()
 # included — waits for a save that nobody carries on.
+# A maybe_save off the interval first takes the quick round: one all-reduce of three flags (a
+# rank stops, a rank's inputs failed, rank 0 would save or failed deciding); all clear — the
+# common step — ends the call there, else the full round follows with the inputs already taken.
+# Every call given a StopRequest agrees its stop: each rank adopts the merged answer (the core's
+# pitstop.core.stopping), and rank 0 says once, at INFO, who asked, why and at which step.
 # How: the rounds are pitstop.shell.ranks.distributed.Ranks' (one process: plain calls).
 
 """A save call on every rank: hear every rank, decide and plan on rank 0, write."""
