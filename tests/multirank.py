@@ -501,6 +501,11 @@ class Job:
             return {**dict.fromkeys(range(self.ranks), code), LAUNCHER: code}
         return {r: self._codes.get(r) for r in range(self.ranks)}
 
+    def running(self) -> bool:
+        """Whether any process of the job has not exited yet."""
+        with self._cond:
+            return not all(key in self._codes for key in self._procs)
+
     def describe(self) -> str:
         """Every rank's state and output so far, for a failure message."""
         with self._cond:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import strategies as st
 
 from pitstop.core.naming import MAX_STEP
@@ -95,3 +97,32 @@ def pointers_into(draw: st.DrawFn, catalog: Catalog, dangling: bool = False) -> 
     best = draw(target)
     value = None if best is NO_CHECKPOINT else draw(st.none() | finite_metric_values)
     return Pointers(last=draw(target), best=best, final=draw(target), best_value=value)
+
+
+@st.composite
+def grid_covers(
+    draw: st.DrawFn,
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """A small shape (0 to 3 dimensions) and chunks that cover it exactly once: a grid, each
+    dimension cut at random points (as DCP's shards of a value are), in random order."""
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    cuts = [sorted({0, n, *draw(st.lists(st.integers(0, n), max_size=3))}) for n in shape]
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
+    for points in cuts:
+        spans = list(itertools.pairwise(points)) or [(0, 0)]
+        boxes = [((*o, a), (*s, b - a)) for o, s in boxes for a, b in spans]
+    return shape, draw(st.permutations(boxes))
+
+
+@st.composite
+def any_boxes(
+    draw: st.DrawFn,
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """A small shape and any chunks inside it (covering it or not, overlapping or not)."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    boxes = []
+    for _ in range(draw(st.integers(0, 6))):
+        offsets = tuple(draw(st.integers(0, n)) for n in shape)
+        sizes = tuple(draw(st.integers(0, n - o)) for o, n in zip(offsets, shape, strict=True))
+        boxes.append((offsets, sizes))
+    return shape, boxes

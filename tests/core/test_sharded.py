@@ -29,6 +29,8 @@ from pitstop.core.sharded import (
 )
 from pitstop.errors import CheckpointCorrupt
 
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "int64": 8}
+
 
 def layout() -> ShardedLayout:
     """A 2-rank save of a 5x2 weight (rows 0-2 on rank 0, 3-4 on rank 1) and an lr."""
@@ -65,7 +67,7 @@ def test_directory_names_parse_back_and_are_never_file_names(step: int) -> None:
 
 
 def test_the_wire_form_round_trips() -> None:
-    assert layout_from_wire(layout_to_wire(layout())) == layout()
+    assert layout_from_wire(layout_to_wire(layout()), itemsizes=ITEMSIZES) == layout()
 
 
 def _json(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -97,7 +99,7 @@ def test_any_damaged_wire_form_is_checkpoint_corrupt_and_nothing_else(data: st.D
     else:
         parent[key] = replacement
     with contextlib.suppress(CheckpointCorrupt):  # anything else fails the test
-        layout_from_wire(wire)
+        layout_from_wire(wire, itemsizes=ITEMSIZES)
 
 
 @pytest.mark.parametrize(
@@ -111,7 +113,7 @@ def test_any_damaged_wire_form_is_checkpoint_corrupt_and_nothing_else(data: st.D
 def test_bad_fields_are_named(change: dict[str, Any], why: str) -> None:
     wire = {**layout_to_wire(layout()), "values": [], **change}
     with pytest.raises(CheckpointCorrupt, match=why):
-        layout_from_wire(wire)
+        layout_from_wire(wire, itemsizes=ITEMSIZES)
 
 
 def test_chunks_must_lie_inside_their_value_and_a_listed_file() -> None:

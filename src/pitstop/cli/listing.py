@@ -12,15 +12,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pitstop.cli.common import named_target
+from pitstop.cli.common import Target, named_target
 from pitstop.cli.progress import progress_bars
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, PointerName
 from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.formatting import format_size
 from pitstop.shell.format import fileformat
-from pitstop.shell.store.directory import ResumeChoice, choose_resume, scan, verify_any
-from pitstop.shell.store.resolve import manifest_path, recorded_policy
+from pitstop.shell.store.directory import (
+    ResumeChoice,
+    choose_resume,
+    scan,
+    vanished,
+    verify_any,
+)
+from pitstop.shell.store.resolve import RESOLVE_ATTEMPTS, manifest_path, recorded_policy
 from pitstop.shell.store.storage import LocalStorage
 
 __all__ = ["format_metrics", "list_directory", "verify_checkpoint"]
@@ -43,7 +49,8 @@ def list_directory(
     """Print a table (or, with ``as_json``, a JSON array) of the checkpoints in ``directory``.
 
     With ``check``, verify each one. Returns 0, or 1 when ``check`` finds a corrupt or
-    unreadable checkpoint.
+    unreadable checkpoint. A checkpoint a live run's retention deletes while it is checked is
+    gone: left out of the listing, no failure.
     """
     path = Path(directory)
     if not path.is_dir():
@@ -55,6 +62,7 @@ def list_directory(
 
     failures: dict[str, str] = dict(found.unreadable)
     checked: dict[str, str | None] = {}  # name -> None (ok) or the problem
+    gone: set[str] = set()  # deleted while being checked (a live run's retention)
     if check:
         with progress_bars(console, enabled=not as_json):
             for entry in found.catalog:
@@ -62,15 +70,20 @@ def list_directory(
                     verify_any(storage.path(entry.name))
                     checked[entry.name] = None
                 except (CheckpointCorrupt, OSError) as exc:
+                    if vanished(storage.path(entry.name)):
+                        gone.add(entry.name)
+                        continue
                     failures[entry.name] = checked[entry.name] = str(exc)
+    entries = [entry for entry in found.catalog if entry.name not in gone]
 
     def resume_choice() -> ResumeChoice:  # what a resume would use, from the checks just made
-        return choose_resume(
-            storage,
-            found,
-            PointerName.LAST,
-            verify=lambda p: None if p.name not in failures else (_raise(failures[p.name])),
-        )
+        def checked_before(path: Path) -> None:
+            if path.name in gone:
+                raise FileNotFoundError(f"{path} was deleted while it was checked")
+            if path.name in failures:
+                _raise(failures[path.name])
+
+        return choose_resume(storage, found, PointerName.LAST, verify=checked_before)
 
     def pointers_of(entry: CheckpointEntry) -> list[str]:
         return [p.value for p in PointerName if found.pointers.target(p) == entry.name]
@@ -83,7 +96,7 @@ def list_directory(
     if as_json:
         choice = resume_choice() if check else None
         rows: list[dict[str, Any]] = []
-        for entry in found.catalog:
+        for entry in entries:
             row: dict[str, Any] = {
                 "name": entry.name,
                 "path": str(storage.path(entry.name)),
@@ -123,7 +136,7 @@ def list_directory(
     table.add_column("kept because")
     if check:
         table.add_column("check")
-    for entry in found.catalog:
+    for entry in entries:
         kept_for = kept(entry)
         reason = entry.reason.value + (f" ({entry.detail})" if entry.detail else "")
         row_cells = [
@@ -157,7 +170,7 @@ def list_directory(
             *(["[red]UNREADABLE[/red]"] if check else []),
         )
     console.print(table)
-    if not found.catalog and not found.unreadable:
+    if not entries and not found.unreadable:
         console.print("no checkpoints")
     for warning in found.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
@@ -191,27 +204,27 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
     A pointer is checked at the file it names on disk, never at a fallback: a truncated
     ``last`` is CORRUPT even when an older checkpoint is valid. The line says what was checked.
     """
-    target = named_target(checkpoint)
-    via = f" ({target.via})" if target.via else ""
-    try:
-        with progress_bars(console):
-            verify_any(target.path)
-        manifest = fileformat.read_manifest(manifest_path(target.path))
-    except FileNotFoundError:
-        console.print(
-            f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: the file does not exist",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return 1
-    except CheckpointCorrupt as exc:
-        message = str(exc).removeprefix(f"{target.path}: ")
-        console.print(
-            f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: {escape(message)}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return 1
+    for attempt in range(RESOLVE_ATTEMPTS):
+        target = named_target(checkpoint)
+        via = f" ({target.via})" if target.via else ""
+        try:
+            with progress_bars(console):
+                verify_any(target.path)
+            manifest = fileformat.read_manifest(manifest_path(target.path))
+            break
+        except (CheckpointCorrupt, FileNotFoundError) as exc:
+            if _moved_on(checkpoint, target) and attempt + 1 < RESOLVE_ATTEMPTS:
+                continue  # pruned by a live run after its pointer moved on: check the new one
+            if isinstance(exc, FileNotFoundError):
+                message = "the file does not exist"
+            else:
+                message = str(exc).removeprefix(f"{target.path}: ")
+            console.print(
+                f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: {escape(message)}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return 1
     console.print(
         f"[green]OK[/green] {escape(str(target.path))}{escape(via)}: {len(manifest.tensors)} "
         f"tensors, {format_size(manifest.size)}",
@@ -219,3 +232,14 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+def _moved_on(checkpoint: str, target: Target) -> bool:
+    """Whether ``target``, what the pointer ``checkpoint`` named, is gone and the pointer now
+    names another checkpoint (a live run published a newer one and pruned this one)."""
+    if target.pointer is None or not vanished(target.path):
+        return False
+    try:
+        return named_target(checkpoint).path != target.path
+    except CheckpointNotFound:
+        return False

@@ -7,8 +7,11 @@
 # rank, and repeats DCP's metadata — each stored value's key, key path, dtype, global shape and
 # where each of its chunks lies (file, start, length) — so a reader never unpickles DCP's
 # `.metadata`: it is checksummed like the rest, never read. A layout read back is untrusted:
-# every field is type-checked and cross-checked (chunks inside their value and inside a listed
-# file, file names plain and unique), each problem a CheckpointCorrupt naming the key path.
+# every field is type-checked and cross-checked (pitstop.core.shardcover: each tensor value
+# covered exactly once by its chunks, its chunks' bytes enough for their elements, its dtype
+# known; key paths non-empty, unique, none both a leaf and a subtree; chunks inside a listed
+# file, file names plain and unique), each problem a CheckpointCorrupt naming the key path:
+# layout_from_wire is the one check every reader's layout passes before anything is allocated.
 # The files a rank reads are the files its chunks lie in; before any rank reads, each of them is
 # verified once, by one of the ranks that read it (share_checks: ranks read bits of many files —
 # replicated values are stored once — so each checking all it reads would read the checkpoint
@@ -26,6 +29,7 @@ from typing import Any, Final
 import attrs
 
 from pitstop.core.naming import parse_sharded_name, sharded_name
+from pitstop.core.shardcover import cover_problem, extent_problem, paths_problem
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "ShardedLayout",
     "StoredChunk",
     "StoredValue",
+    "cover_problem",
     "file_problem",
     "files_for",
     "fresh_optimizers",
@@ -151,6 +156,8 @@ class ShardedLayout:
         _check(len(fqns) == len(self.values), "sharded.values", "unique keys", sorted(fqns))
         for value in self.values:
             _check_value(value, sizes)
+        problem = paths_problem(v.path for v in self.values)
+        _check(problem is None, "sharded.values", "key paths each a leaf", problem)
 
     def file(self, name: str) -> ShardFile:
         """The listed file ``name``; ``KeyError`` if the layout lists none."""
@@ -166,19 +173,13 @@ class ShardedLayout:
 
 
 def _check_value(value: StoredValue, sizes: Mapping[str, int]) -> None:
-    """A stored value's chunks lie inside it and inside a listed file."""
+    """A stored value's chunks cover it exactly once and lie inside a listed file."""
     where = f"sharded.values[{value.fqn!r}]"
     if value.dtype is None:
         _check(value.shape == () and len(value.chunks) == 1, where, "one chunk", value.chunks)
-    else:
-        _check(bool(value.chunks), where, "a tensor with chunks", value.chunks)
+    problem = cover_problem(value.shape, [(c.offsets, c.sizes) for c in value.chunks])
+    _check(problem is None, where, f"covered exactly once by its chunks, not {problem}", value)
     for chunk in value.chunks:
-        dims = len(value.shape)
-        _check(len(chunk.offsets) == len(chunk.sizes) == dims, where, f"{dims}-d chunks", chunk)
-        inside = all(
-            o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, value.shape, strict=True)
-        )
-        _check(inside, where, f"chunks inside its shape {value.shape}", chunk)
         end = sizes.get(chunk.file, -1)
         _check(chunk.start + chunk.length <= end, where, "chunks inside a listed file", chunk)
 
@@ -327,8 +328,12 @@ def _str(value: object, where: str) -> str:
     return value
 
 
-def layout_from_wire(data: object, where: str = "sharded") -> ShardedLayout:
-    """Rebuild a layout from its wire form, checking every field (the manifest is untrusted).
+def layout_from_wire(
+    data: object, where: str = "sharded", *, itemsizes: Mapping[str, int]
+) -> ShardedLayout:
+    """Rebuild a layout from its wire form, checking every field (the manifest is untrusted):
+    besides the layout's own checks, each tensor value's dtype is one of ``itemsizes`` (the
+    reader's allow-list: bytes per element, by name) and each chunk's bytes hold its elements.
 
     Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the key path of the first problem.
     """
@@ -388,6 +393,11 @@ def layout_from_wire(data: object, where: str = "sharded") -> ShardedLayout:
                 chunks=tuple(stored),
             )
         )
+    for i, value in enumerate(values):
+        if value.dtype is not None:
+            spans = [((c.offsets, c.sizes), c.length) for c in value.chunks]
+            problem = extent_problem(value.dtype, spans, itemsizes)
+            _check(problem is None, f"{where}.values[{i}] ({value.fqn})", "readable", problem)
     (world,) = _int_tuple((data.get("world_size"),), f"{where}.world_size")
     return ShardedLayout(
         world_size=world,

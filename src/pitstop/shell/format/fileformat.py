@@ -29,7 +29,7 @@ from pitstop.core.manifest import (
     Manifest,
     TensorDescriptor,
 )
-from pitstop.shell.format.fileread import check_blobs, load, read_manifest, verify
+from pitstop.shell.format.fileread import ITEMSIZES, check_blobs, load, read_manifest, verify
 from pitstop.shell.format.filewrite import Prepared, prepare, write
 from pitstop.shell.format.treecodec import TensorRef
 
@@ -40,6 +40,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_MAGIC",
     "HEADER_SIZE",
+    "ITEMSIZES",
     "MAX_MANIFEST_BYTES",
     "MAX_NDIM",
     "Blob",

@@ -69,7 +69,7 @@ Place = Callable[[KeyPath], torch.device | None]
 CPU included) reads the tensor's bytes into new memory there."""
 
 # The reader's dtype allow-list, as the core checks it: bytes per element, by name.
-_ITEMSIZES: Final[Mapping[str, int]] = MappingProxyType(
+ITEMSIZES: Final[Mapping[str, int]] = MappingProxyType(
     {name: dtype.itemsize for name, dtype in TENSOR_DTYPES.items()}
 )
 
@@ -223,7 +223,7 @@ def _read_manifest(file: BinaryIO, name: str) -> Manifest:
         size=size,
         version=version,
         offset=footer.manifest_offset,
-        itemsizes=_ITEMSIZES,
+        itemsizes=ITEMSIZES,
         check_tree=check_tree,
     )
 

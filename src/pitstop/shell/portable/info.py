@@ -5,7 +5,7 @@
 # the directory scan reconciles it (no full verify, which would read every byte; `verify` is
 # for that). The record is the public Checkpoint with what only the manifest knows filled in:
 # the stored config, the file's size and the tensor table (key path, dtype, shape, bytes).
-# How: resolve_checkpoint(fallback=False), read_manifest, entry_from_meta.
+# How: read_resolved (fallback=False), read_manifest, entry_from_meta.
 
 """pitstop.info: what a checkpoint holds, from its manifest alone."""
 
@@ -24,7 +24,7 @@ from pitstop.shell.checkpoint import Checkpoint, TensorInfo
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.treecodec import TENSOR_DTYPES
 from pitstop.shell.store.directory import is_sharded_path
-from pitstop.shell.store.resolve import manifest_path, resolve_checkpoint
+from pitstop.shell.store.resolve import manifest_path, read_resolved
 
 __all__ = ["info", "tensor_table"]
 
@@ -56,7 +56,11 @@ def info(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     names a pointer whose checkpoint does not exist (naming the pointer and the file).
     """
     check_path(checkpoint, argument="info checkpoint", to=CHECKPOINT_PATH)
-    path = resolve_checkpoint(checkpoint, fallback=False)
+    return read_resolved(checkpoint, _read_info)[1]
+
+
+def _read_info(path: Path) -> Checkpoint:
+    """What the checkpoint at ``path`` records (its manifest, and a sharded one's layout)."""
     sharded = is_sharded_path(path)
     manifest = fileformat.read_manifest(manifest_path(path))
     meta = manifest.meta

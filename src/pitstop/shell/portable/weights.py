@@ -35,7 +35,7 @@ from pitstop.shell.portable.exporter import export_weights
 from pitstop.shell.portable.weightview import Weights, check_weights, read_view, weights_view
 from pitstop.shell.state.live import tensor_specs
 from pitstop.shell.state.unwrap import plain_names, plain_state_dict, unwrap_model
-from pitstop.shell.store.resolve import resolve_checkpoint
+from pitstop.shell.store.resolve import read_resolved
 
 __all__ = [
     "IncompatibleKeys",
@@ -156,8 +156,7 @@ def load_weights(
     target = unwrap_model(model)
     live = target.state_dict(keep_vars=True)
     names = plain_names(list(live))
-    path = resolve_checkpoint(checkpoint, fallback=True)
-    view = read_view(path, kind)
+    path, view = read_resolved(checkpoint, lambda found: read_view(found, kind), fallback=True)
     plain_live = {names[key]: value for key, value in live.items()}
     where = f"{path} weights.{kind}"
     found = diff_tensors(where, tensor_specs(view), tensor_specs(plain_live))

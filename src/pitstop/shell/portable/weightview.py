@@ -29,7 +29,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.format.treecodec import TensorRef, subtree
 from pitstop.shell.sharded.support import require_sharded
 from pitstop.shell.store.directory import is_sharded_path
-from pitstop.shell.store.resolve import resolve_checkpoint
+from pitstop.shell.store.resolve import read_resolved
 
 __all__ = ["Weights", "check_weights", "read_view", "weights_view"]
 
@@ -110,7 +110,7 @@ def weights_view(
     :class:`~pitstop.errors.CheckpointNotFound` when ``checkpoint`` names nothing.
     """
     kind = check_weights(weights)
-    return read_view(resolve_checkpoint(checkpoint, fallback=True), kind)
+    return read_resolved(checkpoint, lambda path: read_view(path, kind), fallback=True)[1]
 
 
 def read_view(path: Path, kind: Weights) -> dict[str, torch.Tensor]:

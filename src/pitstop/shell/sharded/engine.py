@@ -306,7 +306,9 @@ def full_state_dict(
         for key in value.path[:-1]:
             node = node.setdefault(key, {})
         dtype = None if value.dtype is None else TENSOR_DTYPES[value.dtype]
-        # A non-tensor value: DCP puts what it stored in place of the None.
+        # A non-tensor value: DCP puts what it stored in place of the None. A tensor's extents
+        # passed read_layout's checks: its chunks cover it exactly once (every element is
+        # filled) and their bytes, verified just above, hold its elements.
         node[value.path[-1]] = None if dtype is None else torch.empty(value.shape, dtype=dtype)
     load_checked(root, state, layout, no_dist=True)
     return dict(state[component])

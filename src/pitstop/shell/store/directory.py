@@ -14,9 +14,9 @@
 # resume point tries the core's resume order until a file verifies, warning about each one skipped.
 # A sharded checkpoint is a directory (pitstop.shell.store.sharddir): listed once its manifest reads
 # back, published by writing the manifest last and renaming the temp directory (one it replaces
-# moved aside first: a failure part-way leaves the old or the new one under the name), deleted
-# manifest first; opening removes dead writers' temp directories and settles what they had moved
-# aside.
+# moved aside first: a failure part-way leaves the old or the new one under the name), deleted by
+# an atomic rename to a temp name first (readers see it whole or not at all); opening removes
+# dead writers' temp directories and settles what they had moved aside.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Checkpoint directories: scan, save as planned, and choose a checkpoint to resume from."""
@@ -81,6 +81,7 @@ from pitstop.shell.store.scanning import (
     named_by_pointers,
     read_latest_json,
     scan,
+    vanished,
     verify_any,
 )
 from pitstop.shell.store.sharddir import clear_leftover, publish_sharded
@@ -95,6 +96,7 @@ __all__ = [
     "is_sharded_path",
     "read_latest_json",
     "scan",
+    "vanished",
     "verify_any",
 ]
 

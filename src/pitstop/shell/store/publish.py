@@ -3,9 +3,12 @@
 # Rules (the publish sequence): exclusive temp file in the same directory → write → fsync →
 # close → rename to the final name → fsync the directory. Pointers (relative symlinks, then
 # latest.json) are replaced the same way, only after the checkpoint they name is durable.
-# Deletions planned by retention run only after that. Any error aborts the step with SaveError:
-# the temp file is removed, and a new file renamed into place whose directory fsync failed is
-# taken out again, so what was published before stays exactly as it was. A file that replaced
+# Deletions planned by retention run only after that; a sharded checkpoint (a directory) is
+# retired by one atomic rename to a temp name the scan ignores, fsynced, before its files are
+# removed, so a reader that takes no lock sees it whole or not at all. Any error aborts the
+# step with SaveError: the temp file is removed, and a new file renamed into place whose
+# directory fsync failed is taken out again, so what was published before stays exactly as it
+# was. A file that replaced
 # one of the same name is the exception: the rename took the old one away for good, so the new
 # one — complete, and fsynced before the rename — stays, and the error says so (taking it out
 # too would leave neither). A failed fsync is never retried on the same descriptor and then
@@ -21,16 +24,17 @@ import errno
 import functools
 import json
 import logging
+import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
 from pitstop.core.metadata import latest_json
-from pitstop.core.naming import LATEST_JSON, temp_name
+from pitstop.core.naming import LATEST_JSON, EntryKind, classify, temp_name
 from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, Policy
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
-from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.storage import FileKind, Storage
 
 __all__ = [
     "PublishedInterrupted",
@@ -223,8 +227,8 @@ def delete_checkpoints(
 
 
 def _gone(storage: Storage, name: str) -> bool:
-    """Whether ``name`` is no checkpoint any more: removed, or a sharded directory whose
-    manifest is (what remains of it is not listed)."""
+    """Whether ``name`` is no checkpoint any more: removed (a sharded one retired to a temp
+    name), or a sharded directory without its manifest (what remains of it is not listed)."""
     with contextlib.suppress(OSError, ValueError):
         kind = storage.kind(name)
         if kind is FileKind.DIRECTORY:
@@ -244,11 +248,24 @@ def remove_checkpoint(storage: Storage, name: str) -> None:
 
 
 def delete_sharded(storage: Storage, name: str) -> None:
-    """Delete the sharded checkpoint ``name``: its manifest first, durably (from then on it is
-    no checkpoint, whatever a crash leaves of the rest), then the directory."""
-    inside = LocalStorage(storage.path(name))
-    with contextlib.suppress(FileNotFoundError):
-        inside.remove(MANIFEST_NAME)
-        inside.sync_directory()
-    shutil.rmtree(inside.root)
+    """Delete the sharded checkpoint ``name``: first retired out of the catalog by one atomic
+    rename to a temp name (fsynced: from then on it is no checkpoint, and a reader sees it whole
+    or not at all), then its files. A crash part-way leaves a temp directory the next open
+    removes. ``name`` already a temp name (one moved aside) is removed as it is."""
+    retired = name
+    if classify(name) is EntryKind.CHECKPOINT:
+        retired = temp_name(name, f"retired{secrets.token_hex(4)}")
+        storage.replace(name, retired)
+        storage.sync_directory()
+    try:
+        shutil.rmtree(storage.path(retired))
+    except OSError as exc:
+        if retired == name:
+            raise
+        log.warning(
+            "could not remove %s, the retired %s (the directory's next open removes it): %s",
+            storage.path(retired),
+            storage.path(name),
+            exc,
+        )
     storage.sync_directory()

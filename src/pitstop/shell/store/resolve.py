@@ -5,7 +5,10 @@
 # or a checkpoint directory (meaning its `last`). A pointer or directory is resolved by scanning
 # the directory and asking the core — the symlink itself is never blindly followed. With
 # fallback (loading), a corrupt target falls back along the core's resume order with a warning;
-# without it (verifying), the target itself is checked.
+# without it (verifying), the target itself is checked. Readers take no lock: when a live run's
+# retention deletes the target while it is being resolved or read, the pointer is read again /
+# the directory scanned again (at most RESOLVE_ATTEMPTS times) and the newest valid checkpoint
+# taken; a checkpoint deleted while it was read is "gone" (CheckpointNotFound), never "corrupt".
 # How: scan + choose_resume from pitstop.shell.store.directory.
 
 """Resolving a checkpoint argument (file, pointer or directory) to one checkpoint file."""
@@ -16,6 +19,7 @@ import os
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.metadata import (
@@ -33,7 +37,7 @@ from pitstop.core.naming import (
 )
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
 from pitstop.core.sharded import MANIFEST_NAME
-from pitstop.errors import CheckpointNotFound
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import (
     CheckpointDirectory,
@@ -41,21 +45,31 @@ from pitstop.shell.store.directory import (
     is_sharded_path,
     read_latest_json,
     scan,
+    vanished,
     verify_any,
 )
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
+    "RESOLVE_ATTEMPTS",
     "find_resume",
     "is_sharded_checkpoint",
     "manifest_path",
     "own_pointer",
     "pointer_on_disk",
+    "read_resolved",
     "recorded_policy",
     "resolve_checkpoint",
     "split_argument",
     "verify",
 ]
+
+
+RESOLVE_ATTEMPTS = 16
+"""How many times a reader resolves a pointer or directory again when the checkpoint it found
+was deleted before it could be read (a live run publishing and pruning meanwhile)."""
+
+T = TypeVar("T")
 
 
 def recorded_policy(directory: Path) -> Policy | None:
@@ -157,24 +171,81 @@ def resolve_checkpoint(
         return directory
     storage = LocalStorage(directory)
     if not fallback:
-        named, source = pointer_on_disk(storage, pointer)
+        named = _pointer_target(storage, pointer)
         if named is not None:
-            if storage.kind(named) is FileKind.MISSING:
-                raise CheckpointNotFound(_missing_target(storage, pointer, named, source))
-            return storage.path(named)
+            return named
     policy = recorded_policy(directory)
     best = None if policy is None else policy.best
-    found = scan(storage, best)
-    if fallback:
+    for attempt in range(RESOLVE_ATTEMPTS):
+        found = scan(storage, best)
+        if not fallback:
+            if found.gone and attempt + 1 < RESOLVE_ATTEMPTS:
+                continue  # the listing was overtaken by a prune: take a fresh one
+            target = found.pointers.target(pointer)
+            if target is NO_CHECKPOINT:
+                raise CheckpointNotFound(f"{directory} has no {pointer.value} checkpoint")
+            return storage.path(target)
         choice = choose_resume(storage, found, pointer, best, verify=verify)
+        if choice.gone and attempt + 1 < RESOLVE_ATTEMPTS:
+            continue  # a candidate was pruned while it was tried: a newer one is there
         if choice.path is not None:
             return choice.path
         detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
+        if choice.gone:
+            detail += f" ({len(choice.gone)} deleted while being read, {RESOLVE_ATTEMPTS} scans)"
         raise CheckpointNotFound(f"{directory} has no valid {pointer.value} checkpoint{detail}")
-    target = found.pointers.target(pointer)
-    if target is NO_CHECKPOINT:
-        raise CheckpointNotFound(f"{directory} has no {pointer.value} checkpoint")
-    return storage.path(target)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _pointer_target(storage: Storage, pointer: PointerName) -> Path | None:
+    """The path of the checkpoint ``pointer`` names on disk (``None``: no pointer on disk).
+
+    A named checkpoint that does not exist is read again while the pointer moves meanwhile (a
+    live run published a newer one and pruned this one); one it keeps naming is
+    :class:`~pitstop.errors.CheckpointNotFound`, naming the pointer and the file.
+    """
+    named, source = pointer_on_disk(storage, pointer)
+    for _ in range(RESOLVE_ATTEMPTS):
+        if named is None or storage.kind(named) is not FileKind.MISSING:
+            break
+        again, again_source = pointer_on_disk(storage, pointer)
+        if again == named:
+            break
+        named, source = again, again_source
+    if named is None:
+        return None
+    if storage.kind(named) is FileKind.MISSING:
+        raise CheckpointNotFound(_missing_target(storage, pointer, named, source))
+    return storage.path(named)
+
+
+def read_resolved(
+    checkpoint: str | os.PathLike[str],
+    read: Callable[[Path], T],
+    *,
+    fallback: bool = False,
+) -> tuple[Path, T]:
+    """Resolve ``checkpoint`` (as :func:`resolve_checkpoint`) and ``read(path)`` it.
+
+    A pointer or directory whose checkpoint is deleted while it is read (a live run's retention)
+    is resolved again, at most :data:`RESOLVE_ATTEMPTS` times. A checkpoint that was deleted
+    while it was read is :class:`~pitstop.errors.CheckpointNotFound` saying so, never
+    :class:`~pitstop.errors.CheckpointCorrupt`.
+    """
+    a_file = split_argument(checkpoint)[1] is None
+    for attempt in range(RESOLVE_ATTEMPTS):
+        path = resolve_checkpoint(checkpoint, fallback=fallback)
+        try:
+            return path, read(path)
+        except (CheckpointCorrupt, OSError) as exc:
+            if not vanished(path):
+                raise
+            if a_file or attempt + 1 == RESOLVE_ATTEMPTS:
+                raise CheckpointNotFound(
+                    f"{path} was deleted while it was being read (a live run's retention "
+                    f"pruned it): {exc}"
+                ) from exc
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def verify(checkpoint: str | os.PathLike[str]) -> Path:
@@ -185,9 +256,7 @@ def verify(checkpoint: str | os.PathLike[str]) -> Path:
     file). Returns the path of the file that was verified.
     """
     check_path(checkpoint, argument="verify checkpoint", to=CHECKPOINT_PATH)
-    path = resolve_checkpoint(checkpoint, fallback=False)
-    verify_any(path)
-    return path
+    return read_resolved(checkpoint, verify_any)[0]
 
 
 def own_pointer(

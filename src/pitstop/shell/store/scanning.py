@@ -6,6 +6,9 @@
 # its target is a plain checkpoint name of this directory. A sharded checkpoint (a directory,
 # pitstop.shell.store.sharddir) is listed once its manifest reads back. Choosing a resume point
 # tries the core's resume order until a candidate verifies, warning about each one skipped.
+# Readers take no lock, so a live writer's retention may delete a checkpoint between the listing
+# and the reading: one that fails to read and is no longer there is "gone" (``Scan.gone``,
+# ``ResumeChoice.gone``), never "unreadable" or "corrupt", and whoever asked scans again.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Scanning a checkpoint directory and choosing the checkpoint to resume from."""
@@ -59,6 +62,7 @@ __all__ = [
     "named_by_pointers",
     "read_latest_json",
     "scan",
+    "vanished",
     "verify_any",
 ]
 
@@ -75,6 +79,8 @@ class Scan:
     ``catalog``: the checkpoints whose manifest reads back. ``pointers``: reconciled, so every
     target is in the catalog. ``unreadable``: checkpoint-named files left out, and why.
     ``sizes``: bytes per catalog entry. ``warnings``: everything ignored or repaired.
+    ``gone``: checkpoints listed that were deleted before they could be read (a live run's
+    retention): neither in the catalog nor unreadable; a reader that needs them scans again.
     """
 
     catalog: Catalog
@@ -82,6 +88,19 @@ class Scan:
     unreadable: Mapping[str, str]
     sizes: Mapping[str, int]
     warnings: tuple[str, ...]
+    gone: frozenset[str] = frozenset()
+
+
+def vanished(path: Path) -> bool:
+    """Whether nothing is at ``path`` any more (not following a symlink): what a read that
+    failed is told by — a checkpoint deleted while it was read is gone, not corrupt."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
@@ -171,21 +190,17 @@ def scan(storage: Storage, best: Best | None = None) -> Scan:
     entries: list[CheckpointEntry] = []
     unreadable: dict[str, str] = {}
     sizes: dict[str, int] = {}
+    gone: set[str] = set()
     for name in storage.names():
         if classify(name) is not EntryKind.CHECKPOINT:
             continue
         if parse_sharded_name(name) is not NOT_A_CHECKPOINT:
             _scan_sharded(storage, name, entries, unreadable, sizes)
-            continue
-        if storage.kind(name) is not FileKind.REGULAR:
-            unreadable[name] = f"not a regular file ({storage.kind(name).value})"
-            continue
-        try:
-            manifest = fileformat.read_manifest(storage.path(name))
-            entries.append(entry_from_meta(name, manifest.meta))
-            sizes[name] = storage.size(name)
-        except (CheckpointCorrupt, OSError) as exc:
-            unreadable[name] = str(exc)
+        else:
+            _scan_file(storage, name, entries, unreadable, sizes)
+        if name in unreadable and storage.kind(name) is FileKind.MISSING:
+            del unreadable[name]  # deleted since it was listed: gone, not unreadable
+            gone.add(name)
     for name, why in unreadable.items():
         warnings.append(f"skipping {storage.path(name)}: {why}")
     catalog = Catalog(entries=entries)
@@ -203,7 +218,30 @@ def scan(storage: Storage, best: Best | None = None) -> Scan:
         unreadable=unreadable,
         sizes=sizes,
         warnings=(*warnings, *problems),
+        gone=frozenset(gone),
     )
+
+
+def _scan_file(
+    storage: Storage,
+    name: str,
+    entries: list[CheckpointEntry],
+    unreadable: dict[str, str],
+    sizes: dict[str, int],
+) -> None:
+    """A checkpoint file is listed once its manifest reads back (its size taken first, so an
+    entry is never listed without one)."""
+    kind = storage.kind(name)
+    if kind is not FileKind.REGULAR:
+        unreadable[name] = f"not a regular file ({kind.value})"
+        return
+    try:
+        size = storage.size(name)
+        manifest = fileformat.read_manifest(storage.path(name))
+        entries.append(entry_from_meta(name, manifest.meta))
+        sizes[name] = size
+    except (CheckpointCorrupt, OSError) as exc:
+        unreadable[name] = str(exc)
 
 
 def _scan_sharded(
@@ -217,13 +255,14 @@ def _scan_sharded(
     last: a directory without one, or with a bad one, is no checkpoint)."""
     from pitstop.shell.store.sharddir import read_layout  # sharddir publishes through this package
 
-    if storage.kind(name) is not FileKind.DIRECTORY:
-        unreadable[name] = f"not a directory ({storage.kind(name).value})"
+    kind = storage.kind(name)
+    if kind is not FileKind.DIRECTORY:
+        unreadable[name] = f"not a directory ({kind.value})"
         return
     try:
+        manifest = os.lstat(storage.path(name) / MANIFEST_NAME).st_size
         layout, meta = read_layout(storage.path(name))
         entries.append(entry_from_meta(name, meta))
-        manifest = os.stat(storage.path(name) / MANIFEST_NAME).st_size
         sizes[name] = manifest + sum(f.size for f in layout.files)
     except (CheckpointCorrupt, OSError) as exc:
         unreadable[name] = str(exc)
@@ -250,11 +289,13 @@ def verify_any(path: Path) -> None:
 
 @attrs.frozen(kw_only=True)
 class ResumeChoice:
-    """The checkpoint a resume uses (``NO_CHECKPOINT``: start fresh), and what it skipped."""
+    """The checkpoint a resume uses (``NO_CHECKPOINT``: start fresh), what it skipped (did not
+    verify), and what was ``gone`` (deleted while it was being tried: a rescan finds newer)."""
 
     entry: CheckpointEntry | NoCheckpoint
     path: Path | None
     skipped: Mapping[str, str]
+    gone: frozenset[str] = frozenset()
 
 
 def choose_resume(
@@ -266,17 +307,22 @@ def choose_resume(
 ) -> ResumeChoice:
     """Try the core's resume order for ``source`` until a checkpoint verifies.
 
-    Each skipped checkpoint is logged as a warning naming it and why it was skipped.
+    Each skipped checkpoint is logged as a warning naming it and why it was skipped; one that
+    fails because it was deleted meanwhile is ``gone`` instead (no warning: it is not corrupt).
     """
     skipped: dict[str, str] = {}
+    gone = set(found.gone)
     for name in resume_order(found.catalog, found.pointers, source, best):
         path = storage.path(name)
         try:
             verify(path)
         except (CheckpointCorrupt, OSError) as exc:
+            if vanished(path):
+                gone.add(name)
+                continue
             skipped[name] = str(exc)
             log.warning("resume skips a checkpoint that does not verify: %s", exc)
             continue
         entry = found.catalog.get(name)
-        return ResumeChoice(entry=entry, path=path, skipped=skipped)
-    return ResumeChoice(entry=NO_CHECKPOINT, path=None, skipped=skipped)
+        return ResumeChoice(entry=entry, path=path, skipped=skipped, gone=frozenset(gone))
+    return ResumeChoice(entry=NO_CHECKPOINT, path=None, skipped=skipped, gone=frozenset(gone))

@@ -370,4 +370,6 @@ def read_layout(directory: str | os.PathLike[str]) -> tuple[ShardedLayout, Mappi
         manifest = fileformat.read_manifest(path)
     except OSError as exc:
         raise CheckpointCorrupt(f"{directory}: no readable {MANIFEST_NAME}: {exc}") from exc
-    return layout_from_wire(manifest.meta.get("sharded"), f"{path}: sharded"), manifest.meta
+    where = f"{path}: sharded"
+    layout = layout_from_wire(manifest.meta.get("sharded"), where, itemsizes=fileformat.ITEMSIZES)
+    return layout, manifest.meta
