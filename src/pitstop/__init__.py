@@ -35,6 +35,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 if TYPE_CHECKING:
     from pitstop.shell.checkpoint import Checkpoint
+    from pitstop.shell.data.workerrng import WorkerRNG
     from pitstop.shell.manager import Checkpointer
     from pitstop.shell.portable.importer import import_checkpoint
     from pitstop.shell.portable.info import info
@@ -50,6 +51,7 @@ _LAZY = {
     "Checkpointer": "pitstop.shell.manager",
     "ResumableSampler": "pitstop.shell.sampler",
     "StopRequest": "pitstop.shell.stop",
+    "WorkerRNG": "pitstop.shell.data.workerrng",
     "export_weights": "pitstop.shell.portable.weights",
     "import_checkpoint": "pitstop.shell.portable.importer",
     "info": "pitstop.shell.portable.info",
@@ -90,6 +92,7 @@ __all__ = [
     "SaveReason",
     "SaveStatus",
     "StopRequest",
+    "WorkerRNG",
     "__version__",
     "export_weights",
     "import_checkpoint",

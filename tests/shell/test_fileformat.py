@@ -390,7 +390,7 @@ def test_meta_comes_back_from_read_manifest_with_the_size(tmp_path: Path) -> Non
     assert dict(manifest.meta) == meta
     assert type(manifest.meta["ranks"]) is tuple
     assert manifest.size == written == path.stat().st_size
-    assert manifest.version == ff.FORMAT_VERSION == 1
+    assert manifest.version == ff.FORMAT_VERSION == 2
     assert manifest.tensor_paths == (("x",),)
     assert manifest.tensors[0].dtype == "float32"
 
@@ -754,7 +754,7 @@ HOSTILE: dict[str, tuple[dict[str, Any], str]] = {
     "manifest of 1 GiB": ({"manifest_length": 2**30}, "places the manifest"),
     "manifest offset past EOF": ({"manifest_offset": 2**40}, "places the manifest"),
     "manifest inside the header": ({"manifest_offset": 10}, "places the manifest"),
-    "newer format version": ({"version": 2}, "format version 2"),
+    "newer format version": ({"version": 3}, "format version 3"),
     "header flags": ({"flags": 1}, "flags"),
     "blob past EOF": (
         {"manifest": document(blobs=[{"offset": 2**40, "length": 8, "crc32": 0}])},

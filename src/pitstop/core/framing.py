@@ -2,11 +2,11 @@
 #
 # Rules: a file is [64-byte header][data][manifest][40-byte footer], all little-endian
 # (docs/file-format.md has every byte). The header and the footer carry their own CRC-32; the
-# footer also places the manifest (offset, length) and carries its CRC-32. A version-1 reader
-# accepts only what a version-1 writer produces: the magics, no flags, no reserved bytes, the
-# same version in both, a manifest of at most MAX_MANIFEST_BYTES that begins after the header
-# and ends where the footer starts — checked before anything is allocated. Every failure is a
-# CheckpointCorrupt naming the file and the offending field.
+# footer also places the manifest (offset, length) and carries its CRC-32. A reader accepts
+# only what a writer of versions 1..FORMAT_VERSION produces: the magics, no flags or reserved
+# bytes, the same version in both, a manifest of at most MAX_MANIFEST_BYTES that begins after
+# the header and ends where the footer starts — checked before anything is allocated. Every
+# failure is a CheckpointCorrupt naming the file and the offending field.
 # How: struct packing and checking of the two fixed-size records; what lies between them is
 # pitstop.core.manifest's.
 
@@ -37,7 +37,7 @@ __all__ = [
     "pack_header",
 ]
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2  # 2 adds NumPy values (tree ext 8 and 9); 1 is read too
 HEADER_MAGIC: Final = b"PITSTOP\0"
 FOOTER_MAGIC: Final = b"\0POTSTIP"
 HEADER_SIZE: Final = 64

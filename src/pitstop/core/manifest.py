@@ -4,7 +4,7 @@
 # [40-byte footer], all little-endian (docs/file-format.md has every byte). The header and the
 # footer are pitstop.core.framing's (packed and checked there; their names are re-exported here,
 # so this module stays the one place for a file's structure); the footer carries the manifest's
-# CRC-32. A version-1 reader accepts only what a version-1 writer produces: a manifest that
+# CRC-32. A reader accepts only what a writer of its versions produces: a manifest that
 # starts with the map it must be and ends where the footer starts, blobs that follow each
 # other in order without overlap or unaccounted bytes, descriptors whose every element lies
 # inside their blob, dtypes from the reader's allow-list. Every failure is a CheckpointCorrupt

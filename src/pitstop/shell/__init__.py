@@ -18,6 +18,8 @@ the doors, and ``make test`` runs them)::
                              (none of the three uses another)
     format/                  the .pitstop file
     sampler                  the public ResumableSampler: uses no other module
+    data/                    the public WorkerRNG; which components are StatefulDataLoaders
+                             (beside sampler: neither uses the other)
 
 A room uses only the rooms below it, never a driver; nothing here imports the CLI or the
 trainer. The public modules stay where users import them from (``pitstop.shell.sampler``,

@@ -204,8 +204,8 @@ def config_of(config: object) -> dict[str, Any] | None:
         )
     from pitstop.shell.format.treewalk import walk  # torch: only once a Checkpointer is made
 
-    try:
-        stored = walk(dict(config), on_tensor=None, root="config")  # a copy of every container
+    try:  # a copy of every container; no NumPy values (the config is compared on resume)
+        stored = walk(dict(config), on_tensor=None, root="config", numpy=False)
     except SaveError as exc:
         raise ConfigError(f"Checkpointer.config cannot be stored in a checkpoint: {exc}") from exc
     assert isinstance(stored, dict)

@@ -84,9 +84,9 @@ class Checkpointer:
     by name (optimizer, scheduler, GradScaler, sampler, ...). ``config``: the run's
     configuration, stored and compared on resume; ``config_may_change``: key paths and glob
     patterns (``["max_iters", "out_dir", "run.*"]``) whose changes a resume only reports, in
-    one info line, and never refuses. ``per_rank``: names of components whose
-    state differs per rank (every ``ResumableSampler`` is). ``timeout_s``: how long a rank
-    waits for the others in pitstop's collectives. ``overwrite``: a run that does not
+    one info line, and never refuses. ``per_rank``: names of components whose state differs per
+    rank (every ``ResumableSampler`` and ``StatefulDataLoader`` is). ``timeout_s``: how long a
+    rank waits for the others in pitstop's collectives. ``overwrite``: a run that does not
     :meth:`resume` may replace the checkpoints the directory already holds (by default its
     first save refuses, naming the directory and its newest step, before writing anything).
     ``storage``: what the directory's files are written, renamed, synced and listed through

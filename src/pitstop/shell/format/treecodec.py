@@ -10,8 +10,9 @@
 # anything else is CheckpointCorrupt.
 # How: str/bytes/int/float/bool/None/list/dict are native msgpack; every other type is an
 # ExtType whose payload is the msgpack of its contents (a dtype: its name; a tensor: its index
-# in the file's tensor table). Tensors go to a callback while encoding and come back as TensorRef
-# placeholders when decoding; the file reader resolves them.
+# in the file's tensor table; a NumPy array: its dtype name, shape and bytes, checked by
+# pitstop.core.arrays before NumPy builds it). Tensors go to a callback while encoding and come
+# back as TensorRef placeholders when decoding; the file reader resolves them.
 
 """Encoding and decoding of nested Python trees (state dicts and the like) as msgpack."""
 
@@ -27,6 +28,7 @@ import msgpack
 import torch
 
 from pitstop.errors import CheckpointCorrupt
+from pitstop.shell.format import numpyvalues
 from pitstop.shell.format.treewalk import (
     DTYPES,
     LEAVES,
@@ -70,6 +72,8 @@ EXT_ORDERED_DICT: Final = 4
 EXT_SIZE: Final = 5
 EXT_DTYPE: Final = 6
 EXT_TENSOR: Final = 7
+EXT_NDARRAY: Final = 8
+EXT_NPSCALAR: Final = 9
 EXT_CODES: Final = MappingProxyType(
     {
         EXT_TUPLE: "tuple",
@@ -79,6 +83,8 @@ EXT_CODES: Final = MappingProxyType(
         EXT_SIZE: "torch.Size",
         EXT_DTYPE: "torch.dtype",
         EXT_TENSOR: "tensor",
+        EXT_NDARRAY: "numpy.ndarray",
+        EXT_NPSCALAR: "NumPy scalar",
     }
 )
 
@@ -139,6 +145,9 @@ class _Msgpack(Builder):
 
     def dtype(self, value: torch.dtype, name: str) -> object:
         return msgpack.ExtType(EXT_DTYPE, name.encode("ascii"))
+
+    def numpy(self, value: object, is_array: bool) -> object:
+        return _ext(EXT_NDARRAY if is_array else EXT_NPSCALAR, numpyvalues.payload(value, is_array))
 
 
 _MSGPACK: Final = _Msgpack()
@@ -205,6 +214,10 @@ def _build(code: int, content: object) -> object:
         if type(content) is not dict:
             raise CheckpointCorrupt(f"ext {name} must hold a map, got {type_name(content)}")
         return collections.OrderedDict(content)
+    if code == EXT_NDARRAY:
+        return numpyvalues.build_array(content)
+    if code == EXT_NPSCALAR:
+        return numpyvalues.build_scalar(content)
     if code == EXT_TENSOR:
         if type(content) is not int or content < 0:
             raise CheckpointCorrupt(f"ext tensor must hold an index >= 0, got {short(content)}")
@@ -237,6 +250,8 @@ def check_tree(tree: object, *, root: str, tensor_count: int | None) -> tuple[tu
             raise CheckpointCorrupt(f"{show_path(path)}: nested deeper than {MAX_DEPTH} levels")
         kind = type(value)
         if kind in LEAVES:  # the walk's leaves (an int from msgpack is always in range)
+            return
+        if numpyvalues.is_numpy(value):  # built by the decoder from a checked payload
             return
         if kind is TensorRef:
             assert isinstance(value, TensorRef)

@@ -4,8 +4,10 @@
 # a defaultdict is not a dict, a namedtuple is not a tuple, a bool is not an int):
 #   containers  dict, OrderedDict, list, tuple, set, frozenset
 #   leaves      str, bytes, int (in [-2**63, 2**64 - 1]), float, bool, None, torch.Size,
-#               torch.dtype (the allow-listed names), and dense tensors (torch.Tensor and
-#               nn.Parameter; not sparse, nested, quantized or on the meta device)
+#               torch.dtype (the allow-listed names), dense tensors (torch.Tensor and
+#               nn.Parameter; not sparse, nested, quantized or on the meta device), and NumPy
+#               arrays and scalars of numeric dtypes (pitstop.shell.format.numpyvalues; not in
+#               a Checkpointer's config, which is compared on resume)
 # A tensor is never a dict key or a set member; containers nest at most MAX_DEPTH deep. Anything
 # else is a SaveError naming its key path (`state.scheduler.lr_lambdas[0]`), raised by the walk
 # — so before a byte is copied or written. A synchronous save (prepare, through the tree
@@ -31,6 +33,7 @@ import torch
 
 from pitstop.core.manifest import MAX_NDIM
 from pitstop.errors import SaveError
+from pitstop.shell.format import numpyvalues
 
 __all__ = [
     "DTYPES",
@@ -71,7 +74,7 @@ TENSOR_TYPES: Final = frozenset({torch.Tensor, torch.nn.Parameter})
 _NON_INT_SCALARS: Final = SCALARS - {int}
 _CONTENTS: Final = (
     "dict, OrderedDict, list, tuple, set, frozenset, str, bytes, int, float, bool, None, "
-    "torch.dtype, torch.Size and tensors"
+    "torch.dtype, torch.Size, tensors and NumPy arrays and scalars"
 )
 
 # The dtype allow-list, by the name torch prints (`torch.float32` -> "float32"). A name is only
@@ -226,6 +229,10 @@ class Builder:
         """A torch.dtype leaf, stored under ``name``."""
         return value
 
+    def numpy(self, value: object, is_array: bool) -> object:
+        """A checked NumPy leaf (an array when ``is_array``, else a scalar): a copy of it."""
+        return numpyvalues.copy(value, is_array)
+
 
 TensorVisit = Callable[[torch.Tensor, str], object]
 """Called once per distinct tensor object, with its (first) key path; returns its replacement."""
@@ -239,16 +246,18 @@ def walk(
     on_tensor: TensorVisit | None,
     build: Builder = SAME_TYPES,
     root: str = "",
+    numpy: bool = True,
 ) -> object:
     """Check ``tree`` against the rules above and rebuild it with ``build``.
 
     Each distinct tensor object is checked, then replaced by ``on_tensor(tensor, key_path)``
     (every occurrence by the same result); ``on_tensor=None`` forbids tensors. ``root``
-    prefixes key paths in messages. Raises :class:`~pitstop.errors.SaveError` naming the key
-    path of the first value (in depth-first order) that a checkpoint cannot hold.
+    prefixes key paths in messages; ``numpy=False`` refuses NumPy values. Raises
+    :class:`~pitstop.errors.SaveError` naming the key path of the first value (in depth-first
+    order) that a checkpoint cannot hold.
     """
     try:
-        return _Walk(on_tensor, build).value(tree, root, 0, None)
+        return _Walk(on_tensor, build, numpy).value(tree, root, 0, None)
     except RecursionError:
         raise SaveError(
             f"{show_path(root)}: the tree is nested too deeply to walk (limit {MAX_DEPTH})"
@@ -256,9 +265,10 @@ def walk(
 
 
 class _Walk:
-    def __init__(self, on_tensor: TensorVisit | None, build: Builder) -> None:
+    def __init__(self, on_tensor: TensorVisit | None, build: Builder, numpy: bool) -> None:
         self._on_tensor = on_tensor
         self._build = build
+        self._numpy = numpy
         self._done: dict[int, object] = {}  # id(tensor) -> its replacement; the tree keeps ids
 
     def value(self, value: object, path: str, depth: int, hashable: str | None) -> object:
@@ -298,6 +308,14 @@ class _Walk:
             return self._build.dtype(value, dtype_name(value))
         if isinstance(value, torch.Tensor):  # a subclass: _tensor() refuses it by name
             return self._tensor(value, path, hashable)
+        if numpyvalues.is_numpy(value):
+            if not self._numpy:
+                raise SaveError(
+                    f"{show_path(path)}: NumPy values are not allowed here ({short(value)}); "
+                    f"convert it with .item() or .tolist()"
+                )
+            is_array = numpyvalues.check(value, show_path(path))
+            return self._build.numpy(value, is_array)
         raise SaveError(
             f"{show_path(path)}: cannot store a value of type {type_name(value)} "
             f"({short(value)}); a checkpoint holds {_CONTENTS}"

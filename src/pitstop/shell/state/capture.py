@@ -37,6 +37,7 @@ from pitstop.core.schema import (
     encode_weights_meta,
 )
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.data.loaders import is_stateful_loader
 from pitstop.shell.sampler import ResumableSampler
 from pitstop.shell.state.live import capture_rng, optimizer_groups
 from pitstop.shell.state.staging import storage_keys
@@ -79,7 +80,8 @@ class LiveState:
     pending_groups: dict[str, Any] = attrs.Factory(dict)
     """Their optimizers' parameter groups, by name."""
     per_rank: set[str] = attrs.Factory(set)
-    """Components whose state differs per rank (besides every ResumableSampler)."""
+    """Components whose state differs per rank (besides every ResumableSampler and
+    StatefulDataLoader)."""
     pending_per_rank: set[str] = attrs.Factory(set)
     """Which of the pending states are per-rank."""
 
@@ -88,7 +90,7 @@ class LiveState:
         return {
             name
             for name, obj in self.components.items()
-            if name in self.per_rank or isinstance(obj, ResumableSampler)
+            if name in self.per_rank or isinstance(obj, ResumableSampler) or is_stateful_loader(obj)
         }
 
     def optimizers(self) -> list[torch.optim.Optimizer]:

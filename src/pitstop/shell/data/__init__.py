@@ -1,0 +1,10 @@
+"""Data loading state: DataLoader workers' random state, and which loaders a checkpoint keeps.
+
+Rules: ``WorkerRNG`` wraps a dataset so that the state torchdata's ``StatefulDataLoader``
+snapshots inside each worker carries that worker's Python, NumPy and torch random state, and
+restores it inside the worker; in the main process (``num_workers=0``) it carries none, since
+the checkpoint's own RNG streams are restored there. ``loaders`` tells the live state which
+components are ``StatefulDataLoader``s (per-rank state, like every ``ResumableSampler``)
+without importing torchdata, an optional extra. This room imports only torch, the core and
+the errors; the rooms above (``state``) use it.
+"""
