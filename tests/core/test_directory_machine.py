@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.pointers import reconcile_pointers
+from pitstop.core.pointers import reconcile_pointers, resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     CheckpointEntry,
@@ -30,7 +30,6 @@ from pitstop.core.records import (
     Policy,
     Progress,
 )
-from pitstop.core.resume import resume_order
 from pitstop.core.schedule import Call, resumed_state
 from plan_driver import Driver
 from strategies import METRIC, policies

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pitstop.core.pointers import drop_behind, resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -16,7 +17,6 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.resume import drop_behind, resume_order
 from strategies import METRIC, bests, catalogs, pointers_into
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.ranks import SECONDHAND, CallInput, merge_inputs, stop_origin
-from pitstop.core.stopping import (
+from pitstop.core.ranks import (
     NOT_REQUESTED,
+    SECONDHAND,
+    CallInput,
     StopState,
     agree_codes,
     agreed,
     heard,
+    merge_inputs,
     offer_code,
     offered_reason,
+    stop_origin,
     visible,
 )
 

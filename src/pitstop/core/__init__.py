@@ -10,7 +10,7 @@ from pitstop.core.config import CheckpointConfig, parse_checkpoint_config, resol
 from pitstop.core.layout import Layout, Span, TensorExtent, layout_tensors
 from pitstop.core.naming import EntryKind, checkpoint_name, classify, parse_name, temp_name
 from pitstop.core.plan import SavePlan, plan_save
-from pitstop.core.pointers import reconcile_pointers
+from pitstop.core.pointers import reconcile_pointers, resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -24,7 +24,6 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.resume import resume_order
 from pitstop.core.retention import RetentionPlan, plan_retention
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save
 from pitstop.core.targets import RunTarget, new_updates, plan_run, target_epoch, target_step

@@ -38,6 +38,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION: Final = 2  # 2 adds NumPy values (tree ext 8 and 9); 1 is read too
+OLDEST_VERSION: Final = 1
+"""The version a file is written in when it needs nothing newer (no NumPy values): the oldest
+pitstop that reads that version reads it."""
 HEADER_MAGIC: Final = b"PITSTOP\0"
 FOOTER_MAGIC: Final = b"\0POTSTIP"
 HEADER_SIZE: Final = 64
@@ -62,16 +65,18 @@ class Footer:
     manifest_crc32: int
 
 
-def pack_header() -> bytes:
-    """The 64-byte header of a file this pitstop writes."""
-    body = _HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, 0, bytes(44), 0)[:-4]
+def pack_header(version: int = FORMAT_VERSION) -> bytes:
+    """The 64-byte header of a file this pitstop writes (in format ``version``)."""
+    body = _HEADER.pack(HEADER_MAGIC, version, 0, bytes(44), 0)[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def pack_footer(manifest_offset: int, manifest_length: int, manifest_crc32: int) -> bytes:
+def pack_footer(
+    manifest_offset: int, manifest_length: int, manifest_crc32: int, version: int = FORMAT_VERSION
+) -> bytes:
     """The 40-byte footer placing a manifest of ``manifest_length`` bytes at ``manifest_offset``."""
     body = _FOOTER.pack(
-        FOOTER_MAGIC, FORMAT_VERSION, 0, manifest_offset, manifest_length, manifest_crc32, 0
+        FOOTER_MAGIC, version, 0, manifest_offset, manifest_length, manifest_crc32, 0
     )[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pitstop.core.resume import drop_behind
+from pitstop.core.pointers import drop_behind
 from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.shell.format.fileread import KeyPath, load

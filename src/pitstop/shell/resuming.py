@@ -35,9 +35,9 @@ import attrs
 from torch import nn
 
 from pitstop.core.compat import Difference, judge
+from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
-from pitstop.core.resume import resume_order
 from pitstop.core.schema import STATE
 from pitstop.core.sharded import share_checks
 from pitstop.errors import (

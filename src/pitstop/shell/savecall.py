@@ -19,7 +19,7 @@
 # rank stops, a rank's inputs failed, rank 0 would save or failed deciding); all clear — the
 # common step — ends the call there, else the full round follows with the inputs already taken.
 # Every call given a StopRequest agrees its stop: each rank adopts the merged answer (the core's
-# pitstop.core.stopping), and rank 0 says once, at INFO, who asked, why and at which step.
+# pitstop.core.ranks), and rank 0 says once, at INFO, who asked, why and at which step.
 # How: the rounds are pitstop.shell.ranks.distributed.Ranks' (one process: plain calls).
 
 """A save call on every rank: hear every rank, decide and plan on rank 0, write."""

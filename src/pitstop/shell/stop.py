@@ -12,7 +12,7 @@
 # With several ranks, what a loop sees (bool(stop), requested, reason) is the ranks' last agreed
 # answer, never this rank's own flag: sync() agrees, and so does every save call given the stop
 # (maybe_save(progress, stop=stop) — pitstop.shell.savecall); a request heard after an agreement
-# waits for the next one. The rule is the core's (pitstop.core.stopping). With one process, a
+# waits for the next one. The rule is the core's (pitstop.core.ranks). With one process, a
 # request is the answer at once.
 # How: a plain object holding the core's StopState; the C-level disposition is saved and
 # restored as opaque bytes through the C library's sigaction(); sync() is one all-reduce of a
@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from pitstop.core.stopping import (
+from pitstop.core.ranks import (
     StopState,
     agree_codes,
     agreed,

@@ -36,6 +36,7 @@ from pitstop.core.manifest import (
     HEADER_SIZE,
     MANIFEST_KEYS,
     MAX_MANIFEST_BYTES,
+    OLDEST_VERSION,
     Blob,
     TensorDescriptor,
     blob_table,
@@ -74,6 +75,7 @@ class Prepared:
     spans: tuple[Span, ...]  # the storage spans, in file order: blob i is spans[i]
     sources: tuple[torch.Tensor, ...] = attrs.field(repr=False)  # a tensor over each span
     data_end: int  # file offset where the manifest starts
+    version: int = OLDEST_VERSION  # the format version the tree needs (2: NumPy values)
 
     @property
     def data_bytes(self) -> int:
@@ -97,7 +99,8 @@ def prepare(tree: object) -> Prepared:
             f"and refuses to write on a big-endian host"
         )
     collector = _Collector()
-    encoded = encode_tree(tree, on_tensor=collector.add)
+    numpy_seen = [False]
+    encoded = encode_tree(tree, on_tensor=collector.add, numpy_seen=numpy_seen)
     layout = layout_tensors(collector.extents, alignment=ALIGNMENT, base=HEADER_SIZE)
     blob_of = {span.storage: i for i, span in enumerate(layout.spans)}
     sources: dict[int, torch.Tensor] = {}  # blob -> a tensor over its storage
@@ -125,6 +128,7 @@ def prepare(tree: object) -> Prepared:
         spans=layout.spans,
         sources=tuple(sources[blob] for blob in range(len(layout.spans))),
         data_end=layout.end,
+        version=FORMAT_VERSION if numpy_seen[0] else OLDEST_VERSION,
     )
 
 
@@ -221,7 +225,7 @@ def _write(
             f"{MAX_MANIFEST_BYTES} a reader accepts; store large values as tensors"
         )
     sink = _Sink(file, watched)
-    sink.put(pack_header())
+    sink.put(pack_header(prepared.version))
     crcs = [0] * len(prepared.spans)
     big = prepared.data_end >= _PARALLEL_MIN
     with Checksummer(default_threads() if big else 0) as pool:
@@ -248,7 +252,7 @@ def _write(
                 crcs[index] = job.result()
     packer = msgpack.Packer(use_bin_type=True)
     values = {
-        "format": packer.pack(FORMAT_VERSION),
+        "format": packer.pack(prepared.version),
         "tree": prepared.tree,
         "tensors": tables[0],
         "blobs": _blob_table(prepared.spans, crcs),
@@ -262,7 +266,7 @@ def _write(
     )
     manifest_offset = sink.position
     sink.put(manifest)
-    sink.put(pack_footer(manifest_offset, len(manifest), crc32_update(manifest)))
+    sink.put(pack_footer(manifest_offset, len(manifest), crc32_update(manifest), prepared.version))
     return sink.position
 
 

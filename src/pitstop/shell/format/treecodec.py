@@ -101,8 +101,17 @@ class TensorRef:
 TensorCallback = TensorVisit  # (tensor, key path) -> its index in the file's tensor table
 
 
-def encode_tree(tree: object, *, on_tensor: TensorCallback | None, root: str = "") -> bytes:
+def encode_tree(
+    tree: object,
+    *,
+    on_tensor: TensorCallback | None,
+    root: str = "",
+    numpy_seen: list[bool] | None = None,
+) -> bytes:
     """Return the msgpack encoding of ``tree``.
+
+    ``numpy_seen``: set to ``[True]`` when the tree holds a NumPy value (which only a format
+    version 2 reader decodes: the writer then says so in the file's version).
 
     Each distinct tensor object is passed once to ``on_tensor(tensor, key_path)``, which
     returns its index in the file's tensor table. ``on_tensor=None`` forbids tensors. ``root``
@@ -117,7 +126,10 @@ def encode_tree(tree: object, *, on_tensor: TensorCallback | None, root: str = "
         def visit(tensor: torch.Tensor, path: str) -> object:
             return _ext(EXT_TENSOR, index_of(tensor, path))
 
-    native = walk(tree, on_tensor=visit, build=_MSGPACK, root=root)
+    builder = _Msgpack()
+    native = walk(tree, on_tensor=visit, build=builder, root=root)
+    if numpy_seen is not None:
+        numpy_seen[:] = [builder.numpy_seen]
     packed: bytes = msgpack.packb(native, use_bin_type=True)
     return packed
 
@@ -128,6 +140,9 @@ def _ext(code: int, content: object) -> msgpack.ExtType:
 
 class _Msgpack(Builder):
     """Builds msgpack values: native maps and arrays, ext types for everything else."""
+
+    def __init__(self) -> None:
+        self.numpy_seen = False
 
     def mapping(self, kind: type, items: dict[object, object]) -> object:
         return items if kind is dict else _ext(EXT_ORDERED_DICT, items)
@@ -147,10 +162,8 @@ class _Msgpack(Builder):
         return msgpack.ExtType(EXT_DTYPE, name.encode("ascii"))
 
     def numpy(self, value: object, is_array: bool) -> object:
+        self.numpy_seen = True
         return _ext(EXT_NDARRAY if is_array else EXT_NPSCALAR, numpyvalues.payload(value, is_array))
-
-
-_MSGPACK: Final = _Msgpack()
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pitstop.core.naming import (
     parse_name,
     parse_sharded_name,
 )
-from pitstop.core.pointers import reconcile_pointers
+from pitstop.core.pointers import reconcile_pointers, resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -47,7 +47,6 @@ from pitstop.core.records import (
     PointerName,
     Pointers,
 )
-from pitstop.core.resume import resume_order
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
