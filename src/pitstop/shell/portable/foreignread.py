@@ -38,10 +38,25 @@ _SAFETENSORS_DTYPES: Final = {
     "BOOL": torch.bool,
 }
 _SAFETENSORS_HEADER_LIMIT = 100 << 20
+_ZIP_MAGIC: Final = b"PK\x03\x04"  # torch.save since 1.6
+_PICKLE_PROTO: Final = b"\x80"  # a pickle stream's PROTO opcode: torch.save before 1.6
 
 
 def torch_load(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU; refused with torch's reason."""
+    """``torch.load(path, weights_only=True)`` on the CPU; refused with torch's reason.
+
+    A file that is neither a zip archive (torch.save's format) nor a pickle stream (its format
+    before torch 1.6) is refused before torch reads it: a YAML or JSON file is not a checkpoint,
+    and torch's unpickler would only say that it met an unknown opcode.
+    """
+    with path.open("rb") as file:
+        head = file.read(4)
+    if not head.startswith(_ZIP_MAGIC) and not head.startswith(_PICKLE_PROTO):
+        raise ImportRefused(
+            f"{path} is not a file torch.save wrote: it is neither a zip archive nor a pickle "
+            f"stream (it starts with {head!r}). pitstop import reads a torch.save file, a "
+            f"Lightning .ckpt, a .safetensors file or an Accelerate save_state directory"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -59,8 +74,8 @@ def _unpickler_reason(error: BaseException) -> str:
     """The part of torch's weights_only refusal that says what it met (``Unsupported global:
     GLOBAL argparse.Namespace``), without its advice to load the file unsafely."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. |\n|$)", text)
-    if found:
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?: was not an allowed global|\. |\n|$)", text)
+    if found and found.group(1).strip():
         return found.group(1).strip()
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
