@@ -18,10 +18,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from test_readme import python_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
+BUILD = ("wheel", "--no-deps", "--no-build-isolation", "-q")  # hatchling, from this venv
+INSTALL = ("install", "-q", "--no-deps", "--no-index")  # the wheel alone; torch is reused
+TRAIN = ("train", "--config", "smoke", "--output-dir", "runs/smoke", "--max-steps", "4", "--quiet")
 
 
 def _run(
@@ -37,11 +41,7 @@ def _run(
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + ["-w", str(out), str(ROOT)],
-        cwd=out,
-    )
+    _run([sys.executable, "-m", "pip", *BUILD, "-w", str(out), str(ROOT)], cwd=out)
     (built,) = out.glob("pitstop-*.whl")
     return built
 
@@ -58,11 +58,7 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     ).stdout.strip()
     ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (Path(purelib) / "outer.pth").write_text("\n".join(ours) + "\n", encoding="utf-8")
-    _run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
-        + ["--no-index", str(wheel)],
-        cwd=root,
-    )
+    _run([sys.executable, "-m", "pip", "--python", str(python), *INSTALL, str(wheel)], cwd=root)
     return root
 
 
@@ -96,8 +92,7 @@ def test_the_installed_wheel_trains_lists_and_runs_the_readme_loop_outside_the_c
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout  # the wheel's copy
 
     train = _run(
-        [str(venv / "bin" / "pitstop"), "train", "--config", "smoke"]
-        + ["--output-dir", "runs/smoke", "--max-steps", "4", "--quiet"],
+        [str(venv / "bin" / "pitstop"), *TRAIN],
         tmp_path,
         env,
     )

@@ -279,9 +279,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         hint = ""
         if isinstance(exc, FileNotFoundError) and os.sep not in os.fspath(path):
             hint = f" (built-in configurations, by name: {', '.join(BUILTIN_CONFIGS)})"
-        raise ConfigError(
-            f"{file}: cannot read the configuration: {exc.strerror}{hint}"
-        ) from None
+        raise ConfigError(f"{file}: cannot read the configuration: {exc.strerror}{hint}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

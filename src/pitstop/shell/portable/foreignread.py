@@ -74,7 +74,9 @@ def _unpickler_reason(error: BaseException) -> str:
     """The part of torch's weights_only refusal that says what it met (``Unsupported global:
     GLOBAL argparse.Namespace``), without its advice to load the file unsafely."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?: was not an allowed global|\. |\n|$)", text)
+    found = re.search(
+        r"WeightsUnpickler error:\s*(.*?)(?: was not an allowed global|\. |\n|$)", text
+    )
     if found and found.group(1).strip():
         return found.group(1).strip()
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
