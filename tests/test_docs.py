@@ -15,8 +15,8 @@ What is run
       uses; a block that cannot (a signature, a piece of a loop, code that needs many ranks or
       CUDA) is marked as a fragment (below) and skipped on purpose.
 
-    Nothing else is run: shell blocks without a ``$`` prompt, illustrations. A block of another kind that contains ``$ `` lines fails
-    ``test_shell_examples_are_tagged``: tag it ``console`` so that it runs (or is skipped).
+    Nothing else is run: shell blocks without a ``$`` prompt, illustrations. A block of another
+    kind that contains ``$ `` lines fails ``test_shell_examples_are_tagged``: tag it ``console`` so that it runs (or is skipped).
 
 Matching
     Lines are compared with trailing whitespace stripped (rich pads its tables), ignoring blank
