@@ -16,7 +16,8 @@ What is run
       CUDA) is marked as a fragment (below) and skipped on purpose.
 
     Nothing else is run: shell blocks without a ``$`` prompt, illustrations. A block of another
-    kind that contains ``$ `` lines fails ``test_shell_examples_are_tagged``: tag it ``console`` so that it runs (or is skipped).
+    kind that contains ``$ `` lines fails ``test_shell_examples_are_tagged``: tag it ``console``
+    so that it runs (or is skipped).
 
 Matching
     Lines are compared with trailing whitespace stripped (rich pads its tables), ignoring blank
