@@ -149,3 +149,18 @@ def test_resume_speed_prints_every_candidate_and_phase(
     assert all(row["x_new_floor"] > 0 for row in rows)  # every row's ratio to the second floor
     assert "| x new-mem floor (max) |" in out, out
     assert list(tmp_path.iterdir()) == [out_json]  # every file removed
+
+
+def test_cli_startup_times_ls_and_help_and_says_whether_ls_imports_torch(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    cli_startup = load_benchmark("cli_startup")
+    assert cli_startup.main(["--repeats", "1", "--json", str(tmp_path / "cli.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pitstop --help   median" in out
+    assert "pitstop ls DIR   median" in out
+    record = json.loads((tmp_path / "cli.json").read_text())
+    assert set(record["medians_s"]) == {"--help", "ls DIR"}
+    assert (
+        record["ls_imports_torch"] is True
+    )  # pitstop ls still imports torch (docs/performance.md)

@@ -79,7 +79,7 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert pitstop("frobnicate").returncode == 2
     missing = pitstop("ls", str(tmp_path / "missing"))
     assert missing.returncode == 1
-    assert "is not a directory" in missing.stdout
+    assert "missing does not exist" in missing.stdout
 
 
 # --- in-process helpers ---------------------------------------------------------------------------

@@ -10,9 +10,14 @@ What is run
       together, as a terminal shows them. ``$ echo $?`` shows the previous command's exit status;
       a command that exits non-zero must be followed by ``$ echo $?``.
 
-    Nothing else is run: python blocks with no output block, shell blocks without a ``$``
-    prompt, illustrations. A block of another kind that contains ``$ `` lines fails
-    ``test_shell_examples_are_tagged``: tag it ``console`` so that it runs (or is skipped).
+    * Every other ``python`` block: it runs as ``__main__`` and must exit normally (what it
+      prints is not compared). A block runs as pasted alone, so it imports and defines what it
+      uses; a block that cannot (a signature, a piece of a loop, code that needs many ranks or
+      CUDA) is marked as a fragment (below) and skipped on purpose.
+
+    Nothing else is run: shell blocks without a ``$`` prompt, illustrations. A block of another
+    kind that contains ``$ `` lines fails ``test_shell_examples_are_tagged``: tag it ``console``
+    so that it runs (or is skipped).
 
 Matching
     Lines are compared with trailing whitespace stripped (rich pads its tables), ignoring blank
@@ -29,6 +34,8 @@ Order, directories, dependencies
 Markers, an HTML comment just before a block (blank lines between are allowed)
     * ``<!-- doc-test: skip (REASON) -->``: not run; its test is skipped with REASON. For blocks
       that need what CI does not have (CUDA, a network) or whose output is not reproducible.
+    * ``<!-- doc-test: fragment (REASON) -->``: a python block that is not a whole program
+      (REASON says what it lacks); not run, its test skipped as a fragment.
     * ``<!-- doc-test: prelude -->``: a python block that prints nothing and is prepended to
       every later python block of the page (a function that later blocks call).
     * ``<!-- doc-test: file NAME -->``: the block's text is written to NAME in the page's
@@ -79,6 +86,7 @@ OUTPUT_LANGS = {"text", "console", "output"}
 # Variables that would change how rich or a terminal lays out the output.
 TERMINAL_VARS = {"COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"}
 
+FRAGMENT = "fragment: "  # the start of a fragment's skip reason
 _FENCE = re.compile(r"^```\s*([\w+-]*)[^`]*$")
 _MARKER = re.compile(r"^<!--\s*doc-test:\s*(\w+)\s*(.*?)\s*-->$")
 
@@ -140,6 +148,7 @@ class Step:
     commands: list[Command] = field(default_factory=list)  # shell
     name: str = ""  # file: its name
     skip: str | None = None
+    compare: bool = True  # python: whether its output is compared with ``expected``
 
     @property
     def id(self) -> str:
@@ -178,20 +187,33 @@ def page_steps(path: Path) -> list[Step]:
             continue
         where = f"{page}:{block.line}"
         skip = block.markers.get("skip")
-        if skip == "":
-            raise AssertionError(f"{where}: a skip marker needs its reason")
+        fragment = block.markers.get("fragment")
+        if skip == "" or fragment == "":
+            raise AssertionError(f"{where}: a skip or fragment marker needs its reason")
+        if fragment is not None and block.lang != "python":
+            raise AssertionError(f"{where}: only a python block can be a fragment")
+        if fragment is not None:
+            skip = f"{FRAGMENT}{fragment}"
         step = None
         if "file" in block.markers:
             step = Step("file", page, block.line, text=block.text, name=block.markers["file"])
         elif block.lang == "python" and "prelude" in block.markers:
             step = Step("prelude", page, block.line, text=block.text)
-        elif block.lang == "python" and index + 1 < len(blocks):
-            output = blocks[index + 1]
-            between = lines[block.end : output.line - 1]
-            if output.lang in OUTPUT_LANGS and not any(s.strip() for s in between):
+        elif block.lang == "python":
+            output = blocks[index + 1] if index + 1 < len(blocks) else None
+            between = lines[block.end : output.line - 1] if output is not None else []
+            if (
+                output is not None
+                and output.lang in OUTPUT_LANGS
+                and not any(s.strip() for s in between)
+            ):
+                if fragment is not None:
+                    raise AssertionError(f"{where}: a block that shows its output is no fragment")
                 used.add(index + 1)
                 expected = output.text.splitlines()
                 step = Step("python", page, block.line, block.text, expected, skip=skip)
+            else:
+                step = Step("python", page, block.line, block.text, skip=skip, compare=False)
         elif block.lang in SHELL_LANGS and any(s.startswith("$ ") for s in block.text.splitlines()):
             commands = parse_commands(block.text)
             step = Step("shell", page, block.line, commands=commands, skip=skip)
@@ -639,6 +661,8 @@ def test_doc_block_prints_what_the_doc_shows(step: Step, page_run: Any) -> None:
         rc, out, err = result
         assert rc is not None, f"{step.id}: still running after {TIMEOUT_S} s; killed"
         assert rc == 0, f"{step.id}: exited with status {rc}\n{_show(out)}\n{_show(err)}"
+        if not step.compare:
+            return
         if not output_matches(step.expected, out.splitlines()):
             skip_if_recorded_with_other_numerics(step)
             pytest.fail(
@@ -676,6 +700,20 @@ def test_every_page_is_searched_and_blocks_are_found() -> None:
     assert len(ITEMS) >= 10, [step.id for step in ITEMS]
 
 
+def test_every_python_block_runs_or_is_a_fragment() -> None:
+    """No python block is left out: each one runs, or says why it is not a whole program."""
+    runs = {(step.page, step.line) for step in ITEMS}
+    left_out = [
+        f"{path.relative_to(ROOT).as_posix()}:{block.line}"
+        for path in PAGES
+        for block in parse_blocks(path.read_text(encoding="utf-8"))
+        if block.lang == "python"
+        and not {"file", "prelude"} & set(block.markers)
+        and (path.relative_to(ROOT).as_posix(), block.line) not in runs
+    ]
+    assert not left_out, left_out
+
+
 def test_shell_examples_are_tagged() -> None:
     """A block showing ``$ `` commands must be a console block, so that it is run (or skipped)."""
     untagged = [
@@ -696,7 +734,7 @@ def test_markers_are_known() -> None:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if "doc-test" in line:
                 marker = _MARKER.match(line.strip())
-                if not marker or marker.group(1) not in ("skip", "prelude", "file"):
+                if not marker or marker.group(1) not in ("skip", "fragment", "prelude", "file"):
                     bad.append(f"{path.relative_to(ROOT).as_posix()}:{number}: {line.strip()}")
     assert not bad, bad
 

@@ -35,7 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cli_demo.add_parser(commands)
     ls = commands.add_parser("ls", help="list the checkpoints of a directory")
-    ls.add_argument("directory", help="a checkpoint directory (e.g. runs/demo/checkpoints)")
+    ls.add_argument(
+        "directory",
+        help="a checkpoint directory (e.g. runs/demo/resumed/checkpoints, which the demo writes)",
+    )
     ls.add_argument(
         "--check",
         action="store_true",

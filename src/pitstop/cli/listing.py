@@ -54,7 +54,7 @@ def list_directory(
     """
     path = Path(directory)
     if not path.is_dir():
-        raise CheckpointNotFound(f"{path} is not a directory")
+        raise CheckpointNotFound(_not_a_directory(path))
     storage = LocalStorage(path)
     policy = recorded_policy(path)
     found = scan(storage, None if policy is None else policy.best)
@@ -180,6 +180,19 @@ def list_directory(
         console.print(f"[red]corrupt:[/red] {escape(why if name in why else f'{name}: {why}')}")
     _print_resume(console, resume_choice())
     return 1 if failures else 0
+
+
+def _not_a_directory(path: Path) -> str:
+    """Why ``pitstop ls PATH`` cannot list ``path``, and what to run instead."""
+    if not path.exists():
+        return f"{path} does not exist; pitstop ls lists a checkpoint directory"
+    if path.suffix == ".pitstop" or path.name in {p.value for p in PointerName}:
+        return (
+            f"{path} is one checkpoint, not a directory; pitstop ls lists a directory (such as "
+            f"{path.parent}). For this checkpoint: pitstop inspect {path} (what it records) or "
+            f"pitstop verify {path} (check every byte)"
+        )
+    return f"{path} is a file, not a directory; pitstop ls lists a checkpoint directory"
 
 
 def _print_resume(console: Console, choice: ResumeChoice) -> None:

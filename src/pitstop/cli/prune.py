@@ -38,7 +38,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="delete old checkpoints by hand: keep the last N, every pointer target and the "
         "resume point",
     )
-    prune.add_argument("directory", help="a checkpoint directory (e.g. runs/demo/checkpoints)")
+    prune.add_argument(
+        "directory",
+        help="a checkpoint directory (e.g. runs/demo/resumed/checkpoints, which the demo writes)",
+    )
     prune.add_argument(
         "--keep-last",
         type=_positive,

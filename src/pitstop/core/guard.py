@@ -71,10 +71,10 @@ def foreign_save_problem(
         return None
     step, name = newest
     return (
-        f"{directory} holds {count} checkpoint(s) of another run (the newest is step "
-        f"{step}, {name}), and this run did not resume: saving would replace "
-        f"what that run published. To continue it, {resume}; otherwise use another "
-        f"checkpoint directory, or {overwrite} to replace them"
+        f"{directory} already holds {count} checkpoint(s) (the newest is step {step}, "
+        f"{name}) and this run did not resume from them: saving would replace them. To "
+        f"continue from them, {resume}; to start over, use another checkpoint directory or "
+        f"{overwrite}"
     )
 
 

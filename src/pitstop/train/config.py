@@ -240,17 +240,46 @@ class RunConfig:
         }
 
 
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a run file; raise :class:`~pitstop.errors.ConfigError` naming the file."""
+BUILTIN_CONFIGS = ("smoke",)
+"""Run files shipped inside the package (``pitstop train --config smoke``): no checkout needed."""
+
+
+def builtin_config(name: str) -> Path:
+    """The path of the run file shipped with pitstop as ``name`` (``"smoke"``).
+
+    ``configs/smoke.yaml`` in a checkout is the same file; an installed wheel has only this one.
+    """
+    if name not in BUILTIN_CONFIGS:
+        known = ", ".join(BUILTIN_CONFIGS)
+        raise ConfigError(f"{name}: no built-in configuration of that name (known: {known})")
+    return Path(__file__).resolve().parent / "configs" / f"{name}.yaml"
+
+
+def config_file(path: str | os.PathLike[str]) -> Path:
+    """The run file ``path`` names: the file itself, else a built-in name (``smoke``)."""
     file = Path(path)
+    name = os.fspath(path)
+    if not file.exists() and name in BUILTIN_CONFIGS:
+        return builtin_config(name)
+    return file
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a run file (or a built-in one by name); raise :class:`ConfigError` naming the file.
+
+    A YAML error names the file, its line and column (``configs/x.yaml", line 3, column 5``).
+    """
+    file = config_file(path)
     try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{file}: cannot read the configuration: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
+        with file.open(encoding="utf-8") as stream:  # its name is what a YAML error shows
+            data = yaml.safe_load(stream)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+    except OSError as exc:
+        hint = ""
+        if isinstance(exc, FileNotFoundError) and os.sep not in os.fspath(path):
+            hint = f" (built-in configurations, by name: {', '.join(BUILTIN_CONFIGS)})"
+        raise ConfigError(f"{file}: cannot read the configuration: {exc.strerror}{hint}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -116,7 +116,13 @@ def train_from_config(
     device = _device(cfg.run.device)
     if resume and checkpoint_dir is not None and not checkpoint_dir.exists():
         log.warning("resume: %s does not exist; the run starts fresh", checkpoint_dir)
-    Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
+    output_dir = Path(cfg.run.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(
+            f"run.output_dir (--output-dir): {output_dir} is a file, and a run needs a "
+            f"directory there (created when missing); name a new or existing directory"
+        )
+    output_dir.mkdir(parents=True, exist_ok=True)
 
     _seed(cfg.run.seed)
     task = make_task(cfg.data)

@@ -266,8 +266,8 @@ def _refuse_another_run(checkpointer: Checkpointer) -> None:
         None if newest is None else (newest.step, newest.path.name),
         directory=str(checkpointer.directory),
         count=len(existing),
-        resume="resume it (pitstop train --resume, checkpoint.resume: true)",
-        overwrite="let this run replace them (--overwrite, checkpoint.overwrite: true)",
+        resume="pass --resume (checkpoint.resume: true)",
+        overwrite="pass --overwrite (checkpoint.overwrite: true) to replace them",
     )
     if problem is not None:
         raise ConfigError(problem)

@@ -42,6 +42,7 @@ _DTYPES: Mapping[str, torch.dtype] = {
     "float64": torch.float64,
     "double": torch.float64,
 }
+_SHORT = {"bf16", "fp16", "fp32", "fp64"}
 _FORMATS = (".pt", ".safetensors")
 
 
@@ -52,8 +53,8 @@ def _export_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         found = _DTYPES.get(dtype.lower().removeprefix("torch."))
         if found is None:
             raise ConfigError(
-                f"dtype {dtype!r} is not a floating-point dtype pitstop knows; use one of "
-                f"{sorted(_DTYPES)} or a torch.dtype"
+                f"dtype {dtype!r} is not a floating-point dtype pitstop exports to; use bf16, "
+                f"fp16, fp32 or fp64 (also spelt {', '.join(sorted(set(_DTYPES) - _SHORT))})"
             )
         return found
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:

@@ -38,29 +38,52 @@ _SAFETENSORS_DTYPES: Final = {
     "BOOL": torch.bool,
 }
 _SAFETENSORS_HEADER_LIMIT = 100 << 20
+_ZIP_MAGIC: Final = b"PK\x03\x04"  # torch.save since 1.6
 
 
 def torch_load(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU; refused with torch's reason."""
+    """``torch.load(path, weights_only=True)`` on the CPU; refused with torch's reason.
+
+    A file that is neither a zip archive (torch.save's format) nor a pickle stream (its format
+    before torch 1.6) — torch's unpickler stops at its first byte — is no checkpoint at all (a
+    YAML or JSON file): the refusal says what import reads, not that unpickling is needed.
+    """
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
+        reason = _unpickler_reason(exc)
+        if type(exc).__name__ == "UnpicklingError" and _not_a_pickle(path, reason):
+            raise ImportRefused(
+                f"{path} is not a file torch.save wrote: it is neither a zip archive nor a "
+                f"pickle stream (torch: {reason}). pitstop import reads a torch.save file, a "
+                f"Lightning .ckpt, a .safetensors file or an Accelerate save_state directory"
+            ) from None
         if type(exc).__name__ == "UnpicklingError":
             raise ImportRefused(
                 f"{path} needs more than torch.load(weights_only=True) to read — it holds Python "
                 f"objects that only unpickling could rebuild, and pitstop never unpickles "
-                f"(torch: {_unpickler_reason(exc)}). Re-save it with plain tensors, numbers, "
+                f"(torch: {reason}). Re-save it with plain tensors, numbers, "
                 f"strings, lists and dicts, or convert it in a trusted environment"
             ) from None
         raise ImportRefused(f"{path} is not a file torch.save wrote ({exc})") from None
+
+
+def _not_a_pickle(path: Path, reason: str) -> bool:
+    """Whether torch's unpickler refused ``path`` at an opcode no pickle holds, in a file that
+    is no zip archive: a text file, say, rather than a pickle that needs unpickling."""
+    with path.open("rb") as file:
+        zipped = file.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    return not zipped and reason.startswith("Unsupported operand")
 
 
 def _unpickler_reason(error: BaseException) -> str:
     """The part of torch's weights_only refusal that says what it met (``Unsupported global:
     GLOBAL argparse.Namespace``), without its advice to load the file unsafely."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. |\n|$)", text)
-    if found:
+    found = re.search(
+        r"WeightsUnpickler error:\s*(.*?)(?: was not an allowed global|\. |\n|$)", text
+    )
+    if found and found.group(1).strip():
         return found.group(1).strip()
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
