@@ -164,3 +164,18 @@ def test_cli_startup_times_ls_and_help_and_says_whether_ls_imports_torch(
     assert (
         record["ls_imports_torch"] is True
     )  # pitstop ls still imports torch (docs/performance.md)
+
+
+def test_step_cost_prints_every_candidate_and_ends_its_workers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    step_cost = load_benchmark("step_cost")
+    out_json = tmp_path / "step_cost.json"
+    args = ["--ranks", "2", "--steps", "20", "--batch", "10", "--warmup", "2"]
+    assert step_cost.main([*args, "--timeout", "120", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for candidate in step_cost.CANDIDATES:
+        assert re.search(rf"^\| 2 \| {re.escape(candidate)} \|", out, re.MULTILINE), out
+    rows = json.loads(out_json.read_text())
+    assert [r["candidate"] for r in rows] == list(step_cost.CANDIDATES)
+    assert rows[0]["x_floor"] == 1.0
