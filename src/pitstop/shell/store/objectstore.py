@@ -119,9 +119,13 @@ def _cause(exc: BaseException) -> str:
     if "NoSuchBucket" in text:
         return "the bucket does not exist"
     name = type(exc).__name__
-    if name in {"PermissionDeniedError", "UnauthenticatedError"}:
+    refused = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403 Forbidden")
+    if name in {"PermissionDeniedError", "UnauthenticatedError"} or any(
+        code in text for code in refused
+    ):
         return "the credentials were refused (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
-    return f"{name}: {text.splitlines()[0] if text else ''}"
+    first = text.splitlines()[0] if text else ""
+    return f"{name}: {first[:300]}"
 
 
 class ObjectStorage:
@@ -322,12 +326,18 @@ class ObjectStorage:
         record = Commit(name=target, data=data, size=local.stat().st_size, entry=entry)
         old = None
         try:
-            existing = self.head(target)
-            if existing is None:
-                self.put(target, encode_commit(record), "create")
-            else:  # this writer replaces its own checkpoint of that name
-                old = self.commit(target)
-                self.put(target, encode_commit(record), {"e_tag": existing["e_tag"]})
+            seen = self._etags.get(target)  # a commit this process read or wrote
+            if seen is not None:
+                with contextlib.suppress(FileNotFoundError):  # (gone: created anew)
+                    old = self.commit(target)
+                if old is not None and self._etags.get(target) != seen:
+                    raise FileExistsError(
+                        errno.EEXIST, f"{self.location.url(target)} was replaced by another writer"
+                    )
+            # only a commit this writer has seen is replaced, by its ETag; any other is created,
+            # so of two writers committing one name, one wins
+            mode: object = "create" if old is None else {"e_tag": seen}
+            self.put(target, encode_commit(record), mode)
         except BaseException:
             with contextlib.suppress(OSError):
                 self.delete(data)
