@@ -11,6 +11,7 @@ the standard AWS environment a client (pitstop's, or a child process) needs to r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -175,10 +176,8 @@ class S3Server:
     def stop(self) -> None:
         """Kill the server's process group and reap it."""
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait(timeout=30)
         if self.pump is not None:  # its output ends with it
             self.pump.join(timeout=30)

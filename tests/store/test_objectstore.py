@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 import obstore
 import pytest
@@ -27,8 +28,8 @@ from pitstop.core.objects import Lease, data_name, encode_lease, parse_url
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import publish_file
-from s3server import BUCKET, S3Server
-from tinyrun import same, trained, train_step, weights
+from s3server import S3Server
+from tinyrun import same, train_step, trained, weights
 
 CHILD = Path(__file__).with_name("s3child.py")
 TIMEOUT_S = 120
@@ -111,7 +112,10 @@ def test_a_killed_upload_is_never_listed(s3_url: str, s3_env: dict[str, str]) ->
     storage = ObjectStorage(s3_url)
     try:
         listed = [n for n in storage.names() if n.endswith(".pitstop")]
-        assert listed in ([checkpoint_name(s) for s in (1, 2)], [checkpoint_name(s) for s in (1, 2, 3)])
+        assert listed in (
+            [checkpoint_name(s) for s in (1, 2)],
+            [checkpoint_name(s) for s in (1, 2, 3)],
+        )
         for name in listed:
             pitstop.verify(f"{s3_url}/{name}")
         # an upload whose commit never came, as a writer killed between the two leaves it
@@ -164,9 +168,11 @@ def test_a_pointer_is_never_trusted_over_the_commits(s3_url: str) -> None:
 
 def test_one_writer_per_prefix(s3_url: str, caplog: pytest.LogCaptureFixture) -> None:
     model, _ = trained()
-    with pitstop.Checkpointer(s3_url, model=model):
-        with pytest.raises(DirectoryLocked, match=rf"{s3_url} is locked by run \w+ \(pid {os.getpid()}"):
-            pitstop.Checkpointer(s3_url, model=model)
+    with (
+        pitstop.Checkpointer(s3_url, model=model),
+        pytest.raises(DirectoryLocked, match=rf"{s3_url} is locked by run \w+ \(pid {os.getpid()}"),
+    ):
+        pitstop.Checkpointer(s3_url, model=model)
     # a lease from another host that has expired is taken over, with a warning naming it
     storage = ObjectStorage(s3_url)
     try:
@@ -177,7 +183,9 @@ def test_one_writer_per_prefix(s3_url: str, caplog: pytest.LogCaptureFixture) ->
     caplog.set_level(logging.WARNING, logger="pitstop")
     with pitstop.Checkpointer(s3_url, model=model) as ckpt:
         ckpt.save(pitstop.Progress(step=1))
-    assert any("took over the lease" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
+    assert any(
+        "took over the lease" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_refused_credentials_are_one_error_and_nothing_is_written(
@@ -216,46 +224,62 @@ def test_without_the_client_an_s3_location_names_the_extra(tmp_path: Path) -> No
 ROUNDS = 10
 
 
+def race(writers: list[ObjectStorage], name: str, tokens: list[str], body: bytes) -> list[int]:
+    """Both ``writers`` publish ``name`` at once, each under its token; the winners' indices."""
+    gate = threading.Barrier(len(writers), timeout=TIMEOUT_S)
+    outcome: dict[int, SaveError | None] = {}
+
+    def write(i: int) -> None:
+        def fill(file: BinaryIO, sync: object) -> None:
+            file.write(body)
+            gate.wait()  # every writer has its bytes and is about to upload and commit
+
+        try:
+            publish_file(writers[i], name, tokens[i], fill)
+            outcome[i] = None
+        except SaveError as exc:
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(writers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S)
+    assert len(outcome) == len(writers)
+    return [i for i, exc in outcome.items() if exc is None]
+
+
 def test_two_writers_racing_for_one_commit_exactly_one_wins(s3_url: str) -> None:
     """Each round, two writers publish one checkpoint name at once (each its own data): one
     commit object is created, naming the winner's data; the loser gets an error and its data
     is gone."""
     model, optimizer = trained()
-    source = Path(__file__)  # any bytes with a manifest would do: take a real checkpoint's
     with pitstop.Checkpointer(s3_url + "-seed", model=model, state={"optimizer": optimizer}) as c:
         c.save(pitstop.Progress(step=1))
-    seed = pitstop.verify(f"{s3_url}-seed/last").read_bytes()
-    del source
+    body = pitstop.verify(f"{s3_url}-seed/last").read_bytes()  # a real checkpoint's bytes
     writers = [ObjectStorage(s3_url), ObjectStorage(s3_url)]
     try:
         for round_ in range(ROUNDS):
             name = checkpoint_name(round_)
-            gate = threading.Barrier(2, timeout=TIMEOUT_S)
-            outcome: dict[int, BaseException | None] = {}
-
-            def write(i: int, name: str = name, gate: threading.Barrier = gate) -> None:
-                def body(file: object, sync: object) -> None:
-                    file.write(seed)  # type: ignore[attr-defined]
-                    gate.wait()  # both uploaded and about to commit
-
-                try:
-                    publish_file(writers[i], name, f"w{i}_{round_}", body)
-                    outcome[i] = None
-                except SaveError as exc:
-                    outcome[i] = exc
-
-            threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=TIMEOUT_S)
-            winners = [i for i, exc in outcome.items() if exc is None]
-            assert len(outcome) == 2
-            assert len(winners) == 1, outcome
-            commit = writers[0].commit(name)
-            assert commit.data == data_name(name, f"w{winners[0]}_{round_}")
-            loser = 1 - winners[0]
-            assert data_name(name, f"w{loser}_{round_}") not in writers[0].data_names()
+            tokens = [f"w0_{round_}", f"w1_{round_}"]
+            winners = race(writers, name, tokens, body)
+            assert len(winners) == 1, f"round {round_}: writers {winners} both committed"
+            assert writers[0].commit(name).data == data_name(name, tokens[winners[0]])
+            loser = tokens[1 - winners[0]]
+            assert data_name(name, loser) not in writers[0].data_names()
     finally:
         for writer in writers:
             writer.close()
+
+
+def test_the_cli_verifies_and_inspects_s3_urls(
+    s3_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pitstop.cli import main
+
+    saved(s3_url)
+    assert main(["verify", s3_url]) == 0
+    assert main(["inspect", f"{s3_url}/{checkpoint_name(2)}"]) == 0
+    out = capsys.readouterr().out
+    assert checkpoint_name(3) in out
+    assert checkpoint_name(2) in out
