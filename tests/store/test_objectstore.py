@@ -86,6 +86,9 @@ def test_readers_take_s3_urls(s3_url: str) -> None:
     assert pitstop.verify(f"{s3_url}/last").name == checkpoint_name(3)
     tree = pitstop.load(s3_url)
     assert same(weights(model), dict(tree["weights"]["raw"]))
+    other, _ = trained(seed=9)
+    pitstop.load_weights(other, f"{s3_url}/last")
+    assert same(weights(model), weights(other))
 
 
 def test_a_killed_upload_is_never_listed(s3_url: str, s3_env: dict[str, str]) -> None:
