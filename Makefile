@@ -13,7 +13,7 @@ PLOT_STAMP := $(VENV)/.installed-plot
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,dev,data]'
+	$(PY) -m pip install --quiet -e '.[test,dev,data,s3]'
 	touch $(STAMP)
 
 $(PLOT_STAMP): $(STAMP)

@@ -18,10 +18,16 @@ import attrs
 from pitstop.core.naming import (
     TEMP_PREFIX,
 )
+from pitstop.core.objects import is_object_url
 from pitstop.core.records import NO_CHECKPOINT, PointerName
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell.store.directory import Scan, choose_resume, scan
-from pitstop.shell.store.resolve import pointer_on_disk, recorded_policy, split_argument
+from pitstop.shell.store.resolve import (
+    pointer_on_disk,
+    recorded_policy,
+    resolve_checkpoint,
+    split_argument,
+)
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = ["Target", "loading_target", "named_target", "os_error_message", "split_argument"]
@@ -55,6 +61,8 @@ def named_target(checkpoint: str | os.PathLike[str]) -> Target:
     so checking it finds the damage. With no pointer on disk, the directory's reconciled
     pointer (for ``last``: the most recently published readable checkpoint).
     """
+    if is_object_url(checkpoint):  # fetched, unchecked (the caller checks it)
+        return Target(path=resolve_checkpoint(checkpoint, fallback=False), via=str(checkpoint))
     path, pointer = split_argument(checkpoint)
     if pointer is None:
         return Target(path=path)
@@ -85,6 +93,8 @@ def loading_target(checkpoint: str | os.PathLike[str]) -> Target:
     ``note`` says when it is not the file the pointer names, and why (that file does not
     verify, is unreadable or missing). Verifying a candidate reads it whole.
     """
+    if is_object_url(checkpoint):  # fetched, and verified before it is chosen
+        return Target(path=resolve_checkpoint(checkpoint, fallback=True), via=str(checkpoint))
     path, pointer = split_argument(checkpoint)
     if pointer is None:
         return Target(path=path)

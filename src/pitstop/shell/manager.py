@@ -62,7 +62,8 @@ from pitstop.shell.shardsave import ShardedSaves, holds_sharded
 from pitstop.shell.state.capture import LiveState
 from pitstop.shell.state.staging import StagingPool
 from pitstop.shell.state.unwrap import unwrap_model
-from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.directory import scan
+from pitstop.shell.store.location import checkpoint_directory
 from pitstop.shell.store.storage import Storage
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
@@ -84,16 +85,17 @@ class Checkpointer:
     by name (optimizer, scheduler, GradScaler, sampler, ...). ``config``: the run's
     configuration, stored and compared on resume; ``config_may_change``: key paths and glob
     patterns (``["max_iters", "out_dir", "run.*"]``) whose changes a resume only reports, in
-    one info line, and never refuses. ``per_rank``: names of components whose state differs per
-    rank (every ``ResumableSampler`` and ``StatefulDataLoader`` is). ``timeout_s``: how long a
-    rank waits for the others in pitstop's collectives. ``overwrite``: a run that does not
-    :meth:`resume` may replace the checkpoints the directory already holds (by default its
+    one info line, and never refuses. ``per_rank``: names of components whose state differs
+    per rank (every ``ResumableSampler`` and ``StatefulDataLoader`` is). ``timeout_s``: how
+    long a rank waits for the others in pitstop's collectives. ``overwrite``: a run that does
+    not :meth:`resume` may replace the checkpoints the directory already holds (by default its
     first save refuses, naming the directory and its newest step, before writing anything).
     ``storage``: what the directory's files are written, renamed, synced and listed through
-    (default: the local filesystem at ``directory``); a wrapper may log operations or inject
-    faults, as pitstop's reliability suites do — checkpoints are read back from
-    ``directory`` itself, so it must keep them there. The directory is locked until
-    :meth:`close`; with several ranks, every rank makes the same calls and rank 0 writes.
+    (default: the local filesystem at ``directory``); a wrapper may log or inject faults —
+    checkpoints are read back from ``directory`` itself. ``directory`` may be
+    ``"s3://bucket/prefix"`` (docs/object-storage.md; ``storage_options`` go to its S3
+    client). The directory is locked until :meth:`close`; with several ranks, every rank
+    makes the same calls and rank 0 writes.
     A sharded model (FSDP2, DTensor parameters, an optimizer over DTensors) saves each
     checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
     its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
@@ -119,6 +121,7 @@ class Checkpointer:
         timeout_s: float = 600.0,
         overwrite: bool = False,
         storage: Storage | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         options = checked_options(
             directory,
@@ -149,8 +152,8 @@ class Checkpointer:
         if sharded:
             require_sharded("a Checkpointer whose model or optimizer holds DTensors")
         self._ranks = Ranks.current(options.timeout_s)
-        self._directory = CheckpointDirectory(
-            directory, policy=self.policy, storage=storage, protect=not options.overwrite
+        self._directory = checkpoint_directory(
+            directory, self.policy, storage, storage_options, not options.overwrite, sharded
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ranks.call(f"Checkpointer({str(directory)!r})")

@@ -85,7 +85,13 @@ from pitstop.shell.store.scanning import (
     verify_any,
 )
 from pitstop.shell.store.sharddir import clear_leftover, publish_sharded
-from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.storage import (
+    FileKind,
+    LocalStorage,
+    RemoteStorage,
+    Storage,
+    WriterLock,
+)
 
 __all__ = [
     "LATEST_JSON_LIMIT",
@@ -117,6 +123,7 @@ class CheckpointDirectory:
         storage: Storage | None = None,
         run_id: str | None = None,
         protect: bool = False,
+        lock: WriterLock | None = None,
     ) -> None:
         self.path = Path(path)
         self.storage: Storage = storage if storage is not None else LocalStorage(self.path)
@@ -125,7 +132,7 @@ class CheckpointDirectory:
         self.protect = protect
         """Refuse to save over the checkpoints found at open until :meth:`adopt` (a run that
         did not resume must not replace another run's checkpoints)."""
-        self._lock = DirectoryLock(self.path, self.run_id)
+        self._lock: WriterLock = lock if lock is not None else DirectoryLock(self.path, self.run_id)
         self._attempts = itertools.count(1)  # each publish's temp names are its own
         self._symlinks = True
         self._foreign: tuple[CheckpointEntry | NoCheckpoint, int] = (NO_CHECKPOINT, 0)
@@ -197,8 +204,12 @@ class CheckpointDirectory:
             log.warning("%s", message)
 
     def close(self) -> None:
-        """Release the directory lock."""
-        self._lock.release()
+        """Release the directory lock (and an object store's local cache)."""
+        try:
+            self._lock.release()
+        finally:
+            if isinstance(self.storage, RemoteStorage):
+                self.storage.close()
 
     def __enter__(self) -> CheckpointDirectory:
         self.open()

@@ -33,8 +33,10 @@ from pitstop.core.naming import (
     POINTER_NAMES,
     checkpoint_name,
     parse_checkpoint,
+    parse_name,
     parse_sharded_name,
 )
+from pitstop.core.objects import is_object_url
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
@@ -61,6 +63,7 @@ __all__ = [
     "recorded_policy",
     "resolve_checkpoint",
     "split_argument",
+    "split_object_url",
     "verify",
 ]
 
@@ -166,6 +169,9 @@ def resolve_checkpoint(
     Raises :class:`~pitstop.errors.CheckpointNotFound` when nothing matches, and (without
     ``fallback``) when the pointer names a checkpoint that does not exist, naming both.
     """
+    if is_object_url(checkpoint):
+        assert isinstance(checkpoint, str)
+        return _resolve_object(checkpoint, fallback=fallback, verify=verify)
     directory, pointer = split_argument(checkpoint)
     if pointer is None:
         return directory
@@ -246,6 +252,50 @@ def read_resolved(
                     f"pruned it): {exc}"
                 ) from exc
     raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def split_object_url(url: str) -> tuple[str, str | PointerName]:
+    """``(prefix URL, checkpoint name)`` for ``s3://…/step_….pitstop``, ``(prefix URL,
+    pointer)`` for ``s3://…/best`` (``last``, ``final``), and ``(url, LAST)`` for a prefix."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    if head.startswith("s3:/") and head != "s3:/":
+        if last in POINTER_NAMES:
+            return head, PointerName(last)
+        if parse_name(last) is not NOT_A_CHECKPOINT:
+            return head, last
+    return url, PointerName.LAST
+
+
+def _resolve_object(url: str, *, fallback: bool, verify: Callable[[Path], None]) -> Path:
+    """:func:`resolve_checkpoint` for an ``s3://`` URL: the checkpoint it names, fetched to a
+    local file of this process (removed at exit) that ``verify`` checks before it is used."""
+    from pitstop.shell.store.objectstore import ObjectStorage, reader_cache
+
+    prefix, what = split_object_url(url)
+    storage = ObjectStorage(prefix, cache=reader_cache())
+    try:
+        if not isinstance(what, PointerName):
+            return storage.fetch(what)
+        if not fallback:
+            named, _ = pointer_on_disk(storage, what)
+            if named is not None:
+                return storage.fetch(named)
+        data, _ = read_latest_json(storage)
+        policy = policy_from_latest_json(data)
+        best = None if policy is None else policy.best
+        found = scan(storage, best)
+        if fallback:
+            choice = choose_resume(storage, found, what, best, verify=verify)
+            if choice.path is not None:
+                return choice.path
+            detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
+            raise CheckpointNotFound(f"{prefix} has no valid {what.value} checkpoint{detail}")
+        target = found.pointers.target(what)
+        if target is NO_CHECKPOINT:
+            raise CheckpointNotFound(f"{prefix} has no {what.value} checkpoint")
+        return storage.fetch(target)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFound(f"no checkpoint at {url}: {exc.strerror or exc}") from None
 
 
 def verify(checkpoint: str | os.PathLike[str]) -> Path:

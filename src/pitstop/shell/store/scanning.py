@@ -50,7 +50,7 @@ from pitstop.core.records import (
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
-from pitstop.shell.store.storage import FileKind, Storage
+from pitstop.shell.store.storage import FileKind, RemoteStorage, Storage, fetch
 
 __all__ = [
     "LATEST_JSON_LIMIT",
@@ -236,8 +236,12 @@ def _scan_file(
         return
     try:
         size = storage.size(name)
-        manifest = fileformat.read_manifest(storage.path(name))
-        entries.append(entry_from_meta(name, manifest.meta))
+        meta = (
+            storage.read_meta(name)
+            if isinstance(storage, RemoteStorage)
+            else fileformat.read_manifest(storage.path(name)).meta
+        )
+        entries.append(entry_from_meta(name, meta))
         sizes[name] = size
     except (CheckpointCorrupt, OSError) as exc:
         unreadable[name] = str(exc)
@@ -314,6 +318,7 @@ def choose_resume(
     for name in resume_order(found.catalog, found.pointers, source, best):
         path = storage.path(name)
         try:
+            path = fetch(storage, name)  # an object store's: downloaded, then checked
             verify(path)
         except (CheckpointCorrupt, OSError) as exc:
             if vanished(path):

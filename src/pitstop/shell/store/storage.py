@@ -14,12 +14,13 @@ from __future__ import annotations
 import enum
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from pitstop.shell.format.untrusted import read_untrusted
 
-__all__ = ["FileKind", "LocalStorage", "Storage"]
+__all__ = ["FileKind", "LocalStorage", "RemoteStorage", "Storage", "WriterLock", "fetch"]
 
 
 class FileKind(enum.Enum):
@@ -82,6 +83,46 @@ class Storage(Protocol):
 
     def remove(self, name: str) -> None:
         """Remove the entry ``name`` (a file or a symlink)."""
+        ...
+
+
+@runtime_checkable
+class RemoteStorage(Storage, Protocol):
+    """A Storage whose checkpoints are not local files (an object store): a listing reads each
+    checkpoint's catalog fields from it, and a reader fetches a checkpoint to a local file."""
+
+    def read_meta(self, name: str) -> Mapping[str, Any]:
+        """The catalog fields of checkpoint ``name`` (as its manifest's meta holds them)."""
+        ...
+
+    def fetch(self, name: str) -> Path:
+        """Copy checkpoint ``name`` to a local file, unchecked; its path."""
+        ...
+
+    def close(self) -> None:
+        """Remove the local files it made."""
+        ...
+
+
+def fetch(storage: Storage, name: str) -> Path:
+    """A local file holding checkpoint ``name``: its own path, or a fetched copy."""
+    return storage.fetch(name) if isinstance(storage, RemoteStorage) else storage.path(name)
+
+
+class WriterLock(Protocol):
+    """One writer per checkpoint directory: the local lock, or an object store's lease."""
+
+    @property
+    def held(self) -> bool:
+        """Whether this writer holds it."""
+        ...
+
+    def acquire(self) -> None:
+        """Take it, or raise :class:`~pitstop.errors.DirectoryLocked` naming the holder."""
+        ...
+
+    def release(self) -> None:
+        """Give it back (idempotent)."""
         ...
 
 

@@ -1,0 +1,183 @@
+# One writer per object-storage prefix: the lease object.
+#
+# Rules: a writer takes `<prefix>/.lock` with a conditional create; one that finds it takes it
+# over only as the core's judge_lease says (expired, or its holder ran on this host and is gone),
+# by compare-and-swap on the ETag it read — so of two writers taking over one lease, one wins.
+# Otherwise DirectoryLocked names the holder (run, pid, host, since when, when it expires). While
+# held, a thread renews it (compare-and-swap again) every third of its time; a renewal that finds
+# the lease taken by another writer logs an error and stops. Opening checks the URL first (one
+# error naming it: a missing bucket, refused credentials, an unreachable endpoint), and, once the
+# lease is held, removes the data objects no commit names (uploads of writers that died).
+# Releasing deletes the lease object.
+# How: an ObjectStorage's requests; wall-clock time (the core's records hold epoch seconds).
+
+"""The lease: one writer per ``s3://`` checkpoint prefix."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+
+from pitstop.core.naming import LOCK_NAME
+from pitstop.core.objects import (
+    Lease,
+    LeaseVerdict,
+    decode_lease,
+    describe_lease,
+    encode_lease,
+    judge_lease,
+    orphans,
+    renew_after,
+)
+from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
+from pitstop.shell.store.objectstore import ObjectStorage
+
+__all__ = ["LEASE_S", "ObjectLease"]
+
+log = logging.getLogger("pitstop")
+
+LEASE_S = 60.0
+"""How long a lease lasts unless renewed."""
+
+
+def _gone(lease: Lease) -> bool:
+    """Whether the lease's holder ran on this host and is no longer running."""
+    if lease.host != socket.gethostname() or lease.pid == os.getpid():
+        return False
+    try:
+        os.kill(lease.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # running, as another user
+        return False
+    return False
+
+
+class ObjectLease:
+    """The lease of one prefix, from :meth:`acquire` to :meth:`release`."""
+
+    def __init__(self, storage: ObjectStorage, run_id: str, ttl: float = LEASE_S) -> None:
+        self.storage = storage
+        self.run_id = run_id
+        self.ttl = ttl
+        self._etag: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lease."""
+        return self._etag is not None
+
+    def _record(self, since: float) -> bytes:
+        now = time.time()
+        lease = Lease(
+            run_id=self.run_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=since,
+            expires=now + self.ttl,
+        )
+        return encode_lease(lease)
+
+    def acquire(self) -> None:
+        """Take the lease, or raise :class:`~pitstop.errors.DirectoryLocked` naming its holder;
+        :class:`~pitstop.errors.SaveError` naming the URL when it cannot be reached."""
+        if self.held:
+            return
+        url = self.storage.url
+        try:
+            self.storage.listing()
+            self._take()
+        except OSError as exc:
+            raise SaveError(f"could not open {url} for writing: {exc}") from exc
+        self._clear_orphans()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew, name="pitstop-lease", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        storage = self.storage
+        for _ in range(5):  # another writer may move it between our look and our put
+            meta = storage.head(LOCK_NAME)
+            held = None
+            if meta is not None:
+                try:
+                    held = decode_lease(storage.get(LOCK_NAME, 4096))
+                except FileNotFoundError:
+                    continue
+            now = time.time()
+            verdict = judge_lease(
+                held,
+                present=meta is not None,
+                now=now,
+                holder_gone=held is not None and _gone(held),
+            )
+            if verdict is LeaseVerdict.HELD:
+                raise DirectoryLocked(
+                    f"{storage.url} is locked by {describe_lease(held, now=now)}; one writer per "
+                    f"checkpoint prefix (lease object {storage.location.url(LOCK_NAME)})"
+                )
+            mode: object = "create" if meta is None else {"e_tag": storage.etag(LOCK_NAME)}
+            try:
+                self._etag = storage.put(LOCK_NAME, self._record(now), mode)
+            except FileExistsError:
+                continue
+            if held is not None:
+                log.warning(
+                    "took over the lease of %s from %s",
+                    storage.url,
+                    describe_lease(held, now=now),
+                )
+            self._since = now
+            return
+        raise DirectoryLocked(f"{storage.url}: its lease kept changing hands; try again")
+
+    def _clear_orphans(self) -> None:
+        """Remove the data objects no commit names (their writers died before committing)."""
+        storage = self.storage
+        try:
+            objects, _ = storage.listing()
+            commits = []
+            for name in objects:
+                with contextlib.suppress(CheckpointCorrupt, ValueError, FileNotFoundError):
+                    if name.endswith(".pitstop"):
+                        commits.append(storage.commit(name))
+            for name in orphans(storage.data_names(), commits):
+                log.warning("removing %s, left by a writer that died", storage.location.url(name))
+                storage.delete(name)
+        except OSError as exc:
+            log.warning("could not clear dead writers' uploads from %s: %s", storage.url, exc)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(renew_after(self.ttl)):
+            etag = self._etag
+            if etag is None:
+                return
+            try:
+                self._etag = self.storage.put(LOCK_NAME, self._record(self._since), {"e_tag": etag})
+            except FileExistsError:
+                log.error("the lease of %s was taken by another writer", self.storage.url)
+                return
+            except OSError as exc:
+                log.warning("could not renew the lease of %s: %s", self.storage.url, exc)
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease object (idempotent)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        etag, self._etag = self._etag, None
+        if etag is None:
+            return
+        try:
+            meta = self.storage.head(LOCK_NAME)
+            if meta is not None and meta.get("e_tag") == etag:
+                self.storage.delete(LOCK_NAME)
+        except OSError as exc:
+            log.warning("could not release the lease of %s: %s", self.storage.url, exc)

@@ -1,0 +1,461 @@
+# A checkpoint directory on object storage (s3://bucket/prefix), behind the Storage protocol.
+#
+# Rules: the layout, the commit record, the lease and the retry schedule are the core's
+# (pitstop.core.objects). The publish sequence maps onto objects: a checkpoint's temp file is
+# written locally (a cache directory of this process), and its rename to the final name uploads
+# it to a data object of its own, then creates the commit object with a conditional put
+# (If-None-Match: *) — one that loses the race raises, its data object removed; a checkpoint that
+# replaces one of its name swaps the commit object by its ETag (If-Match). Pointer symlinks and
+# latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
+# writer that lost its lease cannot move them. A listing names committed checkpoints only (the
+# commit objects, never a data object); removing a checkpoint deletes its commit object first,
+# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs to a
+# local file, which the file format's checking pass then reads — nothing live is touched before
+# every blob's CRC-32 matched. Every client error becomes an OSError naming the URL; a missing
+# bucket and refused credentials say so.
+# How: obstore (pip install pitstop[s3]), imported on first use.
+
+"""Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+from pitstop.core.naming import (
+    LATEST_JSON,
+    NOT_A_CHECKPOINT,
+    POINTER_NAMES,
+    TEMP_PREFIX,
+    EntryKind,
+    classify,
+    parse_name,
+)
+from pitstop.core.objects import (
+    ENTRY_KEYS,
+    Commit,
+    Location,
+    data_name,
+    decode_commit,
+    encode_commit,
+    parse_url,
+    range_reads,
+    retry_settings,
+)
+from pitstop.errors import CheckpointCorrupt, ConfigError
+from pitstop.shell.format import fileformat
+from pitstop.shell.store.storage import FileKind, LocalStorage
+
+__all__ = ["ObjectStorage", "StoreError", "open_store", "reader_cache"]
+
+_T = TypeVar("_T")
+_SMALL = 1 << 20  # the largest pointer, commit or lease object read
+_CHUNK = 8 << 20  # one ranged GET
+DEADLINE_S = 20.0
+"""How long a request may take, retries included, before it is an error."""
+
+
+class StoreError(OSError):
+    """A request to the object store failed (after its retries); the message names the URL."""
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+    except ImportError:
+        raise ConfigError(
+            "s3:// checkpoint locations need the S3 client: pip install pitstop[s3]"
+        ) from None
+    return obstore
+
+
+def open_store(location: Location, options: Mapping[str, Any] | None = None) -> Any:
+    """An S3 client for ``location``'s bucket: endpoint, credentials and region from the
+    standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), ``options``
+    (obstore's S3 config keys, ``client_options``, ``retry_config``) over them."""
+    obstore = _obstore()
+    config = dict(options or {})
+    client = dict(config.pop("client_options", None) or {})
+    retry = config.pop("retry_config", None)
+    endpoint = str(config.get("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")))
+    if endpoint.startswith("http://"):
+        client.setdefault("allow_http", True)
+    if endpoint:
+        config.setdefault("endpoint", endpoint)
+        config.setdefault("virtual_hosted_style_request", False)
+    config.setdefault("region", os.environ.get("AWS_REGION", "us-east-1"))
+    client.setdefault("connect_timeout", timedelta(seconds=5))
+    client.setdefault("timeout", timedelta(seconds=DEADLINE_S * 6))
+    if retry is None:
+        plan = retry_settings(DEADLINE_S)
+        retry = {
+            "max_retries": plan.max_retries,
+            "retry_timeout": timedelta(seconds=plan.timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=plan.initial_s),
+                "max_backoff": timedelta(seconds=plan.max_backoff_s),
+                "base": plan.base,
+            },
+        }
+    try:
+        return obstore.store.S3Store(
+            location.bucket, config=config, client_options=client, retry_config=retry
+        )
+    except Exception as exc:  # a bad option: obstore's message names it
+        raise ConfigError(f"{location.url()}: cannot configure the S3 client: {exc}") from exc
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc)
+    if "NoSuchBucket" in text:
+        return "the bucket does not exist"
+    name = type(exc).__name__
+    refused = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403 Forbidden")
+    if name in {"PermissionDeniedError", "UnauthenticatedError"} or any(
+        code in text for code in refused
+    ):
+        return "the credentials were refused (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+    first = text.splitlines()[0] if text else ""
+    return f"{name}: {first[:300]}"
+
+
+class ObjectStorage:
+    """A checkpoint directory at ``s3://bucket/prefix``; temp files live in ``cache``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache: str | os.PathLike[str] | None = None,
+    ) -> None:
+        try:
+            self.location = parse_url(url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.url = self.location.url()
+        self.client = open_store(self.location, storage_options)
+        self._own_cache = cache is None
+        self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
+        self._local = LocalStorage(self.cache, mode=0o600)
+        self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
+        self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.url!r})"
+
+    def __str__(self) -> str:
+        return self.url
+
+    # --- requests ---------------------------------------------------------------------
+
+    def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T:
+        """``request(obstore)``; a failure is a :class:`StoreError` naming the URL and cause
+        (a missing object stays ``FileNotFoundError``, a failed condition ``FileExistsError``)."""
+        obstore = _obstore()
+        try:
+            return request(obstore)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                errno.ENOENT, f"{self.location.url(name)} does not exist"
+            ) from exc
+        except Exception as exc:
+            kind = type(exc).__name__
+            if kind in {"AlreadyExistsError", "PreconditionError"}:
+                raise FileExistsError(
+                    errno.EEXIST, f"{self.location.url(name)} was written by another writer"
+                ) from exc
+            raise StoreError(f"could not {what} {self.location.url(name)}: {_cause(exc)}") from exc
+
+    def get(self, name: str, limit: int = _SMALL) -> bytes:
+        """The object ``name`` (at most ``limit`` bytes, else ``ValueError``); its ETag noted."""
+        key = self.location.key(name)
+        result = self.call("read", name, lambda o: o.get(self.client, key))
+        if result.meta["size"] > limit:
+            raise ValueError(f"{self.location.url(name)} is larger than {limit} bytes")
+        data = bytes(self.call("read", name, lambda o: result.bytes()))
+        if result.meta.get("e_tag"):
+            self._etags[name] = result.meta["e_tag"]
+        return data
+
+    def etag(self, name: str) -> str | None:
+        """The ETag of ``name`` this process last read or wrote."""
+        return self._etags.get(name)
+
+    def put(self, name: str, data: bytes | Path, mode: object) -> str:
+        """Put ``data`` at ``name`` with ``mode`` (``"create"``, ``{"e_tag": ...}``); the ETag."""
+        key = self.location.key(name)
+        body: Any = data if isinstance(data, bytes) else data.open("rb")
+        try:
+            result = self.call("write", name, lambda o: o.put(self.client, key, body, mode=mode))
+        finally:
+            if not isinstance(body, bytes):
+                body.close()
+        etag = str(result.get("e_tag") or "")
+        self._etags[name] = etag
+        return etag
+
+    def swap(self, name: str, data: bytes) -> None:
+        """Replace the small object ``name`` by compare-and-swap on the ETag last seen (created
+        if none was seen and none is there); ``FileExistsError`` when another writer moved it."""
+        etag = self._etags.get(name)
+        if etag is None:
+            meta = self.head(name)
+            etag = None if meta is None else meta.get("e_tag")
+        self.put(name, data, "create" if etag is None else {"e_tag": etag})
+
+    def head(self, name: str) -> dict[str, Any] | None:
+        """The object's metadata, ``None`` when it does not exist."""
+        key = self.location.key(name)
+        try:
+            meta = self.call("look up", name, lambda o: o.head(self.client, key))
+        except FileNotFoundError:
+            return None
+        return dict(meta)
+
+    def delete(self, name: str) -> None:
+        """Delete the object ``name`` (one already gone is no error)."""
+        key = self.location.key(name)
+        self.call("delete", name, lambda o: o.delete(self.client, key))
+        self._etags.pop(name, None)
+
+    def listing(self, under: str = "") -> tuple[list[str], list[str]]:
+        """``(objects, common prefixes)`` directly under the prefix (or ``under`` in it), as
+        names relative to the prefix."""
+        prefix = self.location.key(under) if under else self.location.prefix
+        found = self.call(
+            "list", under, lambda o: o.list_with_delimiter(self.client, prefix or None)
+        )
+        cut = len(prefix) + 1 if prefix else 0
+        objects = [str(o["path"])[cut:] for o in found["objects"]]
+        return objects, [str(p)[cut:].rstrip("/") for p in found["common_prefixes"]]
+
+    def data_names(self) -> list[str]:
+        """Every data object's name relative to the prefix (``.data/<token>/<name>``)."""
+        prefix = self.location.key(".data") + "/"
+        cut = len(self.location.prefix) + 1 if self.location.prefix else 0
+
+        def walk(o: Any) -> list[str]:
+            return [str(m["path"])[cut:] for chunk in o.list(self.client, prefix) for m in chunk]
+
+        return self.call("list", ".data", walk)
+
+    def commit(self, name: str) -> Commit:
+        """The commit object of checkpoint ``name`` (``FileNotFoundError``: not committed)."""
+        raw = self.get(name)
+        try:
+            return decode_commit(name, raw)
+        except ValueError as exc:
+            raise CheckpointCorrupt(f"{self.location.url(name)}: {exc}") from None
+
+    # --- Storage ----------------------------------------------------------------------
+
+    def path(self, name: str) -> Path:
+        """Where ``name`` is, or would be, in the local cache (temp files, fetched copies)."""
+        return self._local.path(name)
+
+    def names(self) -> list[str]:
+        """The committed checkpoints, pointers and ``latest.json``, and local temp files."""
+        objects, _ = self.listing()
+        wanted = {n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _is_file(n)}
+        return sorted(wanted | set(self._local.names()) | set(self._links))
+
+    def kind(self, name: str) -> FileKind:
+        """A commit object is a regular file, a pointer object a symlink."""
+        if name in self._links:
+            return FileKind.SYMLINK
+        if classify(name) is EntryKind.TEMP:
+            return self._local.kind(name)
+        if name in POINTER_NAMES:
+            return FileKind.MISSING if self.head(name) is None else FileKind.SYMLINK
+        if name == LATEST_JSON or _is_file(name):
+            return FileKind.MISSING if self.head(name) is None else FileKind.REGULAR
+        return FileKind.MISSING  # sharded checkpoints are not stored on object storage (yet)
+
+    def size(self, name: str) -> int:
+        """A checkpoint's size, as its commit records."""
+        if classify(name) is EntryKind.TEMP:
+            return self._local.size(name)
+        if _is_file(name):
+            return self.commit(name).size
+        meta = self.head(name)
+        if meta is None:
+            raise FileNotFoundError(errno.ENOENT, f"{self.location.url(name)} does not exist")
+        return int(meta["size"])
+
+    def create_exclusive(self, name: str) -> BinaryIO:
+        """A new local temp file in the cache."""
+        return self._local.create_exclusive(name)
+
+    def sync_file(self, file: BinaryIO) -> None:
+        """fsync the local temp file (its upload is what makes it durable)."""
+        self._local.sync_file(file)
+
+    def replace(self, source: str, target: str) -> None:
+        """Publish the temp ``source`` as ``target``: upload and commit a checkpoint, or swap a
+        pointer or ``latest.json``."""
+        if source in self._links:
+            self.swap(target, self._links[source].encode("utf-8"))
+            del self._links[source]
+        elif target == LATEST_JSON:
+            self.swap(target, self._local.read_bytes(source, _SMALL))
+            self._local.remove(source)
+        elif _is_file(target):
+            self._commit(source, target)
+            self._local.remove(source)
+        else:
+            raise OSError(errno.EINVAL, f"{self.location.url(target)}: not a checkpoint name")
+
+    def _commit(self, source: str, target: str) -> None:
+        """Upload ``source`` to a data object of its own, then create (or swap) the commit."""
+        token = _token(source, target)
+        local = self._local.path(source)
+        meta = fileformat.read_manifest(local).meta
+        entry = {k: meta[k] for k in ENTRY_KEYS if k in meta}
+        data = data_name(target, token)
+        self.put(data, local, "overwrite")
+        record = Commit(name=target, data=data, size=local.stat().st_size, entry=entry)
+        old = None
+        try:
+            seen = self._etags.get(target)  # a commit this process read or wrote
+            if seen is not None:
+                with contextlib.suppress(FileNotFoundError):  # (gone: created anew)
+                    old = self.commit(target)
+                if old is not None and self._etags.get(target) != seen:
+                    raise FileExistsError(
+                        errno.EEXIST, f"{self.location.url(target)} was replaced by another writer"
+                    )
+            # only a commit this writer has seen is replaced, by its ETag; any other is created,
+            # so of two writers committing one name, one wins
+            mode: object = "create" if old is None else {"e_tag": seen}
+            self.put(target, encode_commit(record), mode)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.delete(data)
+            raise
+        if old is not None and old.data != data:
+            with contextlib.suppress(OSError):
+                self.delete(old.data)
+
+    def sync_directory(self) -> None:
+        """Nothing to do: each put is durable when it returns."""
+
+    def symlink(self, target: str, name: str) -> None:
+        """Note the temp pointer ``name`` -> ``target``; its replace puts it."""
+        self._links[name] = target
+
+    def read_link(self, name: str) -> str:
+        """The checkpoint name the pointer object ``name`` holds."""
+        if name in self._links:
+            return self._links[name]
+        return self.get(name, 4096).decode("utf-8", "replace").strip()
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The object ``name`` (``ValueError`` when larger than ``limit``)."""
+        if classify(name) is EntryKind.TEMP:
+            return self._local.read_bytes(name, limit)
+        return self.get(name, limit)
+
+    def remove(self, name: str) -> None:
+        """Remove ``name``: a checkpoint's commit object first, then its data."""
+        if self._links.pop(name, None) is not None:
+            return
+        if classify(name) is EntryKind.TEMP:
+            self._local.remove(name)
+            return
+        if not _is_file(name):
+            self.delete(name)
+            return
+        commit = self.commit(name)
+        self.delete(name)
+        self.delete(commit.data)
+
+    # --- reading ----------------------------------------------------------------------
+
+    def read_meta(self, name: str) -> Mapping[str, Any]:
+        """The catalog fields of checkpoint ``name``, from its commit object alone."""
+        return self.commit(name).entry
+
+    def fetch(self, name: str) -> Path:
+        """Download checkpoint ``name`` to the cache by ranged, parallel GETs; its local path
+        (checked by the reader that opens it). ``CheckpointCorrupt`` when its data is missing
+        or not the size its commit records."""
+        commit = self.commit(name)
+        url, key = self.location.url(name), self.location.key(commit.data)
+        meta = self.head(commit.data)
+        if meta is None:
+            raise CheckpointCorrupt(f"{url}: its data object {commit.data} is missing")
+        if int(meta["size"]) != commit.size:
+            raise CheckpointCorrupt(
+                f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
+            )
+        target = self._local.path(name)
+        partial = self._local.path(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{name}")
+        self.cache.mkdir(parents=True, exist_ok=True)
+        ranges = range_reads(commit.size, _CHUNK)
+        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
+        try:
+            with open(partial, "wb") as out:
+                for at in range(0, len(ranges), 16):  # 16 requests at a time, in parallel
+                    batch = (starts[at : at + 16], ends[at : at + 16])
+
+                    def get(o: Any, batch: tuple[list[int], list[int]] = batch) -> list[Any]:
+                        return list(o.get_ranges(self.client, key, starts=batch[0], ends=batch[1]))
+
+                    for piece in self.call("read", commit.data, get):
+                        out.write(memoryview(piece))
+            os.replace(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            raise
+        return target
+
+    def close(self) -> None:
+        """Remove the local cache, if this object made it."""
+        if self._own_cache:
+            shutil.rmtree(self.cache, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def fetched(self, name: str) -> Iterator[Path]:
+        """``name`` fetched for the duration of the block."""
+        path = self.fetch(name)
+        try:
+            yield path
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+_READER_CACHE: list[Path] = []
+
+
+def reader_cache() -> Path:
+    """The local directory this process fetches checkpoints to for reading (``load``,
+    ``verify``, ``info``): made on first use, removed at exit (a loaded tensor maps its file)."""
+    if not _READER_CACHE:
+        path = Path(tempfile.mkdtemp(prefix="pitstop-s3-read-"))
+        atexit.register(shutil.rmtree, path, True)
+        _READER_CACHE.append(path)
+    return _READER_CACHE[0]
+
+
+def _is_file(name: str) -> bool:
+    """Whether ``name`` is a checkpoint file's name (a commit object's)."""
+    return parse_name(name) is not NOT_A_CHECKPOINT
+
+
+def _token(source: str, target: str) -> str:
+    """The publish attempt's token in the temp name ``.tmp-<token>-<target>``."""
+    if not source.startswith(TEMP_PREFIX) or not source.endswith(f"-{target}"):
+        raise OSError(errno.EINVAL, f"{source} is not a temp name of {target}")
+    return source[len(TEMP_PREFIX) : -len(target) - 1]
