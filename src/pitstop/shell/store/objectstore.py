@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -43,89 +42,22 @@ from pitstop.core.naming import (
 from pitstop.core.objects import (
     ENTRY_KEYS,
     Commit,
-    Location,
     data_name,
     decode_commit,
     encode_commit,
     parse_url,
     range_reads,
-    retry_settings,
 )
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
-__all__ = ["ObjectStorage", "StoreError", "open_store", "reader_cache"]
+__all__ = ["ObjectStorage", "StoreError", "reader_cache"]
 
 _T = TypeVar("_T")
 _SMALL = 1 << 20  # the largest pointer, commit or lease object read
 _CHUNK = 8 << 20  # one ranged GET
-DEADLINE_S = 20.0
-"""How long a request may take, retries included, before it is an error."""
-
-
-class StoreError(OSError):
-    """A request to the object store failed (after its retries); the message names the URL."""
-
-
-def _obstore() -> Any:
-    try:
-        import obstore
-    except ImportError:
-        raise ConfigError(
-            "s3:// checkpoint locations need the S3 client: pip install pitstop[s3]"
-        ) from None
-    return obstore
-
-
-def open_store(location: Location, options: Mapping[str, Any] | None = None) -> Any:
-    """An S3 client for ``location``'s bucket: endpoint, credentials and region from the
-    standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), ``options``
-    (obstore's S3 config keys, ``client_options``, ``retry_config``) over them."""
-    obstore = _obstore()
-    config = dict(options or {})
-    client = dict(config.pop("client_options", None) or {})
-    retry = config.pop("retry_config", None)
-    endpoint = str(config.get("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")))
-    if endpoint.startswith("http://"):
-        client.setdefault("allow_http", True)
-    if endpoint:
-        config.setdefault("endpoint", endpoint)
-        config.setdefault("virtual_hosted_style_request", False)
-    config.setdefault("region", os.environ.get("AWS_REGION", "us-east-1"))
-    client.setdefault("connect_timeout", timedelta(seconds=5))
-    client.setdefault("timeout", timedelta(seconds=DEADLINE_S * 6))
-    if retry is None:
-        plan = retry_settings(DEADLINE_S)
-        retry = {
-            "max_retries": plan.max_retries,
-            "retry_timeout": timedelta(seconds=plan.timeout_s),
-            "backoff": {
-                "init_backoff": timedelta(seconds=plan.initial_s),
-                "max_backoff": timedelta(seconds=plan.max_backoff_s),
-                "base": plan.base,
-            },
-        }
-    try:
-        return obstore.store.S3Store(
-            location.bucket, config=config, client_options=client, retry_config=retry
-        )
-    except Exception as exc:  # a bad option: obstore's message names it
-        raise ConfigError(f"{location.url()}: cannot configure the S3 client: {exc}") from exc
-
-
-def _cause(exc: BaseException) -> str:
-    text = str(exc)
-    if "NoSuchBucket" in text:
-        return "the bucket does not exist"
-    name = type(exc).__name__
-    refused = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403 Forbidden")
-    if name in {"PermissionDeniedError", "UnauthenticatedError"} or any(
-        code in text for code in refused
-    ):
-        return "the credentials were refused (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
-    first = text.splitlines()[0] if text else ""
-    return f"{name}: {first[:300]}"
 
 
 class ObjectStorage:
@@ -161,7 +93,7 @@ class ObjectStorage:
     def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T:
         """``request(obstore)``; a failure is a :class:`StoreError` naming the URL and cause
         (a missing object stays ``FileNotFoundError``, a failed condition ``FileExistsError``)."""
-        obstore = _obstore()
+        obstore = obstore_module()
         try:
             return request(obstore)
         except FileNotFoundError as exc:
@@ -174,7 +106,7 @@ class ObjectStorage:
                 raise FileExistsError(
                     errno.EEXIST, f"{self.location.url(name)} was written by another writer"
                 ) from exc
-            raise StoreError(f"could not {what} {self.location.url(name)}: {_cause(exc)}") from exc
+            raise StoreError(f"could not {what} {self.location.url(name)}: {cause(exc)}") from exc
 
     def get(self, name: str, limit: int = _SMALL) -> bytes:
         """The object ``name`` (at most ``limit`` bytes, else ``ValueError``); its ETag noted."""

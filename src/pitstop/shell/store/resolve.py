@@ -238,7 +238,8 @@ def read_resolved(
     while it was read is :class:`~pitstop.errors.CheckpointNotFound` saying so, never
     :class:`~pitstop.errors.CheckpointCorrupt`.
     """
-    a_file = split_argument(checkpoint)[1] is None
+    # A file (or an object URL, fetched whole) is read once; a pointer or directory again.
+    a_file = is_object_url(checkpoint) or split_argument(checkpoint)[1] is None
     for attempt in range(RESOLVE_ATTEMPTS):
         path = resolve_checkpoint(checkpoint, fallback=fallback)
         try:
