@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pitstop.core.arrays import (
     NUMPY_DTYPE_NAMES,
     array_payload,
     check_array,
+    check_safetensors_entry,
     check_scalar,
     scalar_payload,
 )
 from pitstop.core.manifest import MAX_NDIM
-from pitstop.errors import CheckpointCorrupt
+from pitstop.errors import CheckpointCorrupt, ImportRefused
 
 # The reader's table: NumPy's itemsizes, written out (the core knows no NumPy).
 ITEMSIZES = {
@@ -121,3 +123,81 @@ def test_hostile_scalar_payloads_are_corrupt() -> None:
         check_scalar(["float64", b"\0" * 4], ITEMSIZES)
     with pytest.raises(CheckpointCorrupt, match="dtype 'str' is not one"):
         check_scalar(["str", b"a"], ITEMSIZES)
+
+
+# --- a .safetensors header entry --------------------------------------------------------------
+
+SAFETENSORS_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U8": 1, "BOOL": 1}
+safetensors_names = st.sampled_from(sorted(SAFETENSORS_ITEMSIZES))
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+)
+
+
+@given(safetensors_names, small_shapes, st.integers(0, 64), st.integers(0, 64))
+def test_an_honest_safetensors_entry_is_accepted_as_it_says(
+    name: str, shape: tuple[int, ...], begin: int, slack: int
+) -> None:
+    size = math.prod(shape) * SAFETENSORS_ITEMSIZES[name]
+    spec = {"dtype": name, "shape": list(shape), "data_offsets": [begin, begin + size]}
+    body = begin + size + slack
+    assert check_safetensors_entry("w", spec, body, SAFETENSORS_ITEMSIZES) == (
+        name,
+        shape,
+        begin,
+        begin + size,
+    )
+
+
+@given(
+    safetensors_names,
+    st.lists(json_values, max_size=4),
+    st.lists(json_values, max_size=3),
+    st.integers(0, 1 << 70),
+)
+def test_any_safetensors_entry_is_accepted_only_when_every_field_is_exact(
+    name: str, shape: list[object], offsets: list[object], body: int
+) -> None:
+    spec = {"dtype": name, "shape": shape, "data_offsets": offsets}
+    exact = (
+        all(type(d) is int and 0 <= d < 2**63 for d in shape)
+        and len(offsets) == 2
+        and all(type(o) is int and o >= 0 for o in offsets)
+    )
+    if not exact:
+        with pytest.raises(ImportRefused, match=r"^tensor 'w': "):
+            check_safetensors_entry("tensor 'w'", spec, body, SAFETENSORS_ITEMSIZES)
+        return
+    try:
+        found = check_safetensors_entry("tensor 'w'", spec, body, SAFETENSORS_ITEMSIZES)
+    except ImportRefused:
+        return  # exact fields, but offsets outside the body or of another size
+    # accepted: the offsets are the bytes the shape needs, in the body
+    begin, end = found[2], found[3]
+    assert 0 <= begin <= end <= body
+    assert end - begin == math.prod(found[1]) * SAFETENSORS_ITEMSIZES[name]
+
+
+@given(json_values)
+@example(-1)
+@example(float("inf"))
+def test_a_safetensors_entry_that_is_anything_else_is_refused_naming_it(spec: object) -> None:
+    with pytest.raises(ImportRefused, match=r"^tensor 'w': "):
+        check_safetensors_entry("tensor 'w'", spec, 100, SAFETENSORS_ITEMSIZES)
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"shape": [-1, -2]}, "shape [-1, -2]"),
+        ({"shape": [float("inf")]}, "shape [inf]"),
+        ({"dtype": "F99"}, "unknown dtype 'F99'"),
+        ({"data_offsets": [0, 1 << 40]}, "data_offsets [0, 1099511627776]"),
+    ],
+)
+def test_each_lie_of_a_safetensors_entry_is_named(changes: dict[str, object], why: str) -> None:
+    spec = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], **changes}
+    with pytest.raises(ImportRefused, match=re.escape(why)):
+        check_safetensors_entry("tensor 'w'", spec, 8, SAFETENSORS_ITEMSIZES)

@@ -17,6 +17,7 @@ from pitstop.core.naming import (
     attempt_token,
     checkpoint_name,
     classify,
+    entry_components,
     parse_aside,
     parse_name,
     parse_sharded_name,
@@ -168,3 +169,27 @@ def test_temp_tokens_are_restricted(token: str) -> None:
 )
 def test_classify(name: str, kind: EntryKind) -> None:
     assert classify(name) is kind
+
+
+_OTHER_NAMES = st.sampled_from(
+    ["run", "checkpoints", "last", "best", "final", LATEST_JSON, "step_1.pitstop", "model.pt"]
+)
+
+
+@given(
+    st.lists(_OTHER_NAMES, max_size=3),
+    steps,
+    st.sampled_from([MANIFEST_NAME, "__0_0.distcp", ".metadata", "last"]),
+)
+def test_only_the_pointers_of_a_checkpoint_directory_may_be_links(
+    above: list[str], step: int, inside: str
+) -> None:
+    # a checkpoint file and a sharded checkpoint directory are never reached through a link,
+    # nor is any entry of a sharded one (the directory included)
+    assert entry_components((*above, checkpoint_name(step))) == 1
+    assert entry_components((*above, sharded_name(step))) == 1
+    assert entry_components((*above, sharded_name(step), inside)) == 2
+    # a pointer, latest.json or any other name is the caller's to follow or not
+    for name in [*POINTER_NAMES, LATEST_JSON, LOCK_NAME, "model.pitstop"]:
+        assert entry_components((*above, name)) == 0
+    assert entry_components(()) == 0

@@ -7,7 +7,11 @@
 # an int in [0, 2**63); the bytes are exactly (product of the shape) x itemsize long, computed
 # with Python's unbounded ints, so no shape can overflow or claim bytes that are not there. A
 # scalar's bytes are exactly one item. Anything else is a CheckpointCorrupt naming what is wrong.
-# How: pure functions over the decoded msgpack values; the shell builds the NumPy value after.
+# A .safetensors header entry (a file pitstop imports) is held to the same shape rule: a JSON
+# object with a known dtype, a shape of ints in [0, 2**63) (no negative, float or infinite
+# dimension) and two int data offsets inside the body, exactly (product of the shape) x itemsize
+# apart; anything else is an ImportRefused naming the entry.
+# How: pure functions over the decoded msgpack or JSON values; the shell builds the value after.
 
 """Stored NumPy values: the payload's fields and their checks (no NumPy here)."""
 
@@ -18,9 +22,16 @@ from collections.abc import Mapping
 from typing import Final
 
 from pitstop.core.manifest import MAX_NDIM
-from pitstop.errors import CheckpointCorrupt
+from pitstop.errors import CheckpointCorrupt, ImportRefused
 
-__all__ = ["NUMPY_DTYPE_NAMES", "array_payload", "check_array", "check_scalar", "scalar_payload"]
+__all__ = [
+    "NUMPY_DTYPE_NAMES",
+    "array_payload",
+    "check_array",
+    "check_safetensors_entry",
+    "check_scalar",
+    "scalar_payload",
+]
 
 NUMPY_DTYPE_NAMES: Final = (
     "bool",
@@ -59,6 +70,56 @@ def _name(value: object, itemsizes: Mapping[str, int], what: str) -> str:
     return value
 
 
+def _dimensions(shape: list[object]) -> bool:
+    """Whether every dimension of ``shape`` is an int (not a bool or float) in [0, 2**63)."""
+    return all(type(d) is int and 0 <= d < _DIM_LIMIT for d in shape)
+
+
+def _kind(value: object) -> str:
+    """``value`` as an error message shows it: a short repr, or only the kind of a nested
+    container (whose repr could be huge, or nested past the recursion limit)."""
+    if isinstance(value, dict) or (
+        isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)
+    ):
+        return f"a nested JSON {'object' if isinstance(value, dict) else 'array'}"
+    return f"{value!r:.80}"
+
+
+def check_safetensors_entry(
+    where: str, spec: object, body_size: int, itemsizes: Mapping[str, int]
+) -> tuple[str, tuple[int, ...], int, int]:
+    """Check one tensor entry of a .safetensors header; return ``(dtype, shape, begin, end)``.
+
+    ``where`` names the entry (file and tensor name) in the :class:`~pitstop.errors.
+    ImportRefused` raised for anything wrong; ``body_size``: the bytes after the header;
+    ``itemsizes``: the dtype names the reader knows and their bytes per element.
+    """
+    if type(spec) is not dict:
+        raise ImportRefused(f"{where}: its header entry is {_kind(spec)}, not a JSON object")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in spec]
+    if missing:
+        raise ImportRefused(f"{where}: its header entry has no {', '.join(missing)}")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if type(dtype) is not str or dtype not in itemsizes:
+        raise ImportRefused(
+            f"{where}: unknown dtype {_kind(dtype)} (known: {', '.join(sorted(itemsizes))})"
+        )
+    if type(shape) is not list or len(shape) > MAX_NDIM or not _dimensions(shape):
+        raise ImportRefused(
+            f"{where}: shape {_kind(shape)} is not a list of at most {MAX_NDIM} ints in [0, 2**63)"
+        )
+    if type(offsets) is not list or len(offsets) != 2 or not _dimensions(offsets):
+        raise ImportRefused(f"{where}: data_offsets {_kind(offsets)} are not two ints >= 0")
+    begin, end = offsets
+    needed = math.prod(shape) * itemsizes[dtype]
+    if not begin <= end <= body_size or end - begin != needed:
+        raise ImportRefused(
+            f"{where}: data_offsets [{begin}, {end}] are not the {needed} bytes a {dtype} of "
+            f"shape {shape} needs inside the {body_size}-byte body"
+        )
+    return dtype, tuple(shape), begin, end
+
+
 def check_array(
     payload: object, itemsizes: Mapping[str, int]
 ) -> tuple[str, tuple[int, ...], bytes]:
@@ -75,7 +136,7 @@ def check_array(
         raise CheckpointCorrupt(
             f"{what}: shape must be a list of at most {MAX_NDIM} ints, got {raw_shape!r:.80}"
         )
-    if not all(type(d) is int and 0 <= d < _DIM_LIMIT for d in raw_shape):
+    if not _dimensions(raw_shape):
         raise CheckpointCorrupt(f"{what}: shape {raw_shape!r:.80} has a bad dimension")
     if type(data) is not bytes:
         raise CheckpointCorrupt(f"{what}: data must be bytes, got {type(data).__qualname__}")

@@ -10,6 +10,10 @@
 # holds (tokens have no `.`, so no writer's temp name reads as one). Each attempt at a publish
 # has a token of its own (`<run id>_<attempt>`), so what a failed attempt could not remove
 # never blocks a later one of the same run; open() removes it.
+# Inside a checkpoint directory only the pointers (`last`, `best`, `final`) may be symlinks, and
+# only to entries of that directory: a checkpoint file, a sharded checkpoint directory and every
+# entry of one are never links (`entry_components` says which trailing components of a path to
+# open without following; pitstop.shell.format.untrusted applies it to every file read).
 # How: a strict regular expression for parsing; formatting is the exact inverse.
 
 """Checkpoint file names: formatting, parsing and classifying directory entries."""
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from typing import Final
 
 from pitstop.errors import SaveError
@@ -34,6 +39,7 @@ __all__ = [
     "attempt_token",
     "checkpoint_name",
     "classify",
+    "entry_components",
     "parse_aside",
     "parse_checkpoint",
     "parse_name",
@@ -112,6 +118,22 @@ def parse_name(name: str) -> int | NotACheckpoint:
     if match is None:
         return NOT_A_CHECKPOINT
     return int(match.group(1))
+
+
+def entry_components(parts: Sequence[str]) -> int:
+    """How many trailing components of the path ``parts`` must not be symlinks: the one rule of
+    which entries of a checkpoint directory may be links (only the pointers may).
+
+    ``2``: an entry of a sharded checkpoint directory (its manifest, a DCP file) — it and the
+    directory; ``1``: a checkpoint file or a sharded checkpoint directory itself; ``0``: any
+    other path (a pointer, ``latest.json``, a file outside a checkpoint directory), whose
+    symlinks the caller follows or refuses as it says.
+    """
+    if len(parts) >= 2 and parse_sharded_name(parts[-2]) is not NOT_A_CHECKPOINT:
+        return 2
+    if parts and parse_checkpoint(parts[-1]) is not NOT_A_CHECKPOINT:
+        return 1
+    return 0
 
 
 def sharded_name(step: int) -> str:

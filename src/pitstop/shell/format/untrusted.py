@@ -8,9 +8,15 @@
 # larger file is refused from its size alone, before one byte is read, so a 2 GiB sparse
 # latest.json costs nothing; and a file that grows while it is read is cut at limit + 1 bytes,
 # which is refused too.
+# Inside a checkpoint directory only the pointers may be symlinks (pitstop.core.naming's
+# entry_components is that rule): a checkpoint file, a sharded checkpoint directory and every
+# file in one are opened without following a link, whatever the caller asks, so a link out of
+# the run is refused here, for every reader at once.
 # How: stat first (lstat when symlinks are not followed), so a device is never even opened;
 # then open with O_NONBLOCK (an open of a FIFO swapped in since the stat returns at once) and
-# O_NOFOLLOW where asked, and fstat the descriptor, the only check that cannot race.
+# O_NOFOLLOW where asked, and fstat the descriptor, the only check that cannot race. A file in
+# a sharded checkpoint directory is opened relative to a descriptor of that directory, itself
+# opened with O_NOFOLLOW, so the directory cannot be swapped for a link in between either.
 
 """open_untrusted and read_untrusted: the one way pitstop opens a file it reads."""
 
@@ -22,9 +28,12 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from pitstop.core.naming import entry_components
+
 __all__ = ["FileTooLarge", "NotRegularFile", "describe_mode", "open_untrusted", "read_untrusted"]
 
 _CHUNK = 1 << 20
+_LINK_RULE = "inside a checkpoint directory only the pointers last, best and final may be links"
 
 
 class NotRegularFile(OSError):
@@ -51,6 +60,8 @@ def describe_mode(mode: int) -> str:
 
 
 def _check(path: Path, st: os.stat_result, limit: int | None) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise NotRegularFile(errno.ELOOP, f"{path} is a symlink; it is not followed ({_LINK_RULE})")
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFile(
             errno.EINVAL,
@@ -68,29 +79,53 @@ def open_untrusted(
 ) -> BinaryIO:
     """Open ``path`` for reading (buffered), if it is a regular file of at most ``limit`` bytes.
 
-    ``follow_symlinks=False``: a symlink is refused rather than followed. Raises
-    :class:`NotRegularFile` (an ``OSError``) for anything but a regular file,
-    :class:`FileTooLarge` (a ``ValueError``) for a file over ``limit``, and ``OSError`` for
-    what the open itself reports; never blocks.
+    ``follow_symlinks=False``: a symlink is refused rather than followed. A checkpoint file, or
+    a file in a sharded checkpoint directory, is never reached through a link (that directory
+    included), whatever ``follow_symlinks`` says. Raises :class:`NotRegularFile` (an
+    ``OSError``) for anything but a regular file, :class:`FileTooLarge` (a ``ValueError``) for
+    a file over ``limit``, and ``OSError`` for what the open itself reports; never blocks.
     """
     target = Path(path)
-    _check(target, os.stat(target) if follow_symlinks else os.lstat(target), limit)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    if not follow_symlinks:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
+    entries = entry_components(target.parts)
+    follow = follow_symlinks and entries == 0
+    folder = _entry_folder(target) if entries == 2 else None
+    name: str | Path = target.name if folder is not None else target
     try:
-        fd = os.open(target, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow_symlinks:
-            raise NotRegularFile(
-                errno.ELOOP, f"{target} is a symlink, not a regular file; it is not followed"
-            ) from None
-        raise
+        _check(target, os.stat(name, dir_fd=folder, follow_symlinks=follow), limit)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        if not follow:
+            flags |= getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(name, flags, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and not follow:
+                raise NotRegularFile(
+                    errno.ELOOP, f"{target} is a symlink; it is not followed ({_LINK_RULE})"
+                ) from None
+            raise
+    finally:
+        if folder is not None:
+            os.close(folder)
     try:
         _check(target, os.fstat(fd), limit)  # what was opened, whatever the path names now
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
+        raise
+
+
+def _entry_folder(target: Path) -> int:
+    """A descriptor of the sharded checkpoint directory holding ``target``, opened without
+    following a link (one is refused, naming it)."""
+    folder = target.parent
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(folder, flags | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(folder):
+            raise NotRegularFile(
+                errno.ELOOP, f"{folder} is a symlink; it is not followed ({_LINK_RULE})"
+            ) from None
         raise
 
 

@@ -5,8 +5,9 @@
 # nothing else; a file that needs more (a pickled Python object) is an ImportRefused that says
 # what torch met (without torch's advice to load it unsafely), never unpickled. A .safetensors
 # file is read by its own layout — an 8-byte length, a JSON header (at most 100 MiB, and no
-# longer than the file), raw little-endian bytes — and every header entry is checked (dtype,
-# shape, data offsets inside the body and of the size the shape needs) before a tensor is built.
+# longer than the file), raw little-endian bytes — and every header entry is checked by the core
+# (pitstop.core.arrays: dtype, shape, data offsets inside the body and of the size the shape
+# needs) before any tensor is built; a header nested too deeply to decode is refused too.
 # How: torch.load; for .safetensors, json and torch.frombuffer over one copy of the body.
 
 """Reading foreign checkpoint files: torch.load(weights_only=True) and .safetensors."""
@@ -14,13 +15,13 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
+from pitstop.core.arrays import check_safetensors_entry
 from pitstop.errors import ImportRefused
 
 __all__ = ["read_safetensors", "torch_load"]
@@ -37,6 +38,7 @@ _SAFETENSORS_DTYPES: Final = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_ITEMSIZES: Final = {name: dtype.itemsize for name, dtype in _SAFETENSORS_DTYPES.items()}
 _SAFETENSORS_HEADER_LIMIT = 100 << 20
 _ZIP_MAGIC: Final = b"PK\x03\x04"  # torch.save since 1.6
 
@@ -89,7 +91,12 @@ def _unpickler_reason(error: BaseException) -> str:
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file: an 8-byte length, a JSON header, raw little-endian bytes."""
+    """Read a .safetensors file: an 8-byte length, a JSON header, raw little-endian bytes.
+
+    Every header entry is checked (pitstop.core.arrays.check_safetensors_entry) before any
+    tensor is built; a header that is not JSON, or nested too deeply to decode, and any entry
+    with an unknown dtype, a bad shape or offsets outside the body is an ImportRefused naming it.
+    """
     data = path.read_bytes()
     if len(data) < 8:
         raise ImportRefused(f"{path} is too short to be a .safetensors file")
@@ -98,30 +105,28 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ImportRefused(f"{path}: its .safetensors header length {length} is impossible")
     try:
         header = json.loads(data[8 : 8 + length])
+    except RecursionError:
+        raise ImportRefused(
+            f"{path}: its .safetensors header is nested too deeply to read (a header holds "
+            "one level of tensor entries)"
+        ) from None
     except ValueError as exc:
         raise ImportRefused(f"{path}: its .safetensors header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ImportRefused(f"{path}: its .safetensors header is not a JSON object")
+    body_size = len(data) - 8 - length
+    checked = {
+        name: check_safetensors_entry(f"{path}: tensor {name!r:.80}", spec, body_size, _ITEMSIZES)
+        for name, spec in header.items()
+        if name != "__metadata__"
+    }
     body = bytearray(data[8 + length :])
     out: dict[str, torch.Tensor] = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _SAFETENSORS_DTYPES[spec["dtype"]]
-            shape = [int(d) for d in spec["shape"]]
-            begin, end = (int(o) for o in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ImportRefused(
-                f"{path}: tensor {name!r} has a header entry pitstop cannot read: {spec!r}"
-            ) from None
-        numel = math.prod(shape)
-        if not (0 <= begin <= end <= len(body)) or end - begin != numel * dtype.itemsize:
-            raise ImportRefused(f"{path}: tensor {name!r} has bad data offsets {[begin, end]}")
+    for name, (dtype, shape, begin, end) in checked.items():
         raw = (
             torch.frombuffer(body, dtype=torch.uint8, count=end - begin, offset=begin)
             if end > begin
             else torch.empty(0, dtype=torch.uint8)
         )
-        out[name] = raw.view(dtype).reshape(shape)
+        out[name] = raw.view(_SAFETENSORS_DTYPES[dtype]).reshape(shape)
     return out
