@@ -179,3 +179,25 @@ def test_step_cost_prints_every_candidate_and_ends_its_workers(
     rows = json.loads(out_json.read_text())
     assert [r["candidate"] for r in rows] == list(step_cost.CANDIDATES)
     assert rows[0]["x_floor"] == 1.0
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's call
+def test_data_state_prints_both_candidates_per_worker_count(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pytest.importorskip("torchdata")
+    data_state = load_benchmark("data_state")
+    out_json = tmp_path / "data_state.json"
+    args = ["--workers", "1,2", "--steps", "6", "--batch", "3", "--warmup", "1"]
+    args += ["--batch-size", "2", "--sample", "4", "--work-ms", "0"]
+    assert data_state.main([*args, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for workers in (1, 2):
+        for candidate in data_state.CANDIDATES:
+            row = rf"^\| {workers} \| {re.escape(candidate)} \|"
+            assert re.search(row, out, re.MULTILINE), out
+    rows = json.loads(out_json.read_text())
+    assert [r["candidate"] for r in rows] == list(data_state.CANDIDATES) * 2
+    bare, wrapped = rows[0], rows[1]
+    assert bare["added_us"] == 0
+    assert wrapped["state_bytes"] > bare["state_bytes"]  # the workers' random state is in it

@@ -113,5 +113,6 @@ class CollectiveError(PitstopError):
 
 
 class ResumeWarning(UserWarning):
-    """A resume that ``strict=False`` let through with a difference it would otherwise refuse
-    (another world size: the per-rank state starts fresh)."""
+    """A resume that goes through inexactly: ``strict=False`` let a difference through that it
+    would otherwise refuse (another world size: the per-rank state starts fresh; a stream
+    without state), or a plain ``DataLoader`` given in ``state=`` whose data is not restored."""

@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 import pitstop
 from pitstop.core.records import Progress
-from pitstop.core.targets import RunTarget, new_updates, plan_run, target_epoch, target_step
+from pitstop.core.targets import (
+    RunTarget,
+    micro_batch_position,
+    new_updates,
+    plan_run,
+    target_epoch,
+    target_step,
+)
 from pitstop.errors import ConfigError
 from strategies import progresses
 
@@ -76,3 +83,54 @@ def test_a_run_without_limits_never_ends_on_its_own() -> None:
 def test_plan_run_names_the_bad_limit(max_steps: object, epochs: object, name: str) -> None:
     with pytest.raises(ConfigError, match=f"^{name} must be an int >= 0"):
         plan_run(Progress(), max_steps=max_steps, epochs=epochs)  # type: ignore[arg-type]
+
+
+# --- a sampler's position under gradient accumulation --------------------------------------------
+
+
+@given(st.integers(1, 64), st.integers(1, 8), st.data())
+def test_a_resumed_run_starts_at_the_micro_batch_the_straight_run_reads_next(
+    batches: int, accumulate: int, data: st.DataObject
+) -> None:
+    # The straight run: windows of `accumulate` micro-batches, one update (Progress.advance)
+    # per full window; stopped after any number of updates it could make in the epoch.
+    updates = data.draw(st.integers(0, batches // accumulate))
+    read = iter(range(batches))
+    progress = Progress()
+    for _ in range(updates):
+        for _ in range(accumulate):
+            next(read)
+        progress = progress.advance()
+    next_read = next(read, batches)
+    assert (
+        micro_batch_position(
+            progress.batch_in_epoch, accumulate=accumulate, batches_per_epoch=batches
+        )
+        == next_read
+    )
+
+
+@given(st.integers(0, 10**6), st.integers(1, 64), st.integers(0, 10**6), st.integers(0, 99))
+def test_a_position_past_the_epoch_is_refused_naming_the_numbers(
+    updates: int, accumulate: int, batches: int, epoch: int
+) -> None:
+    if updates * accumulate <= batches:
+        assert (
+            micro_batch_position(
+                updates, accumulate=accumulate, batches_per_epoch=batches, epoch=epoch
+            )
+            == updates * accumulate
+        )
+        return
+    with pytest.raises(ConfigError) as caught:
+        micro_batch_position(updates, accumulate=accumulate, batches_per_epoch=batches, epoch=epoch)
+    message = str(caught.value)
+    assert f"batches_per_epoch={batches}" in message
+    assert f"got {updates} (epoch {epoch})" in message
+    assert (f"accumulate={accumulate}" in message) == (accumulate > 1)
+
+
+@pytest.mark.parametrize("accumulate", [0, -1, 1.0, True, "2"])
+def test_accumulate_must_be_a_positive_int(accumulate: object) -> None:
+    with pytest.raises(ConfigError, match=f"accumulate must be an int >= 1, got {accumulate!r}"):
+        micro_batch_position(0, accumulate=accumulate, batches_per_epoch=4)  # type: ignore[arg-type]

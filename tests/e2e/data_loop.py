@@ -5,6 +5,9 @@ and torch's random generators inside the workers (a random augmentation in ``__g
 or noise in an endless stream's ``__iter__``), wrapped in ``pitstop.WorkerRNG``; the loader is
 a Checkpointer component. It can stop itself after a given step and resume. It writes the
 batches it trained on, the weights and the progress as a pitstop file (never unpickled).
+Started as one rank of several (``WORLD_SIZE`` > 1, by tests/multirank.py's Job) it joins a
+gloo group, trains a DDP model, reads its own shard (a DistributedSampler for map-style data,
+its own positions of the stream) and writes ``OUT.rank<r>``.
 
     python data_loop.py --kind map|stream --dir D --target 14 --out result.pitstop [--stop-at 6]
 """
@@ -12,6 +15,7 @@ batches it trained on, the weights and the progress as a pitstop file (never unp
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import random
 import sys
@@ -21,8 +25,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import pitstop
@@ -51,16 +57,18 @@ class Augmented(Dataset[torch.Tensor]):
 
 
 class Stream(IterableDataset[torch.Tensor]):
-    """Endless: worker w reads positions w, w + workers, ...; its state is its position."""
+    """Endless: worker w of rank r (of R) reads positions r * workers + w + k * workers * R;
+    its state is its position k."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
         self.position = 0  # this worker's count of samples yielded
+        self.rank, self.world = rank, world
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         while True:
-            index = worker + self.position * workers
+            index = self.rank * workers + worker + self.position * workers * self.world
             self.position += 1
             yield torch.tensor([float(index), index % 7 + noise(), noise(), 0.0, 1.0])
 
@@ -82,17 +90,27 @@ def main() -> int:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+
     torch.manual_seed(0)
-    dataset = pitstop.WorkerRNG(Augmented() if args.kind == "map" else Stream())
+    dataset = pitstop.WorkerRNG(Augmented() if args.kind == "map" else Stream(rank, world))
+    sampler = None
+    if world > 1 and args.kind == "map":  # each rank its shard; the loader replays its position
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3)
     loader = StatefulDataLoader(
         dataset,
         batch_size=BATCH,
-        shuffle=args.kind == "map",
+        shuffle=args.kind == "map" and sampler is None,
+        sampler=sampler,
         num_workers=2,
-        generator=torch.Generator().manual_seed(2),
+        generator=torch.Generator().manual_seed(2 + rank),  # each rank's workers their own
         snapshot_every_n_steps=args.snapshot_every,
     )
-    model = nn.Linear(4, 1)
+    net = nn.Linear(4, 1)
+    model: nn.Module = DistributedDataParallel(net) if world > 1 else net
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     stop = pitstop.StopRequest()
     batches: list[list[float]] = []
@@ -105,6 +123,8 @@ def main() -> int:
     ) as ckpt:
         progress = ckpt.resume()
         while progress.step < args.target and not stop:
+            if sampler is not None:
+                sampler.set_epoch(progress.epoch)
             for batch in loader:
                 batches.append(batch.flatten().tolist())
                 loss = (model(batch[:, 1:]) - batch[:, :1]).pow(2).mean()
@@ -121,13 +141,15 @@ def main() -> int:
                 progress = progress.next_epoch()
         ckpt.finish(progress, stop=stop)
 
+    if world > 1:
+        dist.destroy_process_group()
     result = {
-        "model": model.state_dict(),
+        "model": net.state_dict(),
         "batches": batches,
         "progress": [progress.step, progress.epoch, progress.batch_in_epoch],
         "stop_reason": stop.reason,
     }
-    with open(args.out, "wb") as f:
+    with open(args.out if world == 1 else f"{args.out}.rank{rank}", "wb") as f:
         fileformat.write(f, fileformat.prepare(result), {})
     return 0
 

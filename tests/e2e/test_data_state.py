@@ -4,7 +4,8 @@ Each run is a fresh Python process (tests/e2e/data_loop.py) reading through a
 StatefulDataLoader with 2 worker processes, whose data draws from Python's, NumPy's and
 torch's generators in the workers. Train straight, or stop mid-epoch and resume in a new
 process: the resumed run trains on exactly the straight run's remaining batches and ends with
-bitwise-equal weights.
+bitwise-equal weights. The same with 2 ranks (DDP on gloo, a Job of real processes): each
+rank's loader state is its own, and each rank resumes its own shard exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from multirank import Job
 from pitstop.shell.format import fileformat
 from trees import assert_same
 
@@ -66,3 +68,28 @@ def test_random_data_in_workers_resumes_exactly(tmp_path: Path, kind: str) -> No
 def test_snapshots_every_few_steps_still_resume_exactly(tmp_path: Path, kind: str) -> None:
     # The state is the last snapshot (step 6) plus 3 steps the loader replays on resume.
     assert_resumes_exactly(tmp_path, 9, "--kind", kind, "--snapshot-every", "3")
+
+
+def run_ranks(directory: Path, out: Path, *extra: str) -> list[dict[str, Any]]:
+    """Run the loop as 2 ranks (DDP) to completion; what each rank wrote."""
+    with Job(SCRIPT, "--dir", directory, "--out", out, *extra, ranks=2, timeout=300) as job:
+        job.wait().check()
+    return [fileformat.load(Path(f"{out}.rank{rank}")) for rank in range(2)]
+
+
+# Map-style with 2 ranks: 3 batches per rank per epoch; step 4 is mid-epoch (epoch 1, batch 1).
+@pytest.mark.parametrize(("kind", "stop_at"), [("map", 4), ("stream", 5)])
+def test_two_ranks_resume_each_shard_exactly(tmp_path: Path, kind: str, stop_at: int) -> None:
+    common = ("--kind", kind, "--target", "8")
+    straight = run_ranks(tmp_path / "straight", tmp_path / "straight.pitstop", *common)
+    first = run_ranks(
+        tmp_path / "ckpt", tmp_path / "first.pitstop", *common, "--stop-at", str(stop_at)
+    )
+    second = run_ranks(tmp_path / "ckpt", tmp_path / "second.pitstop", *common)
+    assert straight[0]["batches"] != straight[1]["batches"], "the ranks read the same data"
+    for rank in range(2):
+        assert first[rank]["stop_reason"] == "test"
+        assert first[rank]["batches"] == straight[rank]["batches"][:stop_at]
+        assert second[rank]["batches"] == straight[rank]["batches"][stop_at:], f"rank {rank}"
+        assert_same(straight[rank]["model"], second[rank]["model"], f"rank {rank} model")
+    assert_same(second[0]["model"], second[1]["model"], "the ranks' models")

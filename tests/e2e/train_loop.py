@@ -111,9 +111,7 @@ def main() -> int:
         micro = progress.step * args.accum
         done = progress.step >= args.target
         while not done:
-            sampler.set_position(
-                epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch * args.accum
-            )
+            sampler.set_position(progress, accumulate=args.accum)
             loss_sum = torch.zeros(())
             for inputs, targets in loader:
                 batches.append(inputs[:, 0].tolist())

@@ -189,6 +189,37 @@ def test_positioned_at_any_batch_it_yields_the_rest_of_the_epoch(
         assert list(resumed) == full[k:]
 
 
+@given(st.integers(1, 60), st.integers(1, 5), st.integers(1, 6), st.integers(0, 5), st.data())
+def test_under_accumulation_a_resume_starts_at_the_next_window(
+    length: int, batch_size: int, accumulate: int, epoch: int, data: st.DataObject
+) -> None:
+    straight = ResumableSampler(length, batch_size, seed=9)
+    full = straight.epoch_batches(epoch)
+    updates = data.draw(st.integers(0, len(full) // accumulate))
+    # The straight run: `updates` windows of `accumulate` micro-batches, then the next batches.
+    rest = full[updates * accumulate :]
+    resumed = ResumableSampler(length, batch_size, seed=9)
+    resumed.set_position(
+        Progress(step=77, epoch=epoch, batch_in_epoch=updates), accumulate=accumulate
+    )
+    assert list(resumed) == rest
+    resumed.set_position(epoch=epoch, batch_in_epoch=updates, accumulate=accumulate)
+    assert list(resumed) == rest
+    assert (resumed.epoch, resumed.batch_in_epoch) == (epoch, updates * accumulate)
+
+
+def test_under_accumulation_a_position_past_the_epoch_names_the_numbers() -> None:
+    sampler = ResumableSampler(30, 4)  # 8 batches: 2 windows of 3
+    sampler.set_position(Progress(epoch=1, batch_in_epoch=2), accumulate=3)
+    assert list(sampler) == sampler.epoch_batches(1)[6:]
+    match = r"batches_per_epoch=8 // accumulate=3 = 2\], got 3 \(epoch 1\)"
+    with pytest.raises(ConfigError, match=match):
+        sampler.set_position(Progress(epoch=1, batch_in_epoch=3), accumulate=3)
+    with pytest.raises(ConfigError, match="accumulate must be an int >= 1, got 0"):
+        sampler.set_position(epoch=1, batch_in_epoch=0, accumulate=0)
+    assert (sampler.epoch, sampler.batch_in_epoch) == (1, 6)
+
+
 def test_iterating_does_not_move_the_position() -> None:
     sampler = ResumableSampler(30, 4, seed=3)
     sampler.set_position(Progress(epoch=2, batch_in_epoch=5))

@@ -3,7 +3,10 @@
 # Rules (the seed's "Absolute target behavior"): limits are cumulative positions, not counts of
 # new work. target = max(restored, requested); new updates = target - restored. Raising a limit
 # continues the run; a limit at or below the restored position does no updates. Epoch limits
-# follow the same arithmetic.
+# follow the same arithmetic. A sampler's position under gradient accumulation: Progress counts
+# updates, a window of `accumulate` micro-batches makes one, so a run resumed after u updates of
+# an epoch reads micro-batch u * accumulate next; a position past the epoch's micro-batches was
+# made with other batching and is refused, naming the numbers.
 # How: integer arithmetic; RunTarget bundles both limits and says when the run has reached them.
 
 """Absolute step and epoch targets for runs that resume."""
@@ -17,7 +20,14 @@ import attrs
 from pitstop.core.records import Progress
 from pitstop.errors import ConfigError
 
-__all__ = ["RunTarget", "new_updates", "plan_run", "target_epoch", "target_step"]
+__all__ = [
+    "RunTarget",
+    "micro_batch_position",
+    "new_updates",
+    "plan_run",
+    "target_epoch",
+    "target_step",
+]
 
 
 def _check(name: str, value: object) -> int:
@@ -81,3 +91,29 @@ def plan_run(restored: Progress, *, max_steps: int | None, epochs: int | None) -
         step=None if max_steps is None else target_step(restored.step, max_steps),
         epoch=None if epochs is None else target_epoch(restored.epoch, epochs),
     )
+
+
+def micro_batch_position(
+    batch_in_epoch: int, *, accumulate: int, batches_per_epoch: int, epoch: int = 0
+) -> int:
+    """Return the batch of an epoch a sampler starts at after ``batch_in_epoch`` updates.
+
+    ``batch_in_epoch`` counts optimizer updates (as :class:`Progress` does), each a window of
+    ``accumulate`` loader batches, so the next batch to read is ``batch_in_epoch * accumulate``.
+    It may equal ``batches_per_epoch`` (the epoch is finished); beyond it raises
+    :class:`ConfigError` naming the numbers (and ``epoch``): that position was made with other
+    batching or another accumulation.
+    """
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    _check("batch_in_epoch", batch_in_epoch)
+    _check("batches_per_epoch", batches_per_epoch)
+    position = batch_in_epoch * accumulate
+    if position > batches_per_epoch:
+        bound = f"batches_per_epoch={batches_per_epoch}"
+        if accumulate > 1:
+            bound += f" // accumulate={accumulate} = {batches_per_epoch // accumulate}"
+        raise ConfigError(
+            f"batch_in_epoch must be an int in [0, {bound}], got {batch_in_epoch} (epoch {epoch})"
+        )
+    return position

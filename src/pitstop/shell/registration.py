@@ -1,12 +1,14 @@
 # Components of a run: adding one to a Checkpointer, and registering one later (deferred).
 #
 # Rules: a component has a non-empty str name, once, and state_dict()/load_state_dict(); anything
-# else is a ConfigError naming it. A component registered after a resume whose checkpoint holds
-# it is checked as the constructor's are (pitstop.shell.state.restore's component differences) and
-# restored on the spot; one the checkpoint does not hold starts fresh, with a warning. With
-# several ranks every rank registers, and the outcome is agreed: refused or failed on any rank,
-# the component is neither added nor loaded anywhere (a rank that loaded it puts it back). A
-# put-back that fails too is logged, so the error raised is the one that named the component.
+# else is a ConfigError naming it, except a plain torch DataLoader, kept as a PlainLoader (no state;
+# its resume warns that the data is not exact, unless a ResumableSampler orders it without workers).
+# A component registered after a resume whose checkpoint holds it is checked as the constructor's
+# are (pitstop.shell.state.restore's component differences) and restored on the spot; one the
+# checkpoint does not hold starts fresh, with a warning. With several ranks every rank registers,
+# and the outcome is agreed: refused or failed on any rank, the component is neither added nor
+# loaded anywhere (a rank that loaded it puts it back). A put-back that fails too is logged, so the
+# error raised is the one that named the component.
 # How: functions over the live state and the ranks; the Checkpointer calls register_component().
 
 """Registration: adding a component, and restoring a deferred one when it is registered."""
@@ -21,7 +23,9 @@ from pathlib import Path
 import torch
 
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
+from pitstop.shell.data.loaders import PlainLoader, is_plain_loader
 from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sampler import ResumableSampler
 from pitstop.shell.state.capture import LiveState
 from pitstop.shell.state.restore import component_differences, load_component, undo_all
 
@@ -36,7 +40,10 @@ def add_component(live: LiveState, name: str, obj: object) -> None:
         raise ConfigError(f"component names must be non-empty str, got {name!r}")
     if name in live.components:
         raise ConfigError(f"component {name!r} is already registered")
-    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+    if is_plain_loader(obj):
+        ordered = isinstance(getattr(obj, "batch_sampler", None), ResumableSampler)
+        obj = PlainLoader(name, obj, ordered=ordered)  # type: ignore[arg-type]
+    elif not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
         raise ConfigError(
             f"component {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()"
         )

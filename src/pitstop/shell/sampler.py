@@ -1,13 +1,15 @@
 # Epoch-addressed, resumable batch sampling for map-style datasets.
 #
 # Rules: the batches of epoch e are a pure function of (seed, e, dataset length, batch_size,
-# shuffle, drop_last, world_size, rank) — nothing else, and never the global RNG. The sampler
-# holds a position (epoch, batch_in_epoch) that only the caller moves (set_position from the
-# training loop's Progress, or set_epoch); iterating never advances it, because the loop's
-# Progress is the truth, not what a DataLoader happened to prefetch. state_dict() is the
-# sampler's identity, not its position: loading a state that differs in any field raises
-# IncompatibleCheckpoint listing every difference, because a resumed run with another seed,
-# batch size, dataset length or world size would silently read a different order.
+# shuffle, drop_last, world_size, rank) — nothing else, and never the global RNG. The sampler holds
+# a position (epoch, batch_in_epoch) that only the caller moves (set_position from the training
+# loop's Progress, or set_epoch); under gradient accumulation the Progress counts updates and
+# set_position(..., accumulate=k) starts at batch batch_in_epoch * k (the core's
+# micro_batch_position, which refuses a position past the epoch); iterating never advances it,
+# because the loop's Progress is the truth, not what a DataLoader happened to prefetch. state_dict()
+# is the sampler's identity, not its position: loading a state that differs in any field raises
+# IncompatibleCheckpoint listing every difference, because a resumed run with another seed, batch
+# size, dataset length or world size would silently read a different order.
 # How: a private torch.Generator seeded with _epoch_seed(seed, e) (splitmix64 arithmetic, no
 # hashing) drives torch.randperm; the permutation is padded by repeating from its start to a
 # multiple of world_size (or its tail dropped with drop_last), rank r takes indices[r::world],
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from pitstop.core.records import Progress
+from pitstop.core.targets import micro_batch_position
 from pitstop.core.validators import is_int as _is_int
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 
@@ -237,10 +240,10 @@ class ResumableSampler(Sampler[list[int]]):
         return self._batch_in_epoch
 
     @overload
-    def set_position(self, progress: Progress, /) -> None: ...
+    def set_position(self, progress: Progress, /, *, accumulate: int = 1) -> None: ...
 
     @overload
-    def set_position(self, *, epoch: int, batch_in_epoch: int = 0) -> None: ...
+    def set_position(self, *, epoch: int, batch_in_epoch: int = 0, accumulate: int = 1) -> None: ...
 
     def set_position(
         self,
@@ -248,14 +251,17 @@ class ResumableSampler(Sampler[list[int]]):
         *,
         epoch: int | None = None,
         batch_in_epoch: int | None = None,
+        accumulate: int = 1,
     ) -> None:
         """Position the sampler: the next iteration reads ``epoch`` from ``batch_in_epoch`` on.
 
         Pass the training loop's :class:`~pitstop.Progress` (its ``epoch`` and
         ``batch_in_epoch`` are used), or ``epoch=`` and ``batch_in_epoch=`` directly.
-        ``batch_in_epoch`` may equal :attr:`batches_per_epoch` (the epoch is finished and
-        iterating yields nothing); beyond that it raises
-        :class:`~pitstop.errors.ConfigError`.
+        With gradient accumulation, ``batch_in_epoch`` counts optimizer updates of
+        ``accumulate`` batches each (as ``Progress`` does): the sampler starts at batch
+        ``batch_in_epoch * accumulate``. That batch may equal :attr:`batches_per_epoch` (the
+        epoch is finished and iterating yields nothing); beyond it raises
+        :class:`~pitstop.errors.ConfigError` naming the numbers.
         """
         if progress is not None:
             if epoch is not None or batch_in_epoch is not None:
@@ -275,14 +281,20 @@ class ResumableSampler(Sampler[list[int]]):
             batch_in_epoch = 0
         if not _is_int(epoch) or epoch < 0:
             raise ConfigError(f"ResumableSampler epoch must be an int >= 0, got {epoch!r}")
-        if not _is_int(batch_in_epoch) or not 0 <= batch_in_epoch <= self._batches:
+        if not _is_int(batch_in_epoch) or batch_in_epoch < 0:
             raise ConfigError(
                 "ResumableSampler batch_in_epoch must be an int in "
                 f"[0, batches_per_epoch={self._batches}], got {batch_in_epoch!r} "
                 f"(epoch {epoch})"
             )
+        try:
+            start = micro_batch_position(
+                batch_in_epoch, accumulate=accumulate, batches_per_epoch=self._batches, epoch=epoch
+            )
+        except ConfigError as error:
+            raise ConfigError(f"ResumableSampler {error}") from None
         self._epoch = epoch
-        self._batch_in_epoch = batch_in_epoch
+        self._batch_in_epoch = start
 
     def set_epoch(self, epoch: int) -> None:
         """Position the sampler at the start of ``epoch`` (``DistributedSampler`` style)."""

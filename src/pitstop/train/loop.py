@@ -161,9 +161,7 @@ class TrainLoop:
         Returns the progress reached and the metrics evaluated at that step (if any).
         """
         trainer, accumulate = self.trainer, self.config.accumulate
-        trainer.sampler.set_position(
-            epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch * accumulate
-        )
+        trainer.sampler.set_position(progress, accumulate=accumulate)
         window: list[torch.Tensor] = []
         samples = 0
         metrics: dict[str, float] | None = None

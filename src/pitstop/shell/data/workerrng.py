@@ -9,7 +9,10 @@
 # restored (before it produces anything). In the main process (num_workers=0) "rng" is None and
 # a stored one is not applied: the checkpoint's own RNG streams are restored there. A stream's
 # iterator is made from the dataset after its state is loaded, so a stream whose __iter__
-# starts from the position its state_dict() records resumes at the exact sample.
+# starts from the position its state_dict() records resumes at the exact sample. A stream
+# without state_dict()/load_state_dict() would restart from its beginning in every worker
+# (WorkerRNG's own state makes torchdata take it as stateful): stateless_stream() names it, and
+# the resume check refuses it under strict (a soft difference: strict=False warns).
 # How: a Dataset (or IterableDataset) that delegates to the wrapped one; the iterable kind is
 # its own iterator, so torchdata snapshots and restores it as the worker's dataset iterator.
 
@@ -27,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from pitstop.errors import ConfigError
 
-__all__ = ["WorkerRNG"]
+__all__ = ["WorkerRNG", "stateless_stream"]
 
 _KEYS: Final = ("dataset", "rng")
 
@@ -145,3 +148,21 @@ class _IterableWorkerRNG(WorkerRNG, IterableDataset[Any]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self._iterator = None
+
+
+def stateless_stream(dataset: object) -> str | None:
+    """What to add when ``dataset`` is a WorkerRNG of a stream without state, else None."""
+    if not isinstance(dataset, _IterableWorkerRNG):
+        return None
+    inner = dataset.dataset
+    if callable(getattr(inner, "state_dict", None)) and callable(
+        getattr(inner, "load_state_dict", None)
+    ):
+        return None
+    return (
+        f"its dataset is WorkerRNG({type(inner).__qualname__}), a stream (IterableDataset) with "
+        "no state_dict()/load_state_dict(), so each worker's stream restarts from its beginning "
+        f"on resume; add to {type(inner).__qualname__} a state_dict() returning its position "
+        "(a sample count, a shard cursor) and a load_state_dict(state) after which __iter__ "
+        "starts there"
+    )

@@ -13,7 +13,8 @@
 # cannot fail once the checks passed — so no second copy of the weights is ever made for them.
 # A component's own code that raises — state_dict() while it is compared or snapshotted,
 # load_state_dict(), a state_differences() judge — is an IncompatibleCheckpoint naming the
-# component and the call, chained to what it raised.
+# component and the call, chained to what it raised. A StatefulDataLoader over a WorkerRNG of a
+# stream without state is a soft difference (shell.data's stateless_stream names what to add).
 # How: a list of undo actions, run in reverse on failure.
 
 """Restore: compatibility checks, then an all-or-nothing load into the live objects."""
@@ -45,6 +46,8 @@ from pitstop.core.compat import (
 )
 from pitstop.core.schema import EMA, EMA_COUNT, RAW, RNG, STATE, WEIGHTS
 from pitstop.errors import IncompatibleCheckpoint
+from pitstop.shell.data.loaders import is_stateful_loader
+from pitstop.shell.data.workerrng import stateless_stream
 from pitstop.shell.state.capture import LiveState, ranked_state, stored_world_size, world
 from pitstop.shell.state.live import (
     capture_rng,
@@ -148,6 +151,16 @@ def component_differences(
             describe(_own(name, "state_dict", obj.state_dict)),
         )
     )
+    stream = stateless_stream(getattr(obj, "dataset", None)) if is_stateful_loader(obj) else None
+    if stream is not None:  # soft: strict refuses it, strict=False warns and resumes
+        out.append(
+            Difference(
+                kind=Kind.COMPONENT,
+                message=f"component {name!r}: {stream}",
+                soft=True,
+                allowed=f"component {name!r} resumes inexactly: {stream}",
+            )
+        )
     judge = getattr(obj, "state_differences", None)  # a component may judge for itself
     if callable(judge):
         out += [
