@@ -203,7 +203,8 @@ class _Reader(BlobFile):
             else:
                 self.read_placed(view, blob.offset + start)
             slot.job = self.submit(index, view, start + nbytes == blob.length)
-            if copies is not None and on_device is not None and slot.buffer is not None:
+            if copies is not None and on_device is not None:
+                assert slot.buffer is not None  # a device's bounce buffer is a tensor
                 slot.copied = copies.copy(on_device[start : start + nbytes], slot.buffer[:nbytes])
             self.progress(nbytes)
         if on_device is None:

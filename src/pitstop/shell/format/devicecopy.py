@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-
 __all__ = ["Copy", "CudaCopies", "DeviceCopies"]
 
 

@@ -283,7 +283,7 @@ def _materialize(
             [f"{manifest.path}: this host is big-endian; pitstop files hold little-endian bytes"]
         )
     known = tensor_dtypes()
-    for i in needed:  # a dtype of a newer torch's allow-list
+    for i in needed:  # a dtype on pitstop's list that an older torch lacks
         if manifest.tensors[i].dtype not in known:
             raise IncompatibleCheckpoint(
                 [

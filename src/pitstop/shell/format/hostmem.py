@@ -16,7 +16,7 @@
 # tensor, so checking a file never needs torch.
 # How: ctypes' madvise over the page-aligned interior of the storage, from 2 MiB on.
 
-"""New CPU tensors for checkpoint bytes, advised for transparent huge pages."""
+"""New CPU tensors for checkpoint bytes, advised for transparent huge pages; scratch buffers."""
 
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     import torch
-
 
 __all__ = ["HUGE_PAGE", "PAGE", "new_aligned_bytes", "new_host_bytes", "scratch_bytes"]
 
@@ -92,6 +91,5 @@ def scratch_bytes(length: int) -> memoryview:
     """A new writable buffer of ``length`` bytes, not yet touched, that no tensor is built
     over: a bounce buffer bytes are read into only to be checked (a private anonymous map,
     freed with its last view; no torch needed)."""
-    return memoryview(mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))[
-        :length
-    ]
+    region = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return memoryview(region)[:length]

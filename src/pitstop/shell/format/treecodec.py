@@ -185,7 +185,7 @@ def unpack(data: bytes) -> object:
         nonlocal depth
         if code == EXT_DTYPE:
             name = payload.decode("ascii", errors="replace")
-            dtype = dtypes().get(name)  # a dtype value: the first use of torch in a read
+            dtype = dtypes().get(name)  # imports torch: only it can rebuild a dtype value
             if dtype is None:
                 raise CheckpointCorrupt(f"unknown dtype name {short(name)}")
             return dtype
