@@ -249,6 +249,40 @@ def test_inspect_json_and_that_it_reads_no_tensor_bytes(
     assert main_(capsys, "verify", str(path))[0] == 1  # the damage is real
 
 
+_TORCH_AFTER = (
+    "import sys, pitstop.cli\n"
+    "code = pitstop.cli.main(sys.argv[1:])\n"
+    "print(f'exit {code}; torch imported: {\"torch\" in sys.modules}', file=sys.stderr)\n"
+)
+
+
+def test_ls_inspect_and_verify_of_a_file_checkpoint_never_import_torch(tmp_path: Path) -> None:
+    directory = _checkpointer_run(tmp_path)  # model, EMA, optimizer, config, metrics
+    path = directory / "step_000000000007.pitstop"
+    corrupt = tmp_path / "corrupt.pitstop"
+    corrupt.write_bytes(path.read_bytes()[:-1] + b"\0")
+    commands = [
+        ("ls", str(directory)),
+        ("ls", "--check", "--json", str(directory)),
+        ("inspect", str(path)),
+        ("inspect", "--json", str(directory)),
+        ("verify", str(path)),
+        ("verify", str(directory / "last")),
+        ("verify", str(corrupt)),
+    ]
+    for args in commands:
+        result = subprocess.run(
+            [sys.executable, "-c", _TORCH_AFTER, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        expected = 1 if str(corrupt) in args else 0
+        last = result.stderr.splitlines()[-1] if result.stderr else result.stderr
+        assert last == f"exit {expected}; torch imported: False", (args, result.stderr)
+
+
 # --- prune ----------------------------------------------------------------------------------------
 
 

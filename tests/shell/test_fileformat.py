@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
 from pitstop.shell.format import fileformat as ff
-from pitstop.shell.format.treecodec import DTYPES, MAX_DEPTH, TENSOR_DTYPES, check_tree
+from pitstop.shell.format.treecodec import MAX_DEPTH, check_tree, dtypes, tensor_dtypes
 
-ALL_DTYPES = sorted(TENSOR_DTYPES.values(), key=str)
+ALL_DTYPES = sorted(tensor_dtypes().values(), key=str)
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 _names = itertools.count()
 
@@ -183,7 +183,7 @@ HASHABLES = st.one_of(
     st.text(max_size=4),
     st.binary(max_size=4),
     st.tuples(st.integers(-5, 5), st.text(max_size=2)),
-    st.sampled_from(sorted(DTYPES.values(), key=str)),
+    st.sampled_from(sorted(dtypes().values(), key=str)),
 )
 
 
@@ -254,6 +254,17 @@ def test_every_dtype_round_trips_in_every_shape(dtype: torch.dtype, tmp_path: Pa
     assert loaded["transposed"].untyped_storage().data_ptr() == (
         loaded["matrix"].untyped_storage().data_ptr()
     )
+
+
+def test_the_readers_dtype_sizes_are_torchs() -> None:
+    # Reading a manifest checks sizes by name without torch: the table must say what torch does.
+    for name, size in ff.ITEMSIZES.items():
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            assert dtype.itemsize == size, name
+            assert tensor_dtypes()[name] is dtype
+    assert set(tensor_dtypes()) <= set(ff.ITEMSIZES)
+    assert set(tensor_dtypes()) < set(dtypes())  # quantized dtypes: values only
 
 
 def test_python_values_come_back_with_their_exact_types(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 import pitstop
 from pitstop.errors import SaveError
 from pitstop.shell.format import fileformat
-from pitstop.shell.format.treewalk import DTYPES, MAX_DEPTH
+from pitstop.shell.format.treewalk import MAX_DEPTH, dtypes
 from pitstop.shell.state.staging import StagingPool, slack
 
 KIB = 1 << 10
@@ -189,7 +189,7 @@ ALLOWED: dict[str, Any] = {
     "float": lambda: [math.nan, -0.0, math.inf, 1e-310],
     "bool": lambda: [True, False],
     "None": lambda: None,
-    "torch.dtype": lambda: sorted(DTYPES.values(), key=str),
+    "torch.dtype": lambda: sorted(dtypes().values(), key=str),
     "tensor": lambda: torch.arange(12, dtype=torch.float64).reshape(3, 4).T,
     "empty tensor": lambda: torch.empty(3, 0, 5).transpose(0, 2),
     "complex conj": lambda: torch.randn(3, dtype=torch.complex64).conj(),

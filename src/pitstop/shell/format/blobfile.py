@@ -28,12 +28,13 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Callable, Iterator
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final
 
 from pitstop.core.manifest import Manifest
 from pitstop.errors import CheckpointCorrupt
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Advance", "BlobFile", "blob_corrupt", "byte_view", "drop_cached"]
 

@@ -32,19 +32,21 @@ from __future__ import annotations
 import collections
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-import torch
 
 from pitstop.core.manifest import HEADER_SIZE, Manifest
 from pitstop.shell.format.blobfile import Advance, BlobFile, blob_corrupt, byte_view
 from pitstop.shell.format.checksums import Checksummer, CrcJob, crc32_combine, default_threads
 from pitstop.shell.format.devicecopy import Copy, CudaCopies, DeviceCopies
-from pitstop.shell.format.hostmem import new_host_bytes
+from pitstop.shell.format.hostmem import new_host_bytes, scratch_bytes
 from pitstop.shell.format.parallelread import read_in_parallel
 
-__all__ = ["BOUNCE", "CHUNK", "CPU", "blob_corrupt", "read_blobs"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BOUNCE", "CHUNK", "blob_corrupt", "read_blobs"]
 
 CHUNK: Final = 4 << 20
 """Bytes per read: one pread, one CRC job (and on CUDA one host-to-device copy) per chunk."""
@@ -52,17 +54,18 @@ CHUNK: Final = 4 << 20
 BOUNCE: Final = 4
 """Bounce buffers (and chunks whose CRC may be in flight at once)."""
 
-CPU: Final = torch.device("cpu")
-
 device_copies: Callable[[torch.device], DeviceCopies] = CudaCopies
 """How a pass copies to a device that is not the CPU (a stand-in in tests)."""
 
 
 @attrs.define
 class _Slot:
-    """One bounce buffer and what still uses it: a CRC job, a host-to-device copy."""
+    """One bounce buffer and what still uses it: a CRC job, a host-to-device copy.
 
-    buffer: torch.Tensor
+    ``buffer``: the tensor a copy to a device starts from (``None``: only read to be checked).
+    """
+
+    buffer: torch.Tensor | None
     view: memoryview
     job: CrcJob | None = None
     copied: Copy | None = None  # the copy out of the buffer to a device
@@ -113,12 +116,11 @@ class _Reader(BlobFile):
         if slots is None:
             slots = self.slots[device] = []
             for _ in range(BOUNCE):
-                buffer = (
-                    torch.empty(CHUNK, dtype=torch.uint8)
-                    if device is None
-                    else self.copies_to(device).bounce(CHUNK)
-                )
-                slots.append(_Slot(buffer, byte_view(buffer)))
+                if device is None:  # only to be checked: no tensor, no torch
+                    slots.append(_Slot(None, scratch_bytes(CHUNK)))
+                else:
+                    buffer = self.copies_to(device).bounce(CHUNK)
+                    slots.append(_Slot(buffer, byte_view(buffer)))
             self.turn[device] = 0
         slot = slots[self.turn[device] % BOUNCE]
         self.turn[device] += 1
@@ -176,6 +178,8 @@ class _Reader(BlobFile):
             if device is None:
                 return None
             if device.type == "cpu":
+                import torch
+
                 return torch.empty(0, dtype=torch.uint8).untyped_storage()
             return self.copies_to(device).new_target(0).untyped_storage()
         if device is not None and device.type == "cpu":
@@ -200,6 +204,7 @@ class _Reader(BlobFile):
                 self.read_placed(view, blob.offset + start)
             slot.job = self.submit(index, view, start + nbytes == blob.length)
             if copies is not None and on_device is not None:
+                assert slot.buffer is not None  # a device's bounce buffer is a tensor
                 slot.copied = copies.copy(on_device[start : start + nbytes], slot.buffer[:nbytes])
             self.progress(nbytes)
         if on_device is None:

@@ -19,9 +19,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Copy", "CudaCopies", "DeviceCopies"]
 
@@ -53,18 +54,26 @@ class CudaCopies:
     """:class:`DeviceCopies` for one CUDA device: pinned buffers, one side stream."""
 
     def __init__(self, device: torch.device) -> None:
+        import torch
+
         self.device = device
         self._stream: Any = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def bounce(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def new_target(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         target = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         return target
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> Copy:
+        import torch
+
         with torch.cuda.stream(self._stream):
             target.copy_(source, non_blocking=True)
             done: Copy = torch.cuda.Event()  # type: ignore[no-untyped-call]

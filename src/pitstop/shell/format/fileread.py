@@ -13,7 +13,9 @@
 # read the data they check once, front to back, each blob's CRC-32 computed as it is read
 # (pitstop.shell.format.blobread); load() then builds tensors over a copy-on-write map of the data
 # region — the page cache the read just filled — or, for the key paths its caller places,
-# over the memory (or device) the bytes were read into.
+# over the memory (or device) the bytes were read into. Only building tensors imports torch
+# (and decoding a torch.dtype or torch.Size value): read_manifest(), verify() and check_blobs()
+# check names, sizes and CRC-32s, so listing, inspecting and verifying never load it.
 
 """Read one pitstop checkpoint file: its manifest, a subtree of tensors, or a full verify."""
 
@@ -23,10 +25,7 @@ import mmap
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import MappingProxyType
-from typing import BinaryIO, Final, Literal
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO, Literal, TypeAlias
 
 from pitstop.core.manifest import (
     FOOTER_SIZE,
@@ -45,18 +44,14 @@ from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint
 from pitstop.shell.format import progress
 from pitstop.shell.format.blobread import read_blobs
 from pitstop.shell.format.checksums import crc32_update
-from pitstop.shell.format.treecodec import (
-    TENSOR_DTYPES,
-    TensorRef,
-    check_tree,
-    resolve,
-    subtree,
-    unpack,
-)
-from pitstop.shell.format.treewalk import MAPPINGS, SEQUENCES
+from pitstop.shell.format.treecodec import TensorRef, check_tree, resolve, subtree, unpack
+from pitstop.shell.format.treewalk import ITEMSIZES, MAPPINGS, SEQUENCES, tensor_dtypes
 from pitstop.shell.format.untrusted import NotRegularFile, open_untrusted
 
-__all__ = ["KeyPath", "Place", "check_blobs", "load", "read_manifest", "verify"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ITEMSIZES", "KeyPath", "Place", "check_blobs", "load", "read_manifest", "verify"]
 
 _HOLD_AFTER_CHECKING = 16 << 20  # a larger manifest is checksummed before it is held
 _PIECE = 4 << 20
@@ -64,14 +59,9 @@ _PIECE = 4 << 20
 KeyPath = tuple[str | int, ...]
 """A stored value's key path from the root of the tree: ``("state", "optimizer", "state", 0)``."""
 
-Place = Callable[[KeyPath], torch.device | None]
+Place: TypeAlias = Callable[[KeyPath], "torch.device | None"]
 """Where :func:`load` puts a tensor, by its key path: ``None`` maps the file; a device (the
 CPU included) reads the tensor's bytes into new memory there."""
-
-# The reader's dtype allow-list, as the core checks it: bytes per element, by name.
-ITEMSIZES: Final[Mapping[str, int]] = MappingProxyType(
-    {name: dtype.itemsize for name, dtype in TENSOR_DTYPES.items()}
-)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -286,10 +276,21 @@ def _materialize(
 ) -> dict[int, torch.Tensor]:
     """Read and check what ``verify`` asks, then build tensors ``needed``: over a copy-on-write
     map of the file's data region, or over the storages placed blobs were read into."""
+    import torch  # building tensors: the first use of torch in a read
+
     if sys.byteorder != "little":
         raise IncompatibleCheckpoint(
             [f"{manifest.path}: this host is big-endian; pitstop files hold little-endian bytes"]
         )
+    known = tensor_dtypes()
+    for i in needed:  # a dtype on pitstop's list that an older torch lacks
+        if manifest.tensors[i].dtype not in known:
+            raise IncompatibleCheckpoint(
+                [
+                    f"{manifest.path}: tensor {', '.join(manifest.tensor_paths[i])} has dtype "
+                    f"{manifest.tensors[i].dtype}, which torch {torch.__version__} does not have"
+                ]
+            )
     blobs = sorted({manifest.tensors[i].blob for i in needed})
     places = {b: d for b, d in _blob_places(manifest, devices).items() if b in set(blobs)}
     if verify == "file":
@@ -325,7 +326,7 @@ def _materialize(
             # (a uint8 view, not torch.empty(dtype=...): that warns for complex32)
             tensors[i] = (
                 torch.empty(0, dtype=torch.uint8, device=storage.device)
-                .view(TENSOR_DTYPES[d.dtype])
+                .view(known[d.dtype])
                 .set_(storage, d.storage_offset, d.shape, d.stride)
             )
         except RuntimeError as error:

@@ -23,11 +23,10 @@ import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import BinaryIO, Final
+from typing import TYPE_CHECKING, BinaryIO, Final
 
 import attrs
 import msgpack
-import torch
 
 from pitstop.core.layout import Span, TensorExtent, layout_tensors
 from pitstop.core.manifest import (
@@ -50,6 +49,9 @@ from pitstop.shell.format.checksums import Checksummer, crc32_combine, crc32_upd
 from pitstop.shell.format.treecodec import dtype_name, encode_tree
 from pitstop.shell.format.treewalk import storage_of
 from pitstop.shell.format.writebehind import WriteBehind
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Prepared", "prepare", "write"]
 
@@ -356,6 +358,8 @@ def _raw_bytes(source: torch.Tensor, span: Span) -> torch.Tensor:
     pointer = identity[2]
     if storage.data_ptr() != pointer or storage.nbytes() < span.stop:
         raise SaveError("a tensor's storage was replaced or resized between prepare() and write()")
+    import torch
+
     return torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage)
 
 

@@ -12,9 +12,11 @@
 # which needs its buffer at the file offset's place within a page: a private anonymous map of
 # whole pages, the tensor's bytes starting `skew` bytes into it (torch keeps the map alive for
 # as long as the tensor lives).
+# scratch_bytes is memory a read fills only to check it (a bounce buffer): an anonymous map, no
+# tensor, so checking a file never needs torch.
 # How: ctypes' madvise over the page-aligned interior of the storage, from 2 MiB on.
 
-"""New CPU tensors for checkpoint bytes, advised for transparent huge pages."""
+"""New CPU tensors for checkpoint bytes, advised for transparent huge pages; scratch buffers."""
 
 from __future__ import annotations
 
@@ -23,11 +25,12 @@ import ctypes
 import mmap
 import sys
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["HUGE_PAGE", "PAGE", "new_aligned_bytes", "new_host_bytes"]
+__all__ = ["HUGE_PAGE", "PAGE", "new_aligned_bytes", "new_host_bytes", "scratch_bytes"]
 
 HUGE_PAGE: Final = 2 << 20
 """A transparent huge page on x86-64 and most arm64 kernels: smaller tensors are not advised."""
@@ -56,6 +59,8 @@ def new_host_bytes(length: int) -> torch.Tensor:
     """A new uint8 CPU tensor of ``length`` bytes, not yet touched; from :data:`HUGE_PAGE`
     on, its whole pages advised for transparent huge pages where the kernel offers them (a
     refusal changes nothing), so that filling it faults 2 MiB at a time."""
+    import torch
+
     target = torch.empty(length, dtype=torch.uint8)
     if _ADVISE is not None and _MADV_HUGEPAGE is not None and length >= HUGE_PAGE:
         start = -(-target.data_ptr() // _PAGE) * _PAGE
@@ -76,5 +81,15 @@ def new_aligned_bytes(length: int, skew: int) -> tuple[torch.Tensor, memoryview]
     if _MADV_HUGEPAGE is not None and length >= HUGE_PAGE:
         with contextlib.suppress(OSError):  # a kernel without THP keeps 4 KiB pages
             region.madvise(_MADV_HUGEPAGE)
+    import torch
+
     tensor = torch.frombuffer(region, dtype=torch.uint8, count=length, offset=skew)
     return tensor, memoryview(region)
+
+
+def scratch_bytes(length: int) -> memoryview:
+    """A new writable buffer of ``length`` bytes, not yet touched, that no tensor is built
+    over: a bounce buffer bytes are read into only to be checked (a private anonymous map,
+    freed with its last view; no torch needed)."""
+    region = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return memoryview(region)[:length]

@@ -22,15 +22,18 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
-import torch
 
 from pitstop.core.layout import BlobRead, plan_blob_reads, reads_past_cache
 from pitstop.core.manifest import HEADER_SIZE
 from pitstop.shell.format.blobfile import BlobFile, blob_corrupt, byte_view
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
-from pitstop.shell.format.hostmem import PAGE, new_aligned_bytes, new_host_bytes
+from pitstop.shell.format.hostmem import PAGE, new_aligned_bytes, new_host_bytes, scratch_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["read_in_parallel"]
 
@@ -131,8 +134,7 @@ def _read(
     failed: list[BaseException] = []
 
     def work() -> None:
-        bounce = torch.empty(chunk, dtype=torch.uint8)
-        own = byte_view(bounce)
+        own = scratch_bytes(chunk)
         try:
             for turn in turns:
                 if failed:

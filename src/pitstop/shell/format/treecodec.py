@@ -21,45 +21,48 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import msgpack
-import torch
 
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import numpyvalues
 from pitstop.shell.format.treewalk import (
-    DTYPES,
-    LEAVES,
     MAPPINGS,
     MAX_DEPTH,
+    SCALARS,
     SEQUENCES,
     SETS,
-    TENSOR_DTYPES,
     Builder,
     TensorVisit,
     dtype_name,
+    dtypes,
     join_key,
+    leaves,
     short,
     show_path,
+    tensor_dtypes,
     type_name,
     walk,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "DTYPES",
     "EXT_CODES",
     "MAX_DEPTH",
-    "TENSOR_DTYPES",
     "TensorRef",
     "check_tree",
     "dtype_name",
+    "dtypes",
     "encode_tree",
     "join_key",
     "resolve",
     "show_path",
     "subtree",
+    "tensor_dtypes",
     "tensor_refs",
     "unpack",
 ]
@@ -182,7 +185,7 @@ def unpack(data: bytes) -> object:
         nonlocal depth
         if code == EXT_DTYPE:
             name = payload.decode("ascii", errors="replace")
-            dtype = DTYPES.get(name)
+            dtype = dtypes().get(name)  # imports torch: only it can rebuild a dtype value
             if dtype is None:
                 raise CheckpointCorrupt(f"unknown dtype name {short(name)}")
             return dtype
@@ -242,6 +245,8 @@ def _build(code: int, content: object) -> object:
     if code == EXT_SIZE:
         if not all(type(d) is int and 0 <= d < (1 << 63) for d in content):
             raise CheckpointCorrupt(f"ext torch.Size holds a bad dimension: {short(content)}")
+        import torch  # a torch.Size value: torch is needed to build it
+
         return torch.Size(content)
     members = set(content)  # TypeError (unhashable member) is reported by unpack()
     if len(members) != len(content):
@@ -262,7 +267,7 @@ def check_tree(tree: object, *, root: str, tensor_count: int | None) -> tuple[tu
         if depth > MAX_DEPTH:
             raise CheckpointCorrupt(f"{show_path(path)}: nested deeper than {MAX_DEPTH} levels")
         kind = type(value)
-        if kind in LEAVES:  # the walk's leaves (an int from msgpack is always in range)
+        if kind in SCALARS:  # an int from msgpack is always in range
             return
         if numpyvalues.is_numpy(value):  # built by the decoder from a checked payload
             return
@@ -285,22 +290,24 @@ def check_tree(tree: object, *, root: str, tensor_count: int | None) -> tuple[tu
         if kind in MAPPINGS:
             assert isinstance(value, dict)
             for k, v in value.items():
-                if not (leaf_passes and type(k) in LEAVES):
+                if not (leaf_passes and type(k) in SCALARS):
                     check(k, f"{show_path(path)} (key)", depth + 1, True)
-                if not (leaf_passes and type(v) in LEAVES):
+                if not (leaf_passes and type(v) in SCALARS):
                     check(v, join_key(path, k), depth + 1, hashable)
             return
         if kind in SEQUENCES:
             assert isinstance(value, (list, tuple))
             for i, v in enumerate(value):
-                if not (leaf_passes and type(v) in LEAVES):
+                if not (leaf_passes and type(v) in SCALARS):
                     check(v, join_key(path, i), depth + 1, hashable)
             return
         if kind in SETS:
             assert isinstance(value, (set, frozenset))
             for m in value:
-                if not (leaf_passes and type(m) in LEAVES):
+                if not (leaf_passes and type(m) in SCALARS):
                     check(m, f"{path}{{}}", depth + 1, True)
+            return
+        if kind in leaves():  # torch.Size, torch.dtype: decoded values (so torch is loaded)
             return
         raise CheckpointCorrupt(f"{show_path(path)}: unexpected value of type {type_name(value)}")
 

@@ -18,42 +18,46 @@
 # tuples of ints and a snapshot runs while the training loop waits. A Builder rebuilds each
 # container from its walked contents (the same types for a snapshot, msgpack values for the
 # encoder). Each distinct tensor object is checked and handed to the caller's function once;
-# later occurrences get the same result, so tied weights stay tied.
+# later occurrences get the same result, so tied weights stay tied. Torch is imported by the
+# walk and by the functions that build the torch tables (tensor_dtypes, dtypes, leaves), never
+# by this module: reading and checking a manifest uses names and ITEMSIZES only.
 
 """The one definition of what a checkpoint tree may hold, and the walk that enforces it."""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from functools import cache
 from types import MappingProxyType
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 from pitstop.core.manifest import MAX_NDIM
 from pitstop.errors import SaveError
 from pitstop.shell.format import numpyvalues
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "DTYPES",
     "INT_MAX",
     "INT_MIN",
-    "LEAVES",
+    "ITEMSIZES",
     "MAPPINGS",
     "MAX_DEPTH",
     "SCALARS",
     "SEQUENCES",
     "SETS",
-    "TENSOR_DTYPES",
-    "TENSOR_TYPES",
     "Builder",
     "TensorVisit",
     "dtype_name",
+    "dtypes",
     "join_key",
+    "leaves",
     "short",
     "show_path",
     "storage_of",
+    "tensor_dtypes",
     "type_name",
     "walk",
 ]
@@ -63,73 +67,84 @@ INT_MIN: Final = -(1 << 63)
 INT_MAX: Final = (1 << 64) - 1
 
 # The types a tree may hold, by exact type.
-SCALARS: Final = frozenset({str, bytes, int, float, bool, type(None)})
+SCALARS: Final[frozenset[type]] = frozenset({str, bytes, int, float, bool, type(None)})
 """Leaves that hold nothing else (an int must also lie in [INT_MIN, INT_MAX])."""
-LEAVES: Final = SCALARS | {torch.Size, torch.dtype}
-"""Every leaf but a tensor."""
 MAPPINGS: Final = frozenset({dict, collections.OrderedDict})
 SEQUENCES: Final = frozenset({list, tuple})
 SETS: Final = frozenset({set, frozenset})
-TENSOR_TYPES: Final = frozenset({torch.Tensor, torch.nn.Parameter})
 _NON_INT_SCALARS: Final = SCALARS - {int}
 _CONTENTS: Final = (
     "dict, OrderedDict, list, tuple, set, frozenset, str, bytes, int, float, bool, None, "
     "torch.dtype, torch.Size, tensors and NumPy arrays and scalars"
 )
 
-# The dtype allow-list, by the name torch prints (`torch.float32` -> "float32"). A name is only
-# ever looked up in this table, never resolved by getattr on untrusted input. Names this torch
-# lacks are skipped, so an older torch simply reads fewer dtypes.
-_TENSOR_DTYPE_NAMES: Final = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-    "bits1x8",
-    "bits2x4",
-    "bits4x2",
-    "bits8",
-    "bits16",
-    *(f"int{n}" for n in range(1, 8)),
-    *(f"uint{n}" for n in range(1, 8)),
+# The dtype allow-list, by the name torch prints (`torch.float32` -> "float32"), with the bytes
+# per element of a stored tensor: all that reading and checking a manifest needs, so listing,
+# inspecting and verifying a checkpoint never import torch. A name is only ever looked up in
+# these tables, never resolved by getattr on untrusted input. Names this torch lacks are left
+# out of tensor_dtypes() and dtypes(), so an older torch simply loads fewer dtypes.
+ITEMSIZES: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        **dict.fromkeys(("bool", "uint8", "int8", "bits1x8", "bits2x4", "bits4x2", "bits8"), 1),
+        **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"), 1),
+        **dict.fromkeys(("float8_e8m0fnu", "float4_e2m1fn_x2"), 1),
+        **dict.fromkeys((f"{u}int{n}" for u in ("", "u") for n in range(1, 8)), 1),  # sub-byte
+        **dict.fromkeys(("int16", "uint16", "float16", "bfloat16", "bits16"), 2),
+        **dict.fromkeys(("int32", "uint32", "float32", "complex32"), 4),
+        **dict.fromkeys(("int64", "uint64", "float64", "complex64"), 8),
+        "complex128": 16,
+    }
 )
+"""Dtypes a stored tensor may have: bytes per element, by name (as the reader checks them)."""
 # Quantized dtypes may appear as values in a tree, but quantized tensors are not stored.
 _VALUE_ONLY_DTYPE_NAMES: Final = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
 
 
-def _dtype_table(names: Sequence[str]) -> Mapping[str, torch.dtype]:
+def _dtype_table(names: tuple[str, ...]) -> Mapping[str, torch.dtype]:
+    import torch
+
     table: dict[str, torch.dtype] = {}
     for name in names:
         dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{name}":
+        if (
+            isinstance(dtype, torch.dtype)
+            and str(dtype) == f"torch.{name}"
+            and dtype.itemsize == ITEMSIZES.get(name, dtype.itemsize)
+        ):
             table[name] = dtype
     return MappingProxyType(table)
 
 
-TENSOR_DTYPES: Final = _dtype_table(_TENSOR_DTYPE_NAMES)
-"""Dtypes a stored tensor may have, by name."""
-DTYPES: Final = _dtype_table((*_TENSOR_DTYPE_NAMES, *_VALUE_ONLY_DTYPE_NAMES))
-"""Dtypes a tree may hold as values, by name."""
-_TENSOR_DTYPE_SET: Final = frozenset(TENSOR_DTYPES.values())
-_DTYPE_SET: Final = frozenset(DTYPES.values())
+@cache
+def tensor_dtypes() -> Mapping[str, torch.dtype]:
+    """Dtypes a stored tensor may have, by name: those of :data:`ITEMSIZES` this torch has
+    (imports torch)."""
+    return _dtype_table(tuple(ITEMSIZES))
+
+
+@cache
+def dtypes() -> Mapping[str, torch.dtype]:
+    """Dtypes a tree may hold as values, by name (imports torch)."""
+    return _dtype_table((*ITEMSIZES, *_VALUE_ONLY_DTYPE_NAMES))
+
+
+@cache
+def _dtype_set() -> frozenset[torch.dtype]:
+    return frozenset(dtypes().values())
+
+
+@cache
+def _tensor_dtype_set() -> frozenset[torch.dtype]:
+    return frozenset(tensor_dtypes().values())
+
+
+@cache
+def leaves() -> frozenset[type]:
+    """Every leaf type but a tensor: :data:`SCALARS`, ``torch.Size`` and ``torch.dtype``
+    (imports torch; a tree holds neither of the last two unless torch is loaded)."""
+    import torch
+
+    return SCALARS | frozenset({torch.Size, torch.dtype})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -172,8 +187,10 @@ def type_name(value: object) -> str:
 
 
 def _check_tensor(tensor: torch.Tensor, path: str) -> None:
+    import torch
+
     where = show_path(path)
-    if type(tensor) not in TENSOR_TYPES:
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
         raise SaveError(
             f"{where}: tensor subclass {type(tensor).__qualname__} is not supported; "
             f"store a plain tensor"
@@ -184,7 +201,7 @@ def _check_tensor(tensor: torch.Tensor, path: str) -> None:
         raise SaveError(f"{where}: quantized tensors are not supported")
     if tensor.is_meta:
         raise SaveError(f"{where}: a tensor on the meta device has no data to save")
-    if tensor.dtype not in _TENSOR_DTYPE_SET:
+    if tensor.dtype not in _tensor_dtype_set():
         raise SaveError(f"{where}: tensors of dtype {tensor.dtype} are not supported")
     if tensor.dim() > MAX_NDIM:
         raise SaveError(f"{where}: {tensor.dim()} dimensions is more than {MAX_NDIM}")
@@ -234,7 +251,7 @@ class Builder:
         return numpyvalues.copy(value, is_array)
 
 
-TensorVisit = Callable[[torch.Tensor, str], object]
+TensorVisit: TypeAlias = Callable[["torch.Tensor", str], object]
 """Called once per distinct tensor object, with its (first) key path; returns its replacement."""
 
 SAME_TYPES: Final = Builder()
@@ -266,6 +283,13 @@ def walk(
 
 class _Walk:
     def __init__(self, on_tensor: TensorVisit | None, build: Builder, numpy: bool) -> None:
+        import torch  # a tree to save: torch is loaded (its types, bound once per walk)
+
+        self._tensor_type: type[torch.Tensor] = torch.Tensor
+        self._parameter_type: type[torch.nn.Parameter] = torch.nn.Parameter
+        self._size_type: type[torch.Size] = torch.Size
+        self._dtype_type: type[torch.dtype] = torch.dtype
+        self._dtypes = _dtype_set()
         self._on_tensor = on_tensor
         self._build = build
         self._numpy = numpy
@@ -276,8 +300,8 @@ class _Walk:
         if depth > MAX_DEPTH:
             raise SaveError(f"{show_path(path)}: nested deeper than {MAX_DEPTH} levels")
         kind = type(value)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:  # the commonest leaf first
-            assert isinstance(value, torch.Tensor)
+        if kind is self._tensor_type or kind is self._parameter_type:  # the commonest leaf first
+            assert isinstance(value, self._tensor_type)
             return self._tensor(value, path, hashable)
         if kind in _NON_INT_SCALARS:
             return value
@@ -298,15 +322,15 @@ class _Walk:
         if kind is set or kind is frozenset:
             assert isinstance(value, (set, frozenset))
             return self._members(kind, value, path, depth + 1)
-        if kind is torch.Size:
-            assert isinstance(value, torch.Size)
+        if kind is self._size_type:
+            assert isinstance(value, self._size_type)
             return self._build.size(value)
-        if kind is torch.dtype:
-            assert isinstance(value, torch.dtype)
-            if value not in _DTYPE_SET:
+        if kind is self._dtype_type:
+            assert isinstance(value, self._dtype_type)
+            if value not in self._dtypes:
                 raise SaveError(f"{show_path(path)}: dtype {value} cannot be stored")
             return self._build.dtype(value, dtype_name(value))
-        if isinstance(value, torch.Tensor):  # a subclass: _tensor() refuses it by name
+        if isinstance(value, self._tensor_type):  # a subclass: _tensor() refuses it by name
             return self._tensor(value, path, hashable)
         if numpyvalues.is_numpy(value):
             if not self._numpy:

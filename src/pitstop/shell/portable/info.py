@@ -22,7 +22,7 @@ from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpo
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.checkpoint import Checkpoint, TensorInfo
 from pitstop.shell.format import fileformat
-from pitstop.shell.format.treecodec import TENSOR_DTYPES
+from pitstop.shell.format.treewalk import ITEMSIZES
 from pitstop.shell.store.directory import is_sharded_path
 from pitstop.shell.store.resolve import manifest_path, read_resolved
 
@@ -33,7 +33,7 @@ def tensor_table(manifest: fileformat.Manifest) -> tuple[TensorInfo, ...]:
     """One :class:`TensorInfo` per key path that holds a tensor, in the file's tensor order."""
     out = []
     for index, descriptor in enumerate(manifest.tensors):
-        nbytes = descriptor.numel * TENSOR_DTYPES[descriptor.dtype].itemsize
+        nbytes = descriptor.numel * ITEMSIZES[descriptor.dtype]
         out += [
             TensorInfo(name=name, dtype=descriptor.dtype, shape=descriptor.shape, nbytes=nbytes)
             for name in manifest.tensor_paths[index]
@@ -103,7 +103,7 @@ def _sharded_table(path: Path) -> tuple[TensorInfo, ...]:
         numel = 1
         for n in value.shape:
             numel *= n
-        nbytes = numel * TENSOR_DTYPES[value.dtype].itemsize
+        nbytes = numel * ITEMSIZES[value.dtype]
         name = ".".join(str(p) for p in value.path)
         out.append(TensorInfo(name=name, dtype=value.dtype, shape=value.shape, nbytes=nbytes))
     return tuple(out)

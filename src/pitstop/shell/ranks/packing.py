@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pitstop.shell.format.treecodec import TENSOR_DTYPES, encode_tree, resolve, unpack
+from pitstop.shell.format.treecodec import encode_tree, resolve, tensor_dtypes, unpack
 from pitstop.shell.format.treewalk import dtype_name, storage_of
 
 __all__ = ["Packed", "pack_state", "unpack_state"]
@@ -65,8 +65,9 @@ def unpack_state(packed: Packed) -> Any:
         ).untyped_storage()
         for raw in data
     ]
+    known = tensor_dtypes()
     tensors = {
-        index: torch.empty(0, dtype=TENSOR_DTYPES[dtype]).set_(made[storage], offset, shape, stride)
+        index: torch.empty(0, dtype=known[dtype]).set_(made[storage], offset, shape, stride)
         for index, (storage, dtype, offset, shape, stride) in enumerate(views)
     }
     return resolve(unpack(tree), tensors)

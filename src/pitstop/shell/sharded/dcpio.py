@@ -56,7 +56,7 @@ from torch.futures import Future
 from pitstop.core.ranks import Outcome
 from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
 from pitstop.errors import CheckpointCorrupt, SaveError
-from pitstop.shell.format.treewalk import TENSOR_DTYPES, dtype_name
+from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.ranks.distributed import outcome_of, rebuilt
 from pitstop.shell.sharded.dcpwrite import CrcFileSystem, Note
 from pitstop.shell.store.sharddir import file_table
@@ -101,7 +101,7 @@ def layout_of(metadata: Metadata, files: Sequence[ShardFile], world_size: int) -
         path = tuple(paths.get(fqn, (fqn,)))
         if isinstance(stored, TensorStorageMetadata):
             name = dtype_name(stored.properties.dtype)
-            if name not in TENSOR_DTYPES:
+            if name not in tensor_dtypes():
                 raise SaveError(f"{fqn}: tensors of dtype {name} are not supported")
             chunks = tuple(
                 chunk(MetadataIndex(fqn, c.offsets), c.offsets, c.sizes) for c in stored.chunks
@@ -129,7 +129,7 @@ def metadata_of(layout: ShardedLayout) -> Metadata:
             only = value.chunks[0]
             storage[MetadataIndex(value.fqn)] = _StorageInfo(only.file, only.start, only.length)
             continue
-        dtype = TENSOR_DTYPES.get(value.dtype)
+        dtype = tensor_dtypes().get(value.dtype)
         if dtype is None:
             raise CheckpointCorrupt(f"{value.fqn}: unknown dtype {value.dtype!r}")
         chunks = []

@@ -44,7 +44,7 @@ from pitstop.core.sharded import (
     share_checks,
 )
 from pitstop.errors import IncompatibleCheckpoint
-from pitstop.shell.format.treewalk import TENSOR_DTYPES, dtype_name
+from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded.dcpio import (
     SafePlanner,
@@ -305,7 +305,7 @@ def full_state_dict(
         node = state
         for key in value.path[:-1]:
             node = node.setdefault(key, {})
-        dtype = None if value.dtype is None else TENSOR_DTYPES[value.dtype]
+        dtype = None if value.dtype is None else tensor_dtypes()[value.dtype]
         # A non-tensor value: DCP puts what it stored in place of the None. A tensor's extents
         # passed read_layout's checks: its chunks cover it exactly once (every element is
         # filled) and their bytes, verified just above, hold its elements.
