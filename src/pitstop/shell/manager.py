@@ -9,11 +9,8 @@
 #   pitstop.shell.saving        rank 0 plans a save with the core and carries it out (capture,
 #                               write through a locked CheckpointDirectory, or hand over)
 #   pitstop.shell.resuming      choose, read, check and restore a checkpoint, all-or-nothing
-#   pitstop.shell.registration  components, and the deferred ones: a component the checkpoint
-#                               holds but the run has not registered yet is kept and applied
-#                               when register() names it
-#   pitstop.shell.lifetime      the end: close() (close_run), or a Checkpointer dropped
-#                               without it
+#   pitstop.shell.registration  components, and the deferred ones (held until register())
+#   pitstop.shell.lifetime      the end: close(), or a Checkpointer dropped without it
 #   pitstop.shell.shardsave     sharded state: every rank writes its shards through DCP, and
 #                               a background one is published by a later call on every rank
 # How: a synchronous save writes straight from the live tensors before it returns; a
