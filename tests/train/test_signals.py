@@ -24,6 +24,7 @@ from trainkit import (
     read_until,
     signal_while_paused,
     smoke_config,
+    steps_on_disk,
     train,
     tree,
 )
@@ -153,3 +154,24 @@ def test_a_second_sigint_ends_the_process_promptly(tmp_path: Path) -> None:
     assert "KeyboardInterrupt" in err
     assert "SIGINT again while a stop (SIGINT) was pending" in err
     assert "stopped by" not in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_run_is_built_ends_it_cleanly(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A stop signal as soon as `pitstop train` says it prepares the run (before torch is even
+    imported): status 0, "stopped before training began", nothing trained or saved."""
+    output_dir = tmp_path / "early"
+    argv = pitstop_argv("train", "--config", SMOKE, "--output-dir", output_dir)
+    with child(argv) as process:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert line.startswith("preparing the run from "), line
+        process.send_signal(sig)
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, line + err[-3000:]
+    assert "stopped before training began" in out, out
+    assert not (output_dir / "checkpoints").exists() or not steps_on_disk(
+        output_dir / "checkpoints"
+    )

@@ -169,6 +169,7 @@ class Trainer:
             )
         self.stop = StopRequest()
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_signals(self.stop))  # first: a stop while opening is heard
             stack.callback(self.reporter.close)
             checkpointer: Checkpointer | None = None
             if checkpoint_dir is not None:
@@ -185,7 +186,6 @@ class Trainer:
                         overwrite=overwrite,
                     )
                 )
-            stack.enter_context(_signals(self.stop))
             restored, resumed_from = Progress(), None
             if checkpointer is not None and resume_from is None and not overwrite:
                 _refuse_another_run(checkpointer)  # before the first step, not at the first save
