@@ -293,3 +293,23 @@ def test_a_real_full_filesystem(small_tmpfs: Path) -> None:
     found = scan(LocalStorage(directory))
     assert found.pointers.last == "step_000000000003.pitstop"
     fileformat.verify(directory / "step_000000000003.pitstop")
+
+
+def test_a_real_full_filesystem_under_a_sharded_save(small_tmpfs: Path) -> None:
+    """A sharded save (FSDP2, DCP) into a real full tmpfs: the SaveError says the disk is full
+    and names the file (torch.save's own error, "unexpected pos ...", hides it)."""
+    sharded = pytest.importorskip("onerank")
+    if sharded.SHARDED_MISSING:
+        pytest.skip(sharded.SHARDED_REASON)
+    from pitstop.shell.ranks.distributed import Ranks
+    from pitstop.shell.sharded.engine import write_sharded
+
+    with sharded.one_rank_group():
+        model, optimizer = sharded.sharded_model()
+        filler = _fill(small_tmpfs)
+        os.truncate(filler, max(0, filler.stat().st_size - 4 * 4096))  # a few pages: not enough
+        with pytest.raises(SaveError) as caught:
+            write_sharded(small_tmpfs / "temp", model, {"o": optimizer}, ranks=Ranks(0, 1))
+    message = str(caught.value)
+    assert "no space left on the device (ENOSPC) writing " in message, message
+    assert str(small_tmpfs / "temp" / "__0_0.distcp") in message, message

@@ -14,6 +14,7 @@ rename moves a note, a removal drops it.
 from __future__ import annotations
 
 import array
+import errno
 import os
 import zlib
 from pathlib import Path
@@ -28,6 +29,7 @@ from onerank import NEEDS_GLOO, sharded_model
 from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.errors import SaveError
 from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded import dcpwrite
 from pitstop.shell.sharded.dcpio import DCP_METADATA, Writer, own_failure
 from pitstop.shell.sharded.dcpwrite import CrcFileSystem
 from pitstop.shell.sharded.engine import async_write_sharded, make_stager, write_sharded
@@ -230,3 +232,45 @@ def test_the_table_mixes_noted_and_reread_files(tmp_path: Path) -> None:
     table = sharddir.file_table(tmp_path, ["noted", "plain"], 1, noted)
     assert {f.name: (f.size, f.crc32) for f in table} == on_disk(tmp_path)
     assert {f.rank for f in table} == {1}
+
+
+class FullDisk:
+    """A data file on a disk with room for ``room`` more bytes: the real file's ``write``
+    writes what fits, then raises ENOSPC, as write(2) does; everything else is the file's."""
+
+    def __init__(self, file: Any, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes > self.room:
+            if self.room:
+                self.file.write(view[: self.room])
+                self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= view.nbytes
+        return int(self.file.write(view))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
+@pytest.mark.parametrize("room", [0, 700])
+def test_a_full_disk_is_named(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """A data file's write fails with ENOSPC after ``room`` bytes (torch.save's zip writer
+    then fails with "unexpected pos ..."): the SaveError says the disk is full, and where."""
+    model, optimizer = sharded_model()
+    real = dcpwrite._CrcStream.__init__
+
+    def init(stream: Any, file: Any, *args: Any) -> None:
+        full = Path(file.name).suffix == ".distcp"
+        real(stream, FullDisk(file, room) if full else file, *args)
+
+    monkeypatch.setattr(dcpwrite._CrcStream, "__init__", init)
+    with pytest.raises(SaveError) as caught:
+        write_sharded(tmp_path / "temp", model, {"optimizer": optimizer}, ranks=Ranks(0, 1))
+    message = str(caught.value)
+    assert "no space left on the device (ENOSPC) writing " in message, message
+    assert str(tmp_path / "temp" / "__0_0.distcp") in message, message

@@ -199,7 +199,13 @@ class Writer(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's ``write_data`` (it returns a completed future), and one result more: this
         rank's :class:`RankFiles`, for rank 0."""
-        results = super().write_data(plan, planner).value()
+        try:
+            results = super().write_data(plan, planner).value()
+        except Exception as exc:
+            failure = self._files.failure  # what a full disk raised, hidden by torch.save
+            if failure is not None and failure is not exc:
+                raise failure from exc
+            raise
         written = sorted({r.storage_data.relative_path for r in results})
         try:
             table = file_table(Path(self.path), written, self._rank, self._checksums())

@@ -20,7 +20,8 @@
 # which is why the writer turns DCP's sync_files off — one fsync per file, not two. Names
 # become durable with the manifest's directory fsync (pitstop.shell.store.sharddir). The notes are
 # shared by DCP's writer threads and read from the thread that builds the table: a lock guards
-# them.
+# them. The first error a write raised (ENOSPC on a full disk) is kept, naming its file, and the
+# writer raises it in place of torch.save's own ("unexpected pos ...", which hides it).
 # How: a FileSystem subclass whose write streams wrap the real file.
 
 """DCP's file system for pitstop's writer: write streams that note each file's size and CRC."""
@@ -58,8 +59,13 @@ class _CrcStream:
     to fsync and re-read).
     """
 
-    def __init__(self, file: BinaryIO, done: Callable[[Note | None], None]) -> None:
-        self._file, self._done = file, done
+    def __init__(
+        self,
+        file: BinaryIO,
+        done: Callable[[Note | None], None],
+        failed: Callable[[OSError], None],
+    ) -> None:
+        self._file, self._done, self._failed = file, done, failed
         self.size = self.crc = 0
         self.tracked = True
         self._behind = WriteBehind.of(file)  # the disk starts while DCP writes on
@@ -69,8 +75,10 @@ class _CrcStream:
         try:
             view = memoryview(data)
             written = self._file.write(view)
-        except BaseException:  # some of it may be in the file: no longer vouched for
+        except BaseException as exc:  # some of it may be in the file: no longer vouched for
             self.tracked = False
+            if isinstance(exc, OSError):  # torch's zip writer hides it: kept for the writer
+                self._failed(exc)
             raise
         if written != view.nbytes:  # a partial write: the bytes on disk are not those seen
             self.tracked = False
@@ -180,6 +188,15 @@ class CrcFileSystem(FileSystem):
         super().__init__()
         self._lock = threading.Lock()
         self._notes: dict[Path, Note] = {}
+        self.failure: OSError | None = None
+        """The first error a write to a file raised (ENOSPC on a full disk), naming the file:
+        torch.save's zip writer replaces it with its own ("unexpected pos ...")."""
+
+    def _fail(self, path: Path, exc: OSError) -> None:
+        with self._lock:
+            if self.failure is None:
+                number = exc.errno if exc.errno is not None else 0
+                self.failure = OSError(number, exc.strerror or str(exc), os.fspath(path))
 
     def _note(self, path: Path, note: Note | None) -> None:
         with self._lock:
@@ -200,7 +217,11 @@ class CrcFileSystem(FileSystem):
         target = Path(path)
         self._note(target, None)
         # read too: its CRC-32 is taken from a map of it when it is closed
-        stream = _CrcStream(target.open("w+b"), lambda note: self._note(target, note))
+        stream = _CrcStream(
+            target.open("w+b"),
+            lambda note: self._note(target, note),
+            lambda exc: self._fail(target, exc),
+        )
         try:
             yield cast(io.IOBase, stream)
         except BaseException:

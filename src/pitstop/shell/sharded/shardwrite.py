@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import threading
@@ -109,10 +110,16 @@ def _write_error(root: Path, exc: CheckpointException, writer: Writer, rank: int
     own = own_failure(exc, rank, writer)
     if isinstance(own, Exception):
         return own
-    why = "; ".join(
-        f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items())
-    )
+    why = "; ".join(f"rank {r}: {_failure(e)}" for r, (e, _) in sorted(exc.failures.items()))
     return SaveError(f"could not write the shards of {root}: {why}")
+
+
+def _failure(error: BaseException) -> str:
+    """One rank's failure in words: a full disk said so, with the file it was writing."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        name = errno.errorcode[error.errno]
+        return f"no space left on the device ({name}) writing {error.filename}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _written(metadata: Metadata | None, writer: Writer, ranks: Ranks) -> WrittenShards:
