@@ -47,9 +47,11 @@ import pitstop
 from multirank import Finished, Job
 from pitstop.cli import main as cli
 from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.formatting import format_size
 from pitstop.shell.format import fileformat
 from pitstop.shell.sharded.engine import MODEL, full_state_dict
 from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.sharddir import read_layout
 from pitstop.shell.store.storage import LocalStorage
 from trees import assert_same
 
@@ -534,6 +536,18 @@ def test_verify_info_load_and_the_cli_read_a_checkpoint_directory(
     assert_same(tree["sharded"]["model"], straight.ranks[0]["full"]["model"])
     assert cli(["ls", str(directory), "--check"]) == 0
     assert f"would use {sharded_name(6)} (step 6)" in capsys.readouterr().out
+    # verify says what it checked: every file of the directory, all their bytes, every value
+    assert cli(["verify", str(newest)]) == 0
+    files = sorted(newest.iterdir())
+    layout, _ = read_layout(newest)
+    manifest = fileformat.read_manifest(newest / MANIFEST_NAME)
+    assert len(files) == len(layout.files) + 1
+    assert len(layout.values) > len(manifest.tensors)
+    assert capsys.readouterr().out == (
+        f"OK {newest}: sharded, {len(files)} files, "
+        f"{format_size(sum(f.stat().st_size for f in files))}: {len(layout.values)} sharded "
+        f"values, {len(manifest.tensors)} tensors in the manifest\n"
+    )
     flip_byte(newest / "__0_0.distcp")
     with pytest.raises(pitstop.CheckpointCorrupt, match=r"__0_0\.distcp fails its checksum"):
         pitstop.verify(newest)

@@ -22,6 +22,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import (
     ResumeChoice,
     choose_resume,
+    is_sharded_path,
     scan,
     vanished,
     verify_any,
@@ -223,7 +224,7 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
         try:
             with progress_bars(console):
                 verify_any(target.path)
-            manifest = fileformat.read_manifest(manifest_path(target.path))
+            checked = _checked(target.path, fileformat.read_manifest(manifest_path(target.path)))
             break
         except (CheckpointCorrupt, FileNotFoundError) as exc:
             if _moved_on(checkpoint, target) and attempt + 1 < RESOLVE_ATTEMPTS:
@@ -239,12 +240,27 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
             )
             return 1
     console.print(
-        f"[green]OK[/green] {escape(str(target.path))}{escape(via)}: {len(manifest.tensors)} "
-        f"tensors, {format_size(manifest.size)}",
+        f"[green]OK[/green] {escape(str(target.path))}{escape(via)}: {escape(checked)}",
         highlight=False,
         soft_wrap=True,
     )
     return 0
+
+
+def _checked(path: Path, manifest: fileformat.Manifest) -> str:
+    """What a verify of ``path`` checked: a file's tensors and bytes; a sharded checkpoint's
+    files (its manifest one of them), their bytes, its sharded values and the manifest's own
+    tensors."""
+    if not is_sharded_path(path):
+        return f"{len(manifest.tensors)} tensors, {format_size(manifest.size)}"
+    from pitstop.shell.store.sharddir import read_layout
+
+    layout, _ = read_layout(path)
+    size = manifest.size + sum(f.size for f in layout.files)
+    return (
+        f"sharded, {len(layout.files) + 1} files, {format_size(size)}: "
+        f"{len(layout.values)} sharded values, {len(manifest.tensors)} tensors in the manifest"
+    )
 
 
 def _moved_on(checkpoint: str, target: Target) -> bool:
