@@ -165,3 +165,30 @@ def test_the_ema_s_weights_export_with_the_model_s_buffers_unless_it_keeps_its_o
     plain = nn.Sequential(nn.Linear(16, 16), Scaled())
     plain.load_state_dict(torch.load(exported, weights_only=True), strict=True)
     assert_equal(dict(plain.state_dict()), full)
+
+
+@pytest.mark.parametrize("weights", ["raw", "ema"])
+def test_load_weights_into_a_sharded_model_is_refused_saying_what_to_do(
+    group: Any, tmp_path: Path, weights: str
+) -> None:
+    """load_weights into an FSDP2 model: one ConfigError (resume through a Checkpointer, or
+    load into the unsharded model), the model untouched; the unsharded model loads."""
+    model, optimizer, ema = build(0, "copy")
+    train(model, optimizer, ema, 2)
+    root = tmp_path / "checkpoints"
+    with pitstop.Checkpointer(root, model=model, ema=ema, state={"optimizer": optimizer}) as c:
+        c.save(pitstop.Progress(step=2))
+    other, _, _ = build(1, "copy")
+    before = local(other)
+    with pytest.raises(pitstop.ConfigError) as caught:
+        pitstop.load_weights(other, root, weights=weights)
+    message = str(caught.value)
+    assert "the model is sharded (FSDP2, DTensor" in message, message
+    assert "resume it through a Checkpointer" in message, message
+    assert "build the model without fully_shard, load_weights into it, then shard it" in message
+    assert_equal(local(other), before)
+    plain = nn.Sequential(nn.Linear(16, 16), Scaled())
+    pitstop.load_weights(plain, root, weights=weights)
+    source = model if weights == "raw" else ema
+    full = {k: v.full_tensor() for k, v in source.state_dict().items() if "scale" not in k}
+    assert_equal({k: v for k, v in plain.state_dict().items() if "scale" not in k}, full)

@@ -9,8 +9,9 @@
 # checkpoint's tensors placed on that device (one transfer from the file's memory map, no
 # second copy; a model built on the meta device loads this way) — a device this process has:
 # "meta" (no data) and a device it lacks are refused first, naming map_location (the rule is
-# pitstop.core.arguments.device_problem). The other pieces, each with one reason to change,
-# and re-exported here:
+# pitstop.core.arguments.device_problem). A sharded model (FSDP2, DTensor) is refused first,
+# saying what to do instead (resume through a Checkpointer; load before sharding). The other
+# pieces, each with one reason to change, and re-exported here:
 #   pitstop.shell.state.unwrap          unwrap_model, plain_state_dict: wrappers, key prefixes
 #   pitstop.shell.portable.weightview   weights_view: a parameter set, only its bytes read
 #   pitstop.shell.portable.exporter     export_weights: the set as a plain .pt / .safetensors
@@ -33,6 +34,7 @@ from pitstop.core.compat import Kind, diff_tensors
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell.portable.exporter import export_weights
 from pitstop.shell.portable.weightview import Weights, check_weights, read_view, weights_view
+from pitstop.shell.sharded.support import is_sharded
 from pitstop.shell.state.live import tensor_specs
 from pitstop.shell.state.unwrap import plain_names, plain_state_dict, unwrap_model
 from pitstop.shell.store.resolve import read_resolved
@@ -146,6 +148,10 @@ def load_weights(
     ``meta`` device. On ``"cpu"`` they are the memory-mapped tensors themselves (copy-on-write:
     writing to them never changes the file). Tied parameters stay tied.
 
+    A sharded model (FSDP2, DTensor parameters) is refused with
+    :class:`~pitstop.errors.ConfigError`: resume it through a Checkpointer, or load into the
+    model before it is sharded.
+
     Returns the missing and unexpected keys (both empty under ``strict=True``).
     """
     _check_arguments(model, checkpoint)
@@ -154,6 +160,14 @@ def load_weights(
         raise ConfigError(f"load_weights strict must be a bool, got {strict!r}")
     device = _map_location(map_location)
     target = unwrap_model(model)
+    if is_sharded(target):
+        raise ConfigError(
+            "load_weights: the model is sharded (FSDP2, DTensor parameters), and load_weights "
+            "loads only into an unsharded model. To continue a run, resume it through a "
+            "Checkpointer built with this model (Checkpointer(directory, model=model, "
+            "...).resume()), which loads each rank's shards; to load the weights, build the "
+            "model without fully_shard, load_weights into it, then shard it"
+        )
     live = target.state_dict(keep_vars=True)
     names = plain_names(list(live))
     path, view = read_resolved(checkpoint, lambda found: read_view(found, kind), fallback=True)
