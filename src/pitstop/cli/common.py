@@ -11,26 +11,35 @@ never a temp file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
 
+from pitstop.core.metadata import policy_from_latest_json
 from pitstop.core.naming import (
     TEMP_PREFIX,
 )
 from pitstop.core.objects import is_object_url
-from pitstop.core.records import NO_CHECKPOINT, PointerName
+from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
 from pitstop.errors import CheckpointNotFound
-from pitstop.shell.store.directory import Scan, choose_resume, scan
+from pitstop.shell.store.directory import Scan, choose_resume, read_latest_json, scan
 from pitstop.shell.store.resolve import (
     pointer_on_disk,
     recorded_policy,
     resolve_checkpoint,
     split_argument,
 )
-from pitstop.shell.store.storage import FileKind, LocalStorage
+from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
-__all__ = ["Target", "loading_target", "named_target", "os_error_message", "split_argument"]
+__all__ = [
+    "Target",
+    "loading_target",
+    "named_target",
+    "open_directory",
+    "os_error_message",
+    "split_argument",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +60,24 @@ def _scan(directory: Path) -> tuple[LocalStorage, Scan]:
     storage = LocalStorage(directory)
     policy = recorded_policy(directory)
     return storage, scan(storage, None if policy is None else policy.best)
+
+
+def open_directory(
+    directory: str, missing: Callable[[Path], str]
+) -> tuple[Storage, Policy | None, str]:
+    """``(storage, recorded policy, display name)`` of the checkpoint directory ``directory``
+    (a local directory or an ``s3://`` prefix, whose checkpoints a reader fetches to this
+    process's read cache); ``missing(path)`` is the message when a local one is no directory."""
+    if is_object_url(directory):
+        from pitstop.shell.store.objectstore import ObjectStorage, reader_cache
+
+        objects = ObjectStorage(directory, cache=reader_cache())
+        data, _ = read_latest_json(objects)
+        return objects, policy_from_latest_json(data), objects.url
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointNotFound(missing(path))
+    return LocalStorage(path), recorded_policy(path), str(path)
 
 
 def named_target(checkpoint: str | os.PathLike[str]) -> Target:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -12,8 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pitstop.cli.common import Target, named_target
+from pitstop.cli.common import Target, named_target, open_directory
 from pitstop.cli.progress import progress_bars
+from pitstop.core.pointers import resume_order
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, PointerName
 from pitstop.core.retention import plan_retention
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
@@ -27,8 +29,8 @@ from pitstop.shell.store.directory import (
     vanished,
     verify_any,
 )
-from pitstop.shell.store.resolve import RESOLVE_ATTEMPTS, manifest_path, recorded_policy
-from pitstop.shell.store.storage import LocalStorage
+from pitstop.shell.store.resolve import RESOLVE_ATTEMPTS, manifest_path
+from pitstop.shell.store.storage import RemoteStorage, fetch
 
 __all__ = ["format_metrics", "list_directory", "verify_checkpoint"]
 
@@ -53,13 +55,13 @@ def list_directory(
     unreadable checkpoint. A checkpoint a live run's retention deletes while it is checked is
     gone: left out of the listing, no failure.
     """
-    path = Path(directory)
-    if not path.is_dir():
-        raise CheckpointNotFound(_not_a_directory(path))
-    storage = LocalStorage(path)
-    policy = recorded_policy(path)
+    storage, policy, title = open_directory(directory, _not_a_directory)
+    remote = isinstance(storage, RemoteStorage)  # an s3:// prefix: each checkpoint fetched
     found = scan(storage, None if policy is None else policy.best)
     retention = None if policy is None else plan_retention(found.catalog, found.pointers, policy)
+
+    def where(name: str) -> str:
+        return f"{title}/{name}" if remote else str(storage.path(name))
 
     failures: dict[str, str] = dict(found.unreadable)
     checked: dict[str, str | None] = {}  # name -> None (ok) or the problem
@@ -67,17 +69,34 @@ def list_directory(
     if check:
         with progress_bars(console, enabled=not as_json):
             for entry in found.catalog:
+                local = storage.path(entry.name)
                 try:
-                    verify_any(storage.path(entry.name))
+                    local = fetch(storage, entry.name)
+                    verify_any(local)
                     checked[entry.name] = None
                 except (CheckpointCorrupt, OSError) as exc:
-                    if vanished(storage.path(entry.name)):
+                    if vanished(local):
                         gone.add(entry.name)
                         continue
                     failures[entry.name] = checked[entry.name] = str(exc)
+                finally:
+                    if remote:  # a fetched copy: checked, not kept
+                        local.unlink(missing_ok=True)
     entries = [entry for entry in found.catalog if entry.name not in gone]
 
     def resume_choice() -> ResumeChoice:  # what a resume would use, from the checks just made
+        if remote:  # every candidate was checked above: none is fetched again
+            order = resume_order(found.catalog, found.pointers, PointerName.LAST, None)
+            tried = [n for n in order if n not in gone]
+            skipped = {n: failures[n] for n in itertools.takewhile(failures.__contains__, tried)}
+            chosen = tried[len(skipped)] if len(skipped) < len(tried) else None
+            return ResumeChoice(
+                entry=NO_CHECKPOINT if chosen is None else found.catalog.get(chosen),
+                path=None if chosen is None else storage.path(chosen),
+                skipped=skipped,
+                gone=frozenset(gone),
+            )
+
         def checked_before(path: Path) -> None:
             if path.name in gone:
                 raise FileNotFoundError(f"{path} was deleted while it was checked")
@@ -100,7 +119,7 @@ def list_directory(
         for entry in entries:
             row: dict[str, Any] = {
                 "name": entry.name,
-                "path": str(storage.path(entry.name)),
+                "path": where(entry.name),
                 "step": entry.step,
                 "epoch": entry.progress.epoch,
                 "batch_in_epoch": entry.progress.batch_in_epoch,
@@ -122,7 +141,7 @@ def list_directory(
             rows.append(row)
         for name, why in found.unreadable.items():
             rows.append(
-                {"name": name, "path": str(storage.path(name)), "unreadable": why}
+                {"name": name, "path": where(name), "unreadable": why}
                 | ({"check": "unreadable", "problem": why} if check else {})
             )
         console.file.write(json.dumps(rows, indent=2) + "\n")
@@ -131,7 +150,7 @@ def list_directory(
             errors.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         return 1 if check and failures else 0
 
-    table = Table(title=str(path), title_justify="left")
+    table = Table(title=title, title_justify="left")
     for column in _COLUMNS:
         table.add_column(column, justify="left" if column in ("reason", "metrics") else "right")
     table.add_column("kept because")

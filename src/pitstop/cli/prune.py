@@ -5,14 +5,14 @@
 ``keep_last=N``, the ``keep_every`` and ``best`` metric the directory's ``latest.json`` records,
 every pointer target (``last``, ``best``, ``final``) and the newest checkpoint are kept, and so
 is the checkpoint a resume from ``last`` would use (the newest that verifies). It takes the
-directory lock, so it never races a live run (a locked directory is an error naming its
-holder); ``--dry-run`` only scans and prints the plan, without the lock.
+directory lock (an ``s3://`` prefix: its lease), so it never races a live run (a locked
+directory is an error naming its holder); ``--dry-run`` only scans and prints the plan,
+without the lock.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -56,20 +56,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_prune(console: Console, args: argparse.Namespace) -> int:
     """Run ``pitstop prune``; 0 after pruning (or a dry run), 1 when the directory is missing."""
+    from pitstop.cli.common import open_directory
     from pitstop.cli.progress import progress_bars
     from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
     from pitstop.core.retention import plan_retention
-    from pitstop.errors import CheckpointNotFound
     from pitstop.formatting import format_size
-    from pitstop.shell.store.directory import CheckpointDirectory, Scan, choose_resume, scan
+    from pitstop.shell.store.directory import Scan, choose_resume, scan
+    from pitstop.shell.store.location import checkpoint_directory
     from pitstop.shell.store.publish import delete_checkpoints
-    from pitstop.shell.store.resolve import recorded_policy
-    from pitstop.shell.store.storage import LocalStorage, Storage
+    from pitstop.shell.store.storage import Storage
 
-    path = Path(args.directory)
-    if not path.is_dir():
-        raise CheckpointNotFound(f"{path} is not a directory")
-    recorded = recorded_policy(path)
+    storage, recorded, title = open_directory(args.directory, lambda p: f"{p} is not a directory")
     policy = Policy(
         keep_last=args.keep_last,
         keep_every=None if recorded is None else recorded.keep_every,
@@ -91,7 +88,7 @@ def run_prune(console: Console, args: argparse.Namespace) -> int:
         return delete, why
 
     def show(found: Scan, delete: list[str], why: dict[str, str], done: bool) -> None:
-        table = Table(title=str(path), title_justify="left")
+        table = Table(title=title, title_justify="left")
         for column in ("step", "seq", "size", "action", "why"):
             table.add_column(
                 column, justify="right" if column in ("step", "seq", "size") else "left"
@@ -117,13 +114,12 @@ def run_prune(console: Console, args: argparse.Namespace) -> int:
         )
 
     if args.dry_run:
-        storage = LocalStorage(path)
         found = scan(storage, policy.best)
         delete, why = plan(found, storage)
         show(found, delete, why, done=False)
         return 0
-    directory = CheckpointDirectory(path, policy=policy)
-    found = directory.open()  # takes the lock: never races a live writer
+    directory = checkpoint_directory(args.directory, policy, None, None, False, False)
+    found = directory.open()  # takes the lock (an s3:// prefix: its lease): never races a writer
     try:
         delete, why = plan(found, directory.storage)
         deleted = delete_checkpoints(directory.storage, delete)
