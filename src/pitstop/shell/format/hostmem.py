@@ -24,13 +24,21 @@ import contextlib
 import ctypes
 import mmap
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HUGE_PAGE", "PAGE", "new_aligned_bytes", "new_host_bytes", "scratch_bytes"]
+__all__ = [
+    "HUGE_PAGE",
+    "PAGE",
+    "new_aligned_bytes",
+    "new_host_bytes",
+    "reused_scratch",
+    "scratch_bytes",
+]
 
 HUGE_PAGE: Final = 2 << 20
 """A transparent huge page on x86-64 and most arm64 kernels: smaller tensors are not advised."""
@@ -87,9 +95,35 @@ def new_aligned_bytes(length: int, skew: int) -> tuple[torch.Tensor, memoryview]
     return tensor, memoryview(region)
 
 
+_SPARE: list[mmap.mmap] = []
+"""Scratch maps given back (at most _SPARE_MAX): reused, so a read pass's bounce buffers are
+memory already faulted in, as the heap's reused memory is."""
+_SPARE_MAX: Final = 8
+_SPARE_LOCK = threading.Lock()
+
+
 def scratch_bytes(length: int) -> memoryview:
     """A new writable buffer of ``length`` bytes, not yet touched, that no tensor is built
     over: a bounce buffer bytes are read into only to be checked (a private anonymous map,
     freed with its last view; no torch needed)."""
     region = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return memoryview(region)[:length]
+
+
+@contextlib.contextmanager
+def reused_scratch(length: int) -> Iterator[memoryview]:
+    """A writable buffer of ``length`` bytes that no tensor is built over, for the block: a
+    bounce buffer bytes are read into only to be checked (a private anonymous map, reused
+    across passes; no torch needed)."""
+    with _SPARE_LOCK:
+        region = next((r for r in _SPARE if len(r) >= length), None)
+        if region is not None:
+            _SPARE.remove(region)
+    if region is None:
+        region = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        yield memoryview(region)[:length]
+    finally:
+        with _SPARE_LOCK:
+            if len(_SPARE) < _SPARE_MAX:
+                _SPARE.append(region)

@@ -30,7 +30,7 @@ from pitstop.core.layout import BlobRead, plan_blob_reads, reads_past_cache
 from pitstop.core.manifest import HEADER_SIZE
 from pitstop.shell.format.blobfile import BlobFile, blob_corrupt, byte_view
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
-from pitstop.shell.format.hostmem import PAGE, new_aligned_bytes, new_host_bytes, scratch_bytes
+from pitstop.shell.format.hostmem import PAGE, new_aligned_bytes, new_host_bytes, reused_scratch
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +134,10 @@ def _read(
     failed: list[BaseException] = []
 
     def work() -> None:
-        own = scratch_bytes(chunk)
+        with reused_scratch(chunk) as own:
+            _work(own)
+
+    def _work(own: memoryview) -> None:
         try:
             for turn in turns:
                 if failed:
