@@ -48,8 +48,10 @@ def cover_problem(shape: Sequence[int], chunks: Sequence[Box]) -> str | None:
     covered = sum(_volume(s) for _, s in boxes)
     if covered != _volume(shape):
         return f"chunks holding {covered} elements of {_volume(shape)}"
+    if len(boxes) == 1:  # all of it, in one chunk (a scalar, or any value on one rank)
+        return None
     if len(shape) == 0:
-        return None if len(boxes) == 1 else f"{len(boxes)} chunks of one scalar"
+        return f"{len(boxes)} chunks of one scalar"
     overlap = _overlap(boxes, len(shape))
     if overlap is not None:
         a, b = overlap

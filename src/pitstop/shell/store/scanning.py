@@ -1,7 +1,8 @@
 # Reading a checkpoint directory: what it holds, and which checkpoint a resume would use.
 #
-# Rules: scanning reads names (classified by the core) and each checkpoint's footer and manifest
-# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks
+# Rules: scanning reads names (classified by the core) and each checkpoint's footer, manifest
+# checksum and meta (never its tree, tables or tensor bytes: a scan costs about the manifests'
+# bytes, whatever they hold), builds the catalog, and hands the pointers found on disk — symlinks
 # and latest.json, both untrusted — to the core to reconcile. A symlink is only followed when
 # its target is a plain checkpoint name of this directory. A sharded checkpoint (a directory,
 # pitstop.shell.store.sharddir) is listed once its manifest reads back. Choosing a resume point
@@ -47,7 +48,7 @@ from pitstop.core.records import (
     PointerName,
     Pointers,
 )
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.sharded import MANIFEST_NAME, files_from_wire
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.storage import FileKind, RemoteStorage, Storage, fetch
@@ -239,7 +240,7 @@ def _scan_file(
         meta = (
             storage.read_meta(name)
             if isinstance(storage, RemoteStorage)
-            else fileformat.read_manifest(storage.path(name)).meta
+            else fileformat.read_meta(storage.path(name))
         )
         entries.append(entry_from_meta(name, meta))
         sizes[name] = size
@@ -255,20 +256,24 @@ def _scan_sharded(
     sizes: dict[str, int],
 ) -> None:
     """A sharded checkpoint directory is listed once its manifest reads back (it is written
-    last: a directory without one, or with a bad one, is no checkpoint)."""
-    from pitstop.shell.store.sharddir import read_layout  # sharddir publishes through this package
-
+    last: a directory without one, or with a bad one, is no checkpoint): its meta and its
+    layout's files; the layout's values are checked when it is read or verified."""
     kind = storage.kind(name)
     if kind is not FileKind.DIRECTORY:
         unreadable[name] = f"not a directory ({kind.value})"
         return
+    path = storage.path(name) / MANIFEST_NAME
     try:
-        manifest = os.lstat(storage.path(name) / MANIFEST_NAME).st_size
-        layout, meta = read_layout(storage.path(name))
+        manifest = os.lstat(path).st_size
+        meta = fileformat.read_meta(path, skip=_SHARDED_VALUES)
+        files = files_from_wire(meta.get("sharded"), f"{path}: sharded")
         entries.append(entry_from_meta(name, meta))
-        sizes[name] = manifest + sum(f.size for f in layout.files)
+        sizes[name] = manifest + sum(f.size for f in files)
     except (CheckpointCorrupt, OSError) as exc:
         unreadable[name] = str(exc)
+
+
+_SHARDED_VALUES = {"sharded": ("values",)}  # what a scan skips of a sharded manifest's meta
 
 
 def is_sharded_path(path: Path) -> bool:
@@ -283,8 +288,7 @@ def verify_any(path: Path) -> None:
     if is_sharded_path(path):
         from pitstop.shell.store.sharddir import read_layout, verify_sharded
 
-        fileformat.verify(path / MANIFEST_NAME)
-        layout, _ = read_layout(path)
+        layout, _ = read_layout(path, fileformat.verify(path / MANIFEST_NAME))
         verify_sharded(path, layout)
         return
     fileformat.verify(path)

@@ -360,16 +360,20 @@ def clear_leftover(storage: Storage, name: str) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
-def read_layout(directory: str | os.PathLike[str]) -> tuple[ShardedLayout, Mapping[str, Any]]:
-    """The layout and meta in a sharded checkpoint's manifest (no tensor bytes are read).
+def read_layout(
+    directory: str | os.PathLike[str], manifest: fileformat.Manifest | None = None
+) -> tuple[ShardedLayout, Mapping[str, Any]]:
+    """The layout and meta in a sharded checkpoint's manifest (no tensor bytes are read), or
+    in ``manifest``, that manifest already read.
 
     Raises :class:`~pitstop.errors.CheckpointCorrupt` for a missing or bad manifest.
     """
     path = Path(directory) / MANIFEST_NAME
-    try:
-        manifest = fileformat.read_manifest(path)
-    except OSError as exc:
-        raise CheckpointCorrupt(f"{directory}: no readable {MANIFEST_NAME}: {exc}") from exc
+    if manifest is None:
+        try:
+            manifest = fileformat.read_manifest(path)
+        except OSError as exc:
+            raise CheckpointCorrupt(f"{directory}: no readable {MANIFEST_NAME}: {exc}") from exc
     where = f"{path}: sharded"
     layout = layout_from_wire(manifest.meta.get("sharded"), where, itemsizes=fileformat.ITEMSIZES)
     return layout, manifest.meta
