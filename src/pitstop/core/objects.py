@@ -16,7 +16,12 @@
 # Retention deletes a commit object first, then its data. A lease is taken when there is none,
 # when it has expired, or when its holder ran on this host and is gone; renewed every third of
 # its time. Transient failures are retried a bounded number of times, with a backoff whose worst
-# case stays within a deadline, so a dead endpoint is an error within seconds.
+# case stays within a deadline, so a dead endpoint is an error within seconds. The client's
+# settings come from the standard AWS configuration, highest first: storage_options, the
+# environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN as one set,
+# AWS_REGION or AWS_DEFAULT_REGION, AWS_ENDPOINT_URL), then the profile (storage_options'
+# "profile", else AWS_PROFILE, else "default") in the shared credentials and config files; a
+# profile named but found in neither file is an error.
 # How: pure functions over str, bytes and numbers; JSON for the small records.
 
 """Object storage: key names, commit and lease records, and the retry schedule."""
@@ -31,6 +36,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import attrs
+
+from pitstop.errors import ConfigError
 
 __all__ = [
     "COMMIT_FORMAT",
@@ -53,6 +60,7 @@ __all__ = [
     "orphans",
     "parse_data_name",
     "parse_url",
+    "profile_settings",
     "range_reads",
     "renew_after",
     "retry_settings",
@@ -301,3 +309,63 @@ def range_reads(size: int, chunk: int) -> tuple[tuple[int, int], ...]:
     if chunk <= 0 or size < 0:
         raise ValueError(f"need a chunk > 0 and a size >= 0, got {chunk}, {size}")
     return tuple((at, min(at + chunk, size)) for at in range(0, size, chunk))
+
+
+# A profile's keys (credentials file, config file) -> the S3 client's config key; the
+# environment variables that set the same (any of them set: the profile's value is not used).
+_PROFILE_KEYS: Final = (
+    ("aws_access_key_id", "access_key_id"),
+    ("aws_secret_access_key", "secret_access_key"),
+    ("aws_session_token", "session_token"),
+    ("region", "region"),
+    ("endpoint_url", "endpoint"),
+)
+_CREDENTIALS: Final = frozenset({"access_key_id", "secret_access_key", "session_token"})
+_FROM_ENVIRONMENT: Final = {
+    "access_key_id": ("AWS_ACCESS_KEY_ID",),
+    "secret_access_key": ("AWS_ACCESS_KEY_ID",),  # the keys are one set: the id says which
+    "session_token": ("AWS_ACCESS_KEY_ID",),
+    "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+    "endpoint": ("AWS_ENDPOINT_URL",),
+}
+
+
+def profile_settings(
+    options: Mapping[str, Any],
+    environ: Mapping[str, str],
+    credentials: Mapping[str, Mapping[str, str]],
+    config: Mapping[str, Mapping[str, str]],
+    *,
+    files: str = "the AWS credentials and config files",
+) -> tuple[str, dict[str, str]]:
+    """The profile the S3 client uses and the settings it adds: each of its keys that neither
+    ``options`` (the client's config keys) nor the environment sets (the credentials as one
+    set: an ``AWS_ACCESS_KEY_ID`` in the environment takes none of the profile's keys).
+
+    ``credentials``: the shared credentials file's sections (``[NAME]``); ``config``: the
+    config file's (``[profile NAME]``, or ``[default]``); a key in both comes from the
+    credentials file. The profile is ``options["profile"]``, else ``AWS_PROFILE``, else
+    ``default``; one named (not the default) that neither file holds is a ``ConfigError``
+    naming it and ``files``.
+    """
+    named = options.get("profile") or environ.get("AWS_PROFILE")
+    profile = str(named or "default")
+    section = "default" if profile == "default" else f"profile {profile}"
+    found = {**config.get(section, {}), **credentials.get(profile, {})}
+    if named and profile not in credentials and section not in config:
+        known = sorted({*credentials, *(s.removeprefix("profile ") for s in config)})
+        raise ConfigError(
+            f"the AWS profile {profile!r} is in neither of {files} "
+            f"(profiles there: {', '.join(known) or 'none'})"
+        )
+    settings: dict[str, str] = {}
+    for key, setting in _PROFILE_KEYS:
+        value = found.get(key)
+        if value is None or setting in options:
+            continue
+        if setting in _CREDENTIALS and any(k in options for k in _CREDENTIALS):
+            continue
+        if any(environ.get(name) for name in _FROM_ENVIRONMENT[setting]):
+            continue
+        settings[setting] = value
+    return profile, settings
