@@ -390,7 +390,7 @@ TestSessionMachine = SessionMachine.TestCase
 
 
 @pytest.mark.parametrize("request_", list(Request))
-def test_only_the_runs_end_and_a_resume_wait_for_the_remote_tiers_uploads(request_: Request) -> None:
+def test_the_runs_end_and_a_resume_wait_for_a_remote_tiers_uploads(request_: Request) -> None:
     # A save never waits for an upload (the local publish keeps today's speed); the end of the
     # run does (finish, wait, close), and a resume, which reads the remote tier.
     ends = {Request.WAIT, Request.CLOSE, Request.RESUME}
