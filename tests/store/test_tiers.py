@@ -113,6 +113,12 @@ def test_a_run_whose_local_directory_is_gone_resumes_exactly_from_the_remote_tie
     ) as ckpt:
         progress = ckpt.resume()
         assert progress.step == 3
+        # the same checkpoint in both tiers: the local copy kept the remote one's seq
+        assert [(c.step, c.seq, c.tiers) for c in ckpt.checkpoints()] == [
+            (1, 1, ("remote",)),
+            (2, 2, ("remote",)),
+            (3, 3, ("local", "remote")),
+        ]
         ckpt.finish(progress.advance())
     assert pitstop.info(s3_url).step == 4  # the remote's last: the new one, not step 3
     assert pitstop.info(local_tmp / "ckpt").step == 4
