@@ -76,6 +76,7 @@ class ObjectStorage:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.url = self.location.url()
+        self.options = dict(storage_options or {})
         self.client = open_store(self.location, storage_options)
         self._own_cache = cache is None
         self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
