@@ -70,8 +70,12 @@ def tiered_run(
     return ckpt, history
 
 
-def test_every_checkpoint_is_uploaded_and_finish_waits_for_it(local_tmp: Path, s3_url: str) -> None:
-    ckpt, _ = tiered_run(local_tmp, s3_url, 3, policy=pitstop.Policy(keep_last=None))
+@pytest.mark.parametrize("async_save", [False, True])
+def test_every_checkpoint_is_uploaded_and_finish_waits_for_it(
+    local_tmp: Path, s3_url: str, async_save: bool
+) -> None:
+    policy = pitstop.Policy(keep_last=None)
+    ckpt, _ = tiered_run(local_tmp, s3_url, 3, policy=policy, async_save=async_save)
     try:
         assert remote_steps(s3_url) == [1, 2, 3]  # finish() returned: every upload is done
         for step in (1, 2, 3):  # byte for byte the local file
