@@ -111,7 +111,7 @@ class RemoteTier:
         """``block``: wait until every queued upload is done; then raise the failure of one that
         failed (a :class:`~pitstop.errors.SaveError` naming the step and the URL), once."""
         with self._cond:
-            while block and (self._queue or self._busy):
+            while block and self._pending():
                 self._cond.wait()
             errors, self._errors = self._errors, []
         if len(errors) == 1:
@@ -119,6 +119,11 @@ class RemoteTier:
         if errors:
             more = f"; and {len(errors) - 1} more upload(s) failed (see the log)"
             raise SaveError(f"{errors[0]}{more}") from errors[0]
+
+    def _pending(self) -> bool:
+        """Whether an upload is queued or under way (on a thread still running: under _cond)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and (bool(self._queue) or self._busy)
 
     def opened(self) -> CheckpointDirectory:
         """The remote prefix's directory, opened (its lease taken, scanned) on first use.
@@ -146,7 +151,7 @@ class RemoteTier:
     def close(self) -> None:
         """Wait for the queued uploads, stop the thread, release the lease, remove the cache."""
         with self._cond:
-            while self._queue or self._busy:
+            while self._pending():
                 self._cond.wait()
             self._closed = True
             self._cond.notify_all()
