@@ -28,6 +28,7 @@ from pitstop.core.objects import Lease, data_name, encode_lease, parse_url
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import publish_file
+from pitstop.shell.store.s3client import torn_uploads
 from s3server import S3Server
 from tinyrun import same, train_step, trained, weights
 
@@ -132,6 +133,49 @@ def test_a_killed_upload_is_never_listed(s3_url: str, s3_env: dict[str, str]) ->
     with pitstop.Checkpointer(s3_url, model=bigger, state={"optimizer": optimizer}) as ckpt:
         assert ckpt.resume().step == len(listed)
     assert torn not in objects(s3_url)
+
+
+TORN = """
+import os, sys, time
+import obstore
+from pitstop.core.objects import data_name, parse_url
+from pitstop.shell.store.s3client import open_store, torn_uploads
+url = sys.argv[1]
+location = parse_url(url)
+key = location.key(data_name("step_000000000009.pitstop", "dead_1"))
+writer = obstore.open_writer(open_store(location), key)
+writer.write(b"x" * (12 << 20))  # more than one part: a multipart upload is under way
+writer.flush()
+for _ in range(600):  # until the server lists it, then die without completing it
+    if torn_uploads(location, None, location.prefix):
+        os._exit(0)
+    time.sleep(0.05)
+os._exit(1)
+"""
+
+
+def test_a_torn_multipart_upload_is_aborted_on_the_next_open(
+    s3_url: str, s3_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer killed mid-way through a multipart upload leaves it incomplete (invisible to a
+    listing, its parts held by the bucket): the next writer to open the prefix aborts it."""
+    done = subprocess.run(
+        [sys.executable, "-c", TORN, s3_url],
+        env={**os.environ, **s3_env},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    location = parse_url(s3_url)
+    assert len(torn_uploads(location, None, location.prefix) or []) == 1
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    model, _ = trained()
+    with pitstop.Checkpointer(s3_url, model=model):
+        pass
+    assert torn_uploads(location, None, location.prefix) == []
+    assert any("aborting the multipart upload" in r.getMessage() for r in caplog.records)
 
 
 def test_a_damaged_newest_checkpoint_falls_back(

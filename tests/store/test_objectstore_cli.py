@@ -15,6 +15,7 @@ from pitstop.cli import main
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.objects import parse_url
 from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.s3client import torn_uploads
 from tinyrun import same, train_step, trained, weights
 
 STEPS = [checkpoint_name(s) for s in (1, 2, 3)]
@@ -179,6 +180,8 @@ def test_an_aws_profile_reaches_the_server(
     other, _ = trained(seed=1)
     pitstop.load_weights(other, f"{s3_url}/last")
     assert same(weights(other), weights(model))
+    # The requests pitstop signs itself (multipart uploads) take the profile's keys too.
+    assert torn_uploads(parse_url(s3_url), None, "no-such-prefix/") == []
     monkeypatch.setenv("AWS_PROFILE", "stale")  # the profile's keys are refused: said so
     assert main(["ls", s3_url]) != 0
     assert "credentials were refused" in capsys.readouterr().out

@@ -16,6 +16,11 @@
 # (`catalog.without(removed)`).
 # A save's messages name its subject (plan_subject): the checkpoint it writes, else the first
 # pointer it moves, else `last`.
+# A checkpoint that arrives from another tier (plan_arrival: a local one uploaded to the remote
+# tier, or a remote one brought back into an empty or damaged local directory) keeps its own
+# sequence number — the same checkpoint is equally recent in both tiers, and the next save
+# continues after it; the pointers are recomputed over the catalog with it (last: the newest;
+# best and final by their rules), then that tier's own retention is planned.
 # How: the shell executes the plan in order: write the entry (temp, fsync, rename, fsync dir),
 # replace pointers the same way, then delete `retention.delete`.
 
@@ -26,7 +31,12 @@ from __future__ import annotations
 import attrs
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint, sharded_name
-from pitstop.core.pointers import move_pointers, recompute_pointers_to
+from pitstop.core.pointers import (
+    move_pointers,
+    recompute_best,
+    recompute_final,
+    recompute_pointers_to,
+)
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -41,7 +51,7 @@ from pitstop.core.records import (
 from pitstop.core.retention import RetentionPlan, plan_retention
 from pitstop.core.schedule import SaveDecision
 
-__all__ = ["SavePlan", "plan_save", "plan_subject", "rollback_removals"]
+__all__ = ["SavePlan", "plan_arrival", "plan_save", "plan_subject", "rollback_removals"]
 
 
 @attrs.frozen(kw_only=True)
@@ -104,6 +114,29 @@ def plan_save(
     return SavePlan(
         entry=entry,
         replaces=replaces,
+        pointers=pointers,
+        catalog=after,
+        retention=plan_retention(after, pointers, policy),
+    )
+
+
+def plan_arrival(catalog: Catalog, entry: CheckpointEntry, policy: Policy) -> SavePlan:
+    """Plan adding ``entry``, a checkpoint published in another tier, to a directory holding
+    ``catalog``: it keeps its sequence number (replacing a checkpoint of its name), the pointers
+    are recomputed over the catalog with it, and retention follows ``policy`` (its ``best``
+    ranks the best pointer)."""
+    after = catalog.with_entry(entry)
+    best, best_value = recompute_best(after, policy.best)
+    newest = after.newest()
+    pointers = Pointers(
+        last=newest.name if newest is not NO_CHECKPOINT else NO_CHECKPOINT,
+        best=best,
+        best_value=best_value,
+        final=recompute_final(after),
+    )
+    return SavePlan(
+        entry=entry,
+        replaces=entry.name in catalog,
         pointers=pointers,
         catalog=after,
         retention=plan_retention(after, pointers, policy),

@@ -71,6 +71,7 @@ __all__ = [
     "satisfied",
     "save_status",
     "settles_first",
+    "waits_for_uploads",
     "writer_step",
 ]
 
@@ -335,6 +336,13 @@ def gate(session: Session, request: Request) -> Gate:
             return Gate(until=Until.NOW, raise_failure=False)
         return Gate(until=Until.NOW, raise_failure=False, refuse="closed")
     return _GATES[request]
+
+
+def waits_for_uploads(request: Request) -> bool:
+    """Whether ``request`` waits until a remote tier's uploads are done (``wait``, ``finish``
+    and ``close``: the run's end; ``resume``: it reads the remote tier). Any other call only
+    raises an upload's failure, never waits for one."""
+    return request in (Request.WAIT, Request.CLOSE, Request.RESUME)
 
 
 def settles_first(request: Request) -> bool:

@@ -8,7 +8,8 @@
 # nobody to raise to, so the error is logged. The finalizer refers to the session, the
 # directory and the hooks — never to the Checkpointer, so it does not keep it alive. A sharded
 # save in flight needs a collective to finish, which a finalizer cannot run: it is abandoned
-# (not published; logged as a failed save).
+# (not published; logged as a failed save). A remote tier's uploads are waited for when the
+# directory is released; one that failed is raised by close() after it (logged either way).
 # How: the Checkpointer registers shut_down() with weakref.finalize; close_run() (its close())
 # detaches it once the lock may go, and calls release() itself.
 
@@ -96,8 +97,9 @@ def close_run(
         finally:
             if session.may_release():  # no writer may still write to the directory
                 finalizer.detach()
-                release(directory, hooks)
+                release(directory, hooks)  # a remote tier's uploads are waited for first
         saver.raise_failed(reported)
+        saver.settle_uploads(block=False)  # and one that failed is raised
 
     interrupted = False
     try:

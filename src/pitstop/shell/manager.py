@@ -41,12 +41,7 @@ from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import PitstopError
-from pitstop.shell.checkpoint import (
-    Checkpoint,
-    checked_options,
-    config_of,
-    manual_reason,
-)
+from pitstop.shell.checkpoint import Checkpoint, checked_options, config_of, manual_reason, records
 from pitstop.shell.lifetime import close_run, release, shut_down
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.registration import add_component, register_component
@@ -91,8 +86,10 @@ class Checkpointer:
     (default: the local filesystem at ``directory``); a wrapper may log or inject faults —
     checkpoints are read back from ``directory`` itself. ``directory`` may be
     ``"s3://bucket/prefix"`` (docs/object-storage.md; ``storage_options`` go to its S3
-    client). The directory is locked until :meth:`close`; with several ranks, every rank
-    makes the same calls and rank 0 writes.
+    client). ``remote="s3://..."``: a remote tier — each checkpoint published locally is then
+    uploaded in the background, retired there by ``remote_policy`` (default: ``policy``), and a
+    resume takes the newest that verifies in either tier. The directory is locked until
+    :meth:`close`; with several ranks, every rank makes the same calls and rank 0 writes.
     A sharded model (FSDP2, DTensor parameters, an optimizer over DTensors) saves each
     checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
     its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
@@ -119,6 +116,8 @@ class Checkpointer:
         overwrite: bool = False,
         storage: Storage | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        remote: str | None = None,
+        remote_policy: Policy | None = None,
     ) -> None:
         options = checked_options(
             directory,
@@ -149,8 +148,9 @@ class Checkpointer:
         if sharded:
             require_sharded("a Checkpointer whose model or optimizer holds DTensors")
         self._ranks = Ranks.current(options.timeout_s)
+        tier = (remote, remote_policy)  # a remote tier (s3://), and its retention
         self._directory = checkpoint_directory(
-            directory, self.policy, storage, storage_options, not options.overwrite, sharded
+            directory, self.policy, storage, storage_options, not options.overwrite, sharded, tier
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ranks.call(f"Checkpointer({str(directory)!r})")
@@ -301,7 +301,7 @@ class Checkpointer:
             catalog = self._directory.catalog
         else:
             catalog = scan(self._directory.storage, self.policy.best).catalog
-        return [Checkpoint.of(self.directory, e) for e in catalog]
+        return records(self._directory, catalog)
 
     # --- components ---------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from pitstop.core.records import (
     SaveReason,
 )
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
-from pitstop.core.session import Event, Request, after_raise, left_by_raise
+from pitstop.core.session import Event, Request, after_raise, left_by_raise, waits_for_uploads
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell.carryout import carry_out
@@ -52,6 +52,7 @@ from pitstop.shell.state.capture import LiveState, capture, with_parts
 from pitstop.shell.state.staging import StagingPool
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.publish import PublishedInterrupted
+from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = ["Saver"]
 
@@ -120,8 +121,15 @@ class Saver:
         return self._live
 
     def enter(self, request: Request) -> None:
-        """Wait as the session says; raise a failed background save's error, undoing it."""
+        """Wait as the session says; raise a failed background save's error, undoing it; then
+        (a remote tier) wait for its uploads as the core says, and raise one that failed."""
         self.raise_failed(self._session.enter(request))
+        self.settle_uploads(block=waits_for_uploads(request))
+
+    def settle_uploads(self, *, block: bool) -> None:
+        """A remote tier's uploads: ``block``: wait for them; raise one that failed, once."""
+        if isinstance(self._directory, TieredDirectory):
+            self._directory.remote.settle(block=block)
 
     def raise_failed(self, reported: Reported | None) -> None:
         """Raise the error of a failed background save, after putting its undo back (an
@@ -372,8 +380,10 @@ class Saver:
         """Rank 0: the schedule after resuming from ``entry`` (or finding nothing to resume).
         Resuming is continuing: from now on the checkpoints the directory held when it was
         opened are this run's to replace — only once the resume has succeeded."""
-        self._directory.adopt()
+        self._directory.adopt()  # a remote tier's checkpoint resumed from is now local too
         catalog = self._directory.catalog
+        if isinstance(self._directory, TieredDirectory):
+            self.pointers = self._directory.pointers
         in_directory = (
             entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
         )

@@ -12,7 +12,8 @@
 # then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs to a
 # local file, which the file format's checking pass then reads — nothing live is touched before
 # every blob's CRC-32 matched. Every client error becomes an OSError naming the URL; a missing
-# bucket and refused credentials say so.
+# bucket and refused credentials say so. A remote tier's upload names the local file that
+# holds the checkpoint (upload_from), so its publish uploads that file, never a copy of it.
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
@@ -75,12 +76,14 @@ class ObjectStorage:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.url = self.location.url()
+        self.options = dict(storage_options or {})
         self.client = open_store(self.location, storage_options)
         self._own_cache = cache is None
         self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
         self._local = LocalStorage(self.cache, mode=0o600)
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
         self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
+        self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -247,10 +250,19 @@ class ObjectStorage:
         else:
             raise OSError(errno.EINVAL, f"{self.location.url(target)}: not a checkpoint name")
 
+    def upload_from(self, name: str, path: Path | None) -> None:
+        """The publish of checkpoint ``name`` uploads the local file ``path`` (a checkpoint
+        published in a local directory), not its temp file; ``None``: its temp file again."""
+        if path is None:
+            self._sources.pop(name, None)
+        else:
+            self._sources[name] = path
+
     def _commit(self, source: str, target: str) -> None:
-        """Upload ``source`` to a data object of its own, then create (or swap) the commit."""
+        """Upload ``source`` (or the file :meth:`upload_from` names) to a data object of its
+        own, then create (or swap) the commit."""
         token = _token(source, target)
-        local = self._local.path(source)
+        local = self._sources.get(target) or self._local.path(source)
         meta = fileformat.read_manifest(local).meta
         entry = {k: meta[k] for k in ENTRY_KEYS if k in meta}
         data = data_name(target, token)

@@ -51,6 +51,7 @@ from pitstop.shell.store.directory import (
     verify_any,
 )
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = [
     "RESOLVE_ATTEMPTS",
@@ -339,6 +340,12 @@ def find_resume(
     """
     pointer = own_pointer(directory, source)
     best = directory.policy.best
+    if pointer is not None and isinstance(directory, TieredDirectory):  # both tiers
+        path, entry = directory.choose(pointer, verify)
+        held = directory.catalog or directory.remote.directory.catalog
+        if path is None and pointer is not PointerName.LAST and held:
+            raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+        return path, entry
     if pointer is not None:
         source = pointer.value
         storage = directory.storage
