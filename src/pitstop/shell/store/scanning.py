@@ -9,7 +9,8 @@
 # tries the core's resume order until a candidate verifies, warning about each one skipped.
 # Readers take no lock, so a live writer's retention may delete a checkpoint between the listing
 # and the reading: one that fails to read and is no longer there is "gone" (``Scan.gone``,
-# ``ResumeChoice.gone``), never "unreadable" or "corrupt", and whoever asked scans again.
+# ``ResumeChoice.gone``), never "unreadable" or "corrupt": the scan starts over (the newer one
+# was published before the prune), and a reader whose chosen checkpoint vanished scans again.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Scanning a checkpoint directory and choosing the checkpoint to resume from."""
@@ -185,7 +186,24 @@ def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
 
 
 def scan(storage: Storage, best: Best | None = None) -> Scan:
-    """Scan the directory behind ``storage``: catalog, reconciled pointers, and warnings."""
+    """Scan the directory behind ``storage``: catalog, reconciled pointers, and warnings.
+
+    A checkpoint deleted between the listing and its reading (a live run's retention, which
+    publishes the newer one first) makes the scan start over, at most ``SCAN_ATTEMPTS`` times,
+    so that a listing taken just before a publish never comes back without the newer one.
+    """
+    for _ in range(SCAN_ATTEMPTS - 1):
+        found = _scan_once(storage, best)
+        if not found.gone:
+            return found
+    return _scan_once(storage, best)
+
+
+SCAN_ATTEMPTS = 8
+"""How many times a scan starts over when checkpoints vanish while it reads them."""
+
+
+def _scan_once(storage: Storage, best: Best | None) -> Scan:
     warnings: list[str] = []
     entries: list[CheckpointEntry] = []
     unreadable: dict[str, str] = {}
