@@ -155,6 +155,26 @@ class Saver:
         self._decision = decision if decision.acts else None
         return self._decision is not None
 
+    def follow(
+        self,
+        decision: SaveDecision,
+        policy: Policy,
+        progress: Progress,
+        asked: CallInput,
+        detail: str,
+        resumed_from: Path | None,
+    ) -> None:
+        """The writer of another directory: plan rank 0's ``decision`` on this directory
+        (:meth:`plan`), its own catalog and pointers, for :meth:`write`."""
+        self.enter(Request.SAVE)
+        self._decision = decision
+        self.plan(policy, progress, asked, detail, resumed_from)
+
+    @property
+    def decision(self) -> SaveDecision | None:
+        """What the last :meth:`decide` decided (``None``: nothing to do)."""
+        return self._decision
+
     def plan(
         self,
         policy: Policy,
