@@ -210,3 +210,17 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
         for key in COMPARED:
             assert_same(whole[key], after[key], f"rank {rank} {key}")
     assert_same_copies(run)
+
+
+def test_background_saves_across_unshared_directories_are_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    run = Run(tmp_path)
+    with run.nodes("out", "--target", "2", "--async-save", "on") as nodes:
+        finished = nodes.wait(TIMEOUT)
+    for node in finished:
+        said = [line for line in node.lines(0) if line.startswith("error ")]
+        assert said, node.describe()
+        assert said[0].startswith("error ConfigError"), said
+        assert "async_save" in said[0], said
+        assert "not supported yet" in said[0], said

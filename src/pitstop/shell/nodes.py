@@ -65,7 +65,11 @@ def open_directories(
     if groups.shared:
         ranks.lead(lambda: _open(directory))  # only rank 0 locks and reads the directory
     else:
-        ranks.each(lambda: _open(directory) if groups.writes(ranks.rank) else None)
+        try:
+            ranks.each(lambda: _open(directory) if groups.writes(ranks.rank) else None)
+        except BaseException:  # another writer's open failed: this one's lock goes too
+            directory.close()
+            raise
     return groups
 
 
