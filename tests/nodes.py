@@ -174,12 +174,18 @@ class Nodes:
         """Every node's ranks' output so far."""
         return "\n".join(f"=== node {i} ===\n{n.describe()}" for i, n in enumerate(self.nodes))
 
-    def node_of(self, rank: int) -> int:
-        """The node that runs job-wide rank ``rank`` (call once every node printed a line)."""
+    def locate(self, rank: int) -> tuple[int, int]:
+        """The node that runs job-wide rank ``rank`` and its local rank there (call once every
+        node printed a line: its workers exist by then)."""
         for index, node in enumerate(self.nodes):
-            if any(node.global_rank(r) == rank for r in range(node.ranks)):
-                return index
+            for local in range(node.ranks):
+                if node.global_rank(local) == rank:
+                    return index, local
         raise JobFailed(f"no node runs rank {rank}\n{self.describe()}")
+
+    def node_of(self, rank: int) -> int:
+        """The node that runs job-wide rank ``rank`` (as :meth:`locate`)."""
+        return self.locate(rank)[0]
 
     def kill(self, node: int) -> None:
         """SIGKILL node ``node``: its torchrun agent's process group and its workers'."""
