@@ -106,7 +106,8 @@ def choose_across(
     mine = {name for name, _ in cast(Listed, lists[ranks.rank])[0]} if writes else set()
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
         path = directory.storage.path(name)
-        answers = ranks.all_gather(_verified(path, reading) if name in mine else False)
+        checked = partial(_verified, path, reading) if name in mine else lambda: False
+        answers = ranks.all_gather_each(checked)  # a fault other than a bad copy: everywhere
         valid = [answers[w] is True for w in groups.writers]
         transfers = catch_up(groups, valid)
         if ranks.leader:
