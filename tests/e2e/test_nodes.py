@@ -12,6 +12,7 @@ when a test ends, passing or not.
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -245,4 +246,28 @@ def test_two_ranks_per_node_a_wiped_node_resumes_exactly_where_it_stopped(tmp_pa
         assert after["resumed"]["progress"] == before["progress"][:3], rank
         for key in ("model", "ema", "optimizer"):
             assert_same(before[key], after["resumed"][key], f"rank {rank} {key}")
+    assert_same_copies(run)
+
+
+def test_a_write_failing_on_one_node_raises_on_every_rank_and_the_other_copy_resumes(
+    tmp_path: Path, straight: list[dict[str, Any]]
+) -> None:
+    run = Run(tmp_path)
+    options = ("--target", str(TARGET), "--every", "2", "--fail-write-at", "4", "--report")
+    with run.nodes("first", *options, "--fault-rank", "1") as nodes:
+        finished = nodes.wait(TIMEOUT)
+    for node in finished:  # every rank raised at the same call, and trained no further
+        said = [line for line in node.lines(0) if line.startswith("error ")]
+        assert said, node.describe()
+        assert said[0].startswith("error SaveError"), said
+        assert re.search(r"step\D{0,3}0*4\b", said[0]), said
+        assert "step 5" not in node.lines(0), node.describe()
+    copies = sorted([steps(run.node(0)), steps(run.node(1))])
+    assert copies == [[2], [2, 4]], copies  # rank 0's copy of step 4 was published
+    second = run.train("second", "--report")
+    assert [r["resumed"]["progress"][0] for r in second] == [4, 4]
+    for rank, (whole, after) in enumerate(zip(straight, second, strict=True)):
+        assert after["batches"] == whole["batches"][4:], f"rank {rank} batches"
+        for key in COMPARED:
+            assert_same(whole[key], after[key], f"rank {rank} {key}")
     assert_same_copies(run)
