@@ -187,8 +187,11 @@ def test_a_corrupt_copy_on_one_node_is_fetched_again_from_the_peer(
     newest.write_bytes(bytes(data))
     with pytest.raises(pitstop.CheckpointCorrupt):
         pitstop.verify(newest)
-    second = run.train("second")
-    assert_continues_exactly(straight, first, second)  # resumed from STOP_AT, not from 3
+    with run.nodes("second", "--target", str(TARGET)) as nodes:
+        finished = [node.check() for node in nodes.wait(TIMEOUT)]
+    said = "".join(node.outputs[0] for node in finished)  # rank 0 warns, on its node
+    assert re.search(rf"{newest.name} does not verify in rank \d's directory", said), said
+    assert_continues_exactly(straight, first, run.outputs("second"))  # from STOP_AT, not 3
 
 
 def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(

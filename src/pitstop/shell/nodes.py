@@ -101,7 +101,6 @@ def choose_across(
     writes = groups.writes(ranks.rank)
     lists = ranks.all_gather_each(lambda: _listed(directory, pointer) if writes else None)
     orders = [cast(Listed, lists[w]) for w in groups.writers]
-    wires = {name: wire for order, _ in reversed(orders) for name, wire in order}
     seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
     mine = {name for name, _ in cast(Listed, lists[ranks.rank])[0]} if writes else set()
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
@@ -111,13 +110,13 @@ def choose_across(
         valid = [answers[w] is True for w in groups.writers]
         transfers = catch_up(groups, valid)
         if ranks.leader:
-            for writer, answer in zip(groups.writers, answers, strict=False):
-                if isinstance(answer, str):
+            for writer in groups.writers:
+                if isinstance(answers[writer], str):
                     log.warning(
                         "resume: %s does not verify in rank %d's directory: %s",
                         name,
                         writer,
-                        answer,
+                        answers[writer],
                     )
         if transfers is None:
             continue
@@ -130,7 +129,8 @@ def choose_across(
                     move.source,
                 )
         ranks.each(partial(_move, transfers, path, reading, ranks, directory))
-        return path, wires[name]
+        holder = next(order for (order, _), ok in zip(orders, valid, strict=True) if ok)
+        return path, dict(holder)[name]  # the entry as a directory holding it whole lists it
     if pointer is not PointerName.LAST and any(found for _, found in orders):
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
     return None, None
