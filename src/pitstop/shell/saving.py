@@ -155,20 +155,12 @@ class Saver:
         self._decision = decision if decision.acts else None
         return self._decision is not None
 
-    def follow(
-        self,
-        decision: SaveDecision,
-        policy: Policy,
-        progress: Progress,
-        asked: CallInput,
-        detail: str,
-        resumed_from: Path | None,
-    ) -> None:
-        """The writer of another directory: plan rank 0's ``decision`` on this directory
-        (:meth:`plan`), its own catalog and pointers, for :meth:`write`."""
+    def follow(self, decision: SaveDecision, *planned: Any) -> None:
+        """Another directory's writer: :meth:`plan` rank 0's ``decision`` (``planned``: the
+        plan's arguments) on this directory, its own catalog and pointers, for :meth:`write`."""
         self.enter(Request.SAVE)
         self._decision = decision
-        self.plan(policy, progress, asked, detail, resumed_from)
+        self.plan(*planned)
 
     @property
     def decision(self) -> SaveDecision | None:
