@@ -59,9 +59,9 @@ class Run:
         """Node ``index``'s own checkpoint directory, as the test (outside it) sees it."""
         return self.root / f"node{index}" / "ckpt"
 
-    def nodes(self, out: str, *options: str) -> Nodes:
+    def nodes(self, out: str, *options: str, script: Path = SCRIPT) -> Nodes:
         return Nodes(
-            SCRIPT,
+            script,
             "--dir",
             self.mount / "ckpt",
             "--out",
@@ -221,35 +221,28 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
     assert_same_copies(run)
 
 
-def test_background_saves_across_unshared_directories_are_refused_on_every_rank(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("script", "options", "named"),
+    [
+        ("ddp_loop.py", ("--async-save", "on"), "async_save"),
+        ("sharded_train.py", (), "sharded state (FSDP2, DTensor)"),
+    ],
+    ids=["async_save", "sharded"],
+)
+def test_what_is_not_supported_across_unshared_directories_is_refused_on_every_rank(
+    tmp_path: Path, script: str, options: tuple[str, ...], named: str
 ) -> None:
     run = Run(tmp_path)
-    with run.nodes("out", "--target", "2", "--async-save", "on") as nodes:
+    here = Path(__file__).with_name(script)
+    with run.nodes("out", "--target", "2", *options, script=here) as nodes:
         finished = nodes.wait(TIMEOUT)
     for node in finished:
         said = [line for line in node.lines(0) if line.startswith("error ")]
         assert said, node.describe()
         assert said[0].startswith("error ConfigError"), said
-        assert "async_save" in said[0], said
+        assert named in said[0], said
         assert "not supported yet" in said[0], said
-
-
-@pytest.mark.slow  # four processes on CI's two cores; the tests above take one rank per node
-def test_two_ranks_per_node_a_wiped_node_resumes_exactly_where_it_stopped(tmp_path: Path) -> None:
-    # Each node's second rank writes nothing: it reads the copy its node's first rank wrote,
-    # or received from the other node. (Four gloo ranks do not sum gradients in one fixed order,
-    # so a resumed run is compared with the state it stopped in, not with a straight run.)
-    run = Run(tmp_path, per_node=2)
-    first = run.train_and_stop("first", rank=3)
-    assert_same_copies(run)
-    shutil.rmtree(run.node(1))
-    second = run.train("second")
-    for rank, (before, after) in enumerate(zip(first, second, strict=True)):
-        assert after["resumed"]["progress"] == before["progress"][:3], rank
-        for key in ("model", "ema", "optimizer"):
-            assert_same(before[key], after["resumed"][key], f"rank {rank} {key}")
-    assert_same_copies(run)
+    assert not list(run.node(0).glob("step_*")), "nothing is written"
 
 
 def test_a_write_failing_on_one_node_raises_on_every_rank_and_the_other_copy_resumes(
