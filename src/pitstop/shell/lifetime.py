@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pitstop.core.ranks import DirectoryGroups
 from pitstop.shell.session import SaveSession
 from pitstop.shell.store.directory import CheckpointDirectory
 
@@ -32,9 +33,18 @@ if TYPE_CHECKING:
     from pitstop.shell.saving import Saver
     from pitstop.shell.shardsave import ShardedSaves
 
-__all__ = ["close_run", "release", "shut_down"]
+__all__ = ["close_run", "on_writers", "release", "shut_down"]
 
 log = logging.getLogger("pitstop")
+
+
+def on_writers(ranks: Ranks, groups: DirectoryGroups, work: Callable[[], Any]) -> None:
+    """Run ``work`` on rank 0 (one directory) or on every directory's writer; its failure is
+    raised on every rank."""
+    if groups.shared:
+        ranks.lead(work)
+    else:
+        ranks.each(lambda: work() if groups.writes(ranks.rank) else None)
 
 
 def release(directory: CheckpointDirectory, hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
@@ -83,13 +93,16 @@ def close_run(
     saver: Saver,
     shards: ShardedSaves | None,
     ranks: Ranks,
+    groups: DirectoryGroups,
 ) -> None:
     """Every rank: a Checkpointer's close() — publish what is in flight, then (rank 0) close
     the session, remove the hooks and release the lock once no writer may still write, and
     raise a failed background save's error. An interrupt while a sharded save is settled
     leaves it in flight (and the lock held) for a later close(). After a collective failed
     (a rank gone), every rank closes on its own: no collective, and no second error that
-    would hide the first."""
+    would hide the first. Ranks that share no directory: each directory's writer closes its
+    own, as rank 0 does."""
+    writes = groups.writes(ranks.rank)
 
     def close() -> None:
         try:
@@ -115,11 +128,11 @@ def close_run(
                 if shards is not None:
                     shards.release()
                 if ranks.failed is None:
-                    ranks.lead(close)
-                elif ranks.leader:  # the ranks are out of step: each ends on its own
+                    on_writers(ranks, groups, close)
+                elif writes:  # the ranks are out of step: each ends on its own
                     close()
             finally:
-                if not ranks.leader:  # nothing written here, nothing to wait for
+                if not writes:  # nothing written here, nothing to wait for
                     finalizer.detach()
                     for hook in hooks:
                         hook.remove()

@@ -36,7 +36,7 @@ from torch import nn
 
 from pitstop.core.compat import Difference, judge
 from pitstop.core.pointers import resume_order
-from pitstop.core.ranks import entry_from_wire, entry_to_wire
+from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.schema import STATE
 from pitstop.core.sharded import share_checks
@@ -47,6 +47,7 @@ from pitstop.errors import (
     ResumeWarning,
 )
 from pitstop.shell.format import fileformat
+from pitstop.shell.nodes import choose_across
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.state.capture import (
@@ -79,12 +80,15 @@ def resume_from(
     directory: CheckpointDirectory,
     may_change: tuple[str, ...],
     sharded: bool = False,
+    groups: DirectoryGroups | None = None,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
 
     ``(None, NO_CHECKPOINT)``: nothing to resume, nothing touched. Raises
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
+    ``groups``: which ranks share a directory (directories not shared: every writer's copy
+    counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes).
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
@@ -95,6 +99,8 @@ def resume_from(
         plan = None
         if sharded and pointer is not None:
             path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
+        elif groups is not None and not groups.shared and pointer is not None:
+            path, wire = choose_across(directory, pointer, reading, ranks, groups)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
         entry = entry_from_wire(wire)

@@ -174,6 +174,12 @@ class CheckpointDirectory:
             if problem is not None:
                 raise SaveError(problem)
 
+    def rescan(self) -> None:
+        """Read the catalog and pointers again: a checkpoint was put here from elsewhere (a
+        peer's copy, received before a resume)."""
+        found = scan(self.storage, self.policy.best)
+        self.catalog, self.pointers = found.catalog, found.pointers
+
     def adopt(self) -> None:
         """The run resumed (or asked to): the checkpoints found at open are its own to replace."""
         self._foreign = (NO_CHECKPOINT, 0)

@@ -1,0 +1,205 @@
+# Ranks whose checkpoint directories differ (nodes with disks of their own): opening every
+# directory, choosing one checkpoint for every rank, and catching a directory up before a resume.
+#
+# Rules: at open, the ranks find out which of them share the directory (pitstop.shell.ranks.peers:
+# a probe, agreed; never guessed from host names) — a local directory only: an object store is
+# one place for every rank. Each directory's writer (its group's lowest rank; the core's
+# DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
+# before. Sharded state and background saves across directories are refused for now
+# (ConfigError, at construction, on every rank). A resume of a pointer (``last``, ``best``,
+# ``final``) is one decision for every rank: every writer lists its directory's resume order,
+# the core merges them (newest first for ``last``), and the ranks try the candidates in that
+# order; each writer verifies its own copy (every byte, loaded in the same pass), and the first
+# candidate that verifies in at least one directory is chosen. A directory whose copy is missing
+# or does not verify receives the copy of a directory that has it (the core's catch_up), over
+# torch.distributed, into a temp file published atomically (the store's atomic writer), and
+# verifies it again before any rank reads it. A resume from an explicit path reads that path on
+# every rank, as with one directory.
+# How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
+# step's outcome agreed (Ranks.each), so one rank's failure is raised on every rank.
+
+"""Nodes: directories the ranks do not share — opened by each one's writer, caught up on resume."""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+from pitstop.core.pointers import resume_order
+from pitstop.core.ranks import DirectoryGroups, catch_up, entry_to_wire, merged_order
+from pitstop.core.records import PointerName
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.peers import probe_groups, receive, send
+from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.store.atomic import write_atomically
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.storage import RemoteStorage
+from pitstop.shell.store.tiers import TieredDirectory
+
+__all__ = ["choose_across", "open_directories"]
+
+log = logging.getLogger("pitstop")
+
+
+def open_directories(
+    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool, background: bool
+) -> DirectoryGroups:
+    """Every rank: find out which ranks share ``directory``, and open it on each writer (a
+    failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
+    state or background saves in directories the ranks do not share."""
+    groups = DirectoryGroups.one(ranks.world_size)
+    if ranks.many and not isinstance(directory.storage, RemoteStorage):
+        groups = probe_groups(ranks, directory.path)
+    if not groups.shared:
+        tiered = isinstance(directory, TieredDirectory)
+        what = "sharded state (FSDP2, DTensor)" if sharded else "async_save" if background else ""
+        what = what or ("a remote tier (remote=)" if tiered else "")
+        if what:
+            other = ", or save synchronously (async_save=False)" if what == "async_save" else ""
+            raise ConfigError(
+                f"{directory.path} is a different directory on ranks {list(groups.writers)} "
+                f"(ranks sharing one: {[list(g) for g in groups.groups]}); {what} in directories "
+                f"the ranks do not share is not supported yet: give every rank one shared "
+                f"directory{other}"
+            )
+    if groups.shared:
+        ranks.lead(lambda: _open(directory))  # only rank 0 locks and reads the directory
+    else:
+        try:
+            ranks.each(lambda: _open(directory) if groups.writes(ranks.rank) else None)
+        except BaseException:  # another writer's open failed: this one's lock goes too
+            directory.close()
+            raise
+    return groups
+
+
+def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its writer
+    directory.open()
+
+
+Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], bool]
+"""A writer's resume order, each name with its entry as it travels, and whether its directory
+holds any checkpoint."""
+
+
+def _listed(directory: CheckpointDirectory, pointer: PointerName) -> Listed:
+    best = directory.policy.best
+    found = scan(directory.storage, best)
+    order = resume_order(found.catalog, found.pointers, pointer, best)
+    return [(n, entry_to_wire(found.catalog.get(n))) for n in order], bool(found.catalog)
+
+
+def choose_across(
+    directory: CheckpointDirectory,
+    pointer: PointerName,
+    reading: ResumeRead,
+    ranks: Ranks,
+    groups: DirectoryGroups,
+) -> tuple[Path | None, tuple[Any, ...] | None]:
+    """Every rank: the checkpoint a resume of ``pointer`` restores and its entry (as it
+    travels), in every directory once this returns; ``(None, None)``: none anywhere."""
+    writes = groups.writes(ranks.rank)
+    lists = ranks.all_gather_each(lambda: _listed(directory, pointer) if writes else None)
+    orders = [cast(Listed, lists[w]) for w in groups.writers]
+    seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
+    mine = {name for name, _ in cast(Listed, lists[ranks.rank])[0]} if writes else set()
+    for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
+        path = directory.storage.path(name)
+        checked = partial(_verified, path, reading) if name in mine else lambda: False
+        answers = ranks.all_gather_each(checked)  # a fault other than a bad copy: everywhere
+        valid = [answers[w] is True for w in groups.writers]
+        transfers = catch_up(groups, valid)
+        if ranks.leader:
+            for writer in groups.writers:
+                if isinstance(answers[writer], str):
+                    log.warning(
+                        "resume: %s does not verify in rank %d's directory: %s",
+                        name,
+                        writer,
+                        answers[writer],
+                    )
+        if transfers is None:
+            continue
+        if ranks.leader:
+            for move in transfers:
+                log.info(
+                    "resume: rank %d's directory lacks a valid %s: rank %d sends it",
+                    move.target,
+                    name,
+                    move.source,
+                )
+        ranks.each(partial(_move, transfers, path, reading, ranks, directory))
+        holder = next(order for (order, _), ok in zip(orders, valid, strict=True) if ok)
+        return path, dict(holder)[name]  # the entry as a directory holding it whole lists it
+    if pointer is not PointerName.LAST and any(found for _, found in orders):
+        raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+    return None, None
+
+
+def _verified(path: Path, reading: ResumeRead) -> bool | str:
+    """A writer's check of its copy of ``path``: True, or what is wrong with it."""
+    try:
+        reading.verify(path)
+    except (CheckpointCorrupt, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    return True
+
+
+def _move(
+    transfers: Any, path: Path, reading: ResumeRead, ranks: Ranks, directory: CheckpointDirectory
+) -> None:
+    """This rank's part of the copies to send: each pair in order, every message exchanged
+    whatever failed before (so no peer waits in vain); the first failure raised at the end."""
+    failed: BaseException | None = None
+    for move in transfers:
+        try:
+            if ranks.rank == move.source:
+                _send(ranks, move.target, path)
+            elif ranks.rank == move.target:
+                _receive(ranks, move.source, path)
+                reading.verify(path)  # the copy received, every byte: and loaded for the read
+                directory.rescan()
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
+def _send(ranks: Ranks, target: int, path: Path) -> None:
+    """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so)."""
+    try:
+        file = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        send(ranks, target, None, 0, str(path))
+        return
+    with file:
+        send(ranks, target, file, os.fstat(file.fileno()).st_size, str(path))
+
+
+class _Discard:
+    """Where a copy goes that cannot be written: nowhere (its sender still sends it all)."""
+
+    def write(self, data: object) -> None:
+        """Drop ``data``."""
+
+
+def _receive(ranks: Ranks, source: int, path: Path) -> None:
+    """Receive ``source``'s copy into ``path``, published atomically; drained even when the
+    temp file cannot be made, so that the sender is not left waiting."""
+    began = False
+
+    def write(file: BinaryIO) -> None:
+        nonlocal began
+        began = True
+        receive(ranks, source, file, str(path))
+
+    try:
+        write_atomically(path, write)
+    except BaseException:
+        if not began:
+            receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
+        raise
