@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import subprocess
 import sys
 import tempfile
-import zlib
 from pathlib import Path
 
 import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from filebytes import DATA, assemble, document, packed
 
 
 def _vm(field: str) -> int:
@@ -43,30 +44,16 @@ def _vm(field: str) -> int:
 
 def _hostile_lists(path: Path, count: int) -> None:
     """A file whose manifest's tree is ``count`` one-item lists; everything else valid."""
-    data = struct.pack("<2f", 1.5, -2.0)
     packer = msgpack.Packer(use_bin_type=True)
     tree = packer.pack_array_header(count) + b"\x91\x00" * count
-    parts = {
-        "format": packer.pack(1),
-        "tree": tree,
-        "tensors": packer.pack([]),
-        "blobs": packer.pack([{"offset": 64, "length": 8, "crc32": zlib.crc32(data)}]),
-        "meta": packer.pack({}),
-    }
-    manifest = packer.pack_map_header(len(parts)) + b"".join(
-        packer.pack(k) + v for k, v in parts.items()
-    )
-    head = struct.pack("<8sII44s", b"PITSTOP\0", 1, 0, bytes(44))
-    foot = struct.pack("<8sIIQQI", b"\0POTSTIP", 1, 0, 64 + len(data), len(manifest), 0)
-    foot = foot[:-4] + struct.pack("<I", zlib.crc32(manifest))
-    path.write_bytes(
-        head
-        + struct.pack("<I", zlib.crc32(head))
-        + data
-        + manifest
-        + foot
-        + struct.pack("<I", zlib.crc32(foot))
-    )
+    manifest = _with_tree(packed(document(tree=None)), tree)
+    assemble(path, manifest, DATA)
+
+
+def _with_tree(manifest: bytes, tree: bytes) -> bytes:
+    marker = packed("tree") + packed(None)
+    assert manifest.count(marker) == 1
+    return manifest.replace(marker, packed("tree") + tree)
 
 
 def _legal(path: Path) -> int:

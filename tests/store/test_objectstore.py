@@ -29,7 +29,7 @@ from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import publish_file
 from pitstop.shell.store.s3client import torn_uploads
-from s3server import S3Server
+from s3server import S3Server, run_python
 from tinyrun import same, train_step, trained, weights
 
 CHILD = Path(__file__).with_name("s3child.py")
@@ -38,16 +38,7 @@ TIMEOUT_S = 120
 
 def child(url: str, env: dict[str, str], *args: str) -> str:
     """Run tests/store/s3child.py on ``url``; its last line."""
-    done = subprocess.run(
-        [sys.executable, str(CHILD), url, *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
+    return run_python([str(CHILD), url, *args], env)
 
 
 def saved(url: str, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -159,15 +150,7 @@ def test_a_torn_multipart_upload_is_aborted_on_the_next_open(
 ) -> None:
     """A writer killed mid-way through a multipart upload leaves it incomplete (invisible to a
     listing, its parts held by the bucket): the next writer to open the prefix aborts it."""
-    done = subprocess.run(
-        [sys.executable, "-c", TORN, s3_url],
-        env={**os.environ, **s3_env},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_python(["-c", TORN, s3_url], s3_env)
     location = parse_url(s3_url)
     assert len(torn_uploads(location, None, location.prefix) or []) == 1
     caplog.set_level(logging.WARNING, logger="pitstop")

@@ -12,10 +12,7 @@ next call.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +22,10 @@ from pitstop.core.naming import checkpoint_name
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage
+from s3server import run_python
 from tinyrun import same, train_step, trained, weights
 
 CHILD = Path(__file__).with_name("s3child.py")
-TIMEOUT_S = 120
 
 
 def remote_steps(url: str) -> list[int]:
@@ -93,16 +90,7 @@ def test_a_run_whose_local_directory_is_gone_resumes_exactly_from_the_remote_tie
     local_tmp: Path, s3_url: str, s3_env: dict[str, str]
 ) -> None:
     def child(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, str(CHILD), str(local_tmp / "ckpt"), *args, s3_url],
-            env={**os.environ, **s3_env},
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.strip().splitlines()[-1]
+        return run_python([str(CHILD), str(local_tmp / "ckpt"), *args, s3_url], s3_env)
 
     saving = child("save", "3")
     shutil.rmtree(local_tmp / "ckpt")  # the node lost its disk
