@@ -160,7 +160,7 @@ def test_each_node_keeps_a_whole_copy_and_a_sigterm_on_one_node_resumes_bitwise(
     assert_same_copies(run)
 
 
-@pytest.mark.parametrize("wiped", [0, 1])
+@pytest.mark.parametrize("wiped", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_wiped_node_gets_the_peers_copy_and_resumes_bitwise(
     tmp_path: Path, straight: list[dict[str, Any]], wiped: int
 ) -> None:
@@ -224,9 +224,14 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
 @pytest.mark.parametrize(
     ("script", "options", "named"),
     [
-        ("ddp_loop.py", ("--async-save", "on"), "async_save"),
+        pytest.param("ddp_loop.py", ("--async-save", "on"), "async_save", marks=pytest.mark.slow),
         ("sharded_train.py", (), "sharded state (FSDP2, DTensor)"),
-        ("ddp_loop.py", ("--remote", "s3://pitstop/unused"), "a remote tier (remote=)"),
+        pytest.param(
+            "ddp_loop.py",
+            ("--remote", "s3://pitstop/unused"),
+            "a remote tier (remote=)",
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["async_save", "sharded", "remote tier"],
 )
