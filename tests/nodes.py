@@ -68,29 +68,17 @@ class NodeJob(Job):
         self.nodes, self.endpoint = nodes, endpoint
 
     def _launcher_command(self, log_dir: str) -> list[str]:
-        torchrun = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+        torchrun = self._torchrun(
+            log_dir,
             "--nnodes",
             str(self.nodes),
-            "--nproc-per-node",
-            str(self.ranks),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
             f"127.0.0.1:{self.endpoint}",
             "--rdzv-conf",
             "join_timeout=60,read_timeout=60",
-            "--max-restarts",
-            "0",
-            "--tee",
-            "3",
-            "--log-dir",
-            log_dir,
-            str(self.script),
-            *self.args,
-        ]
+        )
         inside = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
         return [
             "unshare",

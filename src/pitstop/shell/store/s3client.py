@@ -81,8 +81,6 @@ def open_store(location: Location, options: Mapping[str, Any] | None = None) -> 
     if endpoint:
         config.setdefault("endpoint", endpoint)
         config.setdefault("virtual_hosted_style_request", False)
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    config.setdefault("region", region or "us-east-1")
     client.setdefault("connect_timeout", timedelta(seconds=5))
     client.setdefault("timeout", timedelta(seconds=DEADLINE_S * 6))
     if retry is None:
@@ -106,7 +104,7 @@ def open_store(location: Location, options: Mapping[str, Any] | None = None) -> 
 
 def _resolved(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """``options`` with what the AWS profile adds (the keys neither they nor the environment
-    set), its ``profile`` key taken out."""
+    set), its ``profile`` key taken out, and a region (``us-east-1`` when none gives one)."""
     config = dict(options or {})
     _, profile = profile_settings(
         config,
@@ -116,6 +114,8 @@ def _resolved(options: Mapping[str, Any] | None) -> dict[str, Any]:
     )
     config.pop("profile", None)
     config.update(profile)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    config.setdefault("region", region or "us-east-1")
     return config
 
 
@@ -180,7 +180,6 @@ def _signed(
         return None
     token = _setting(options, ("session_token", "token", "aws_session_token"), "AWS_SESSION_TOKEN")
     region = _setting(options, ("region", "aws_region"), "AWS_REGION")
-    region = region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     endpoint = _setting(options, ("endpoint", "aws_endpoint", "endpoint_url"), "AWS_ENDPOINT_URL")
     endpoint = (endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
     host = urllib.parse.urlsplit(endpoint).netloc
