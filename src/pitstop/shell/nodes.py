@@ -2,24 +2,25 @@
 # directory, choosing one checkpoint for every rank, and catching a directory up before a resume.
 #
 # Rules: at open, the ranks find out which of them share the directory (pitstop.shell.ranks.peers:
-# a probe, agreed; never guessed from host names) — a local directory only: an object store is
-# one place for every rank. Each directory's writer (its group's lowest rank; the core's
+# a probe, agreed; never guessed from host names) — a local directory only: an object store is one
+# place for every rank. Each directory's writer (its group's lowest rank; the core's
 # DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
-# before. Sharded state and background saves across directories are refused for now
-# (ConfigError, at construction, on every rank). A resume of a pointer (``last``, ``best``,
-# ``final``) is one decision for every rank: every writer lists its directory's resume order,
-# the core merges them (newest first for ``last``), and the ranks try the candidates in that
-# order; each writer verifies its own copy (every byte, loaded in the same pass), and the first
-# candidate that verifies in at least one directory is chosen. A directory whose copy is missing
-# or does not verify receives the copy of a directory that has it (the core's catch_up), over
-# torch.distributed, into a temp file published atomically (the store's atomic writer), and
-# verifies it again before any rank reads it. With a remote tier (remote=), rank 0 alone uploads
-# (one upload per checkpoint, under the prefix's one lease; every node's copy is the same bytes),
-# rank 0 lists the remote tier too and its names join the merged order (last among equals), and
-# a checkpoint no directory holds whole is downloaded from the remote tier by each writer that
-# lacks it (no lease: reading only), published, verified; a writer whose download failed then
-# gets a peer's copy. A resume from an explicit path reads that path on every rank, as with one
-# directory.
+# before. Sharded state across directories is refused for now (ConfigError, at construction, on
+# every rank). A background save (async_save) is written by every writer's own writer thread; how
+# it ended is agreed at the next call that settles it (pitstop.shell.lifetime). A resume of a
+# pointer (``last``, ``best``, ``final``) is one decision for every rank: every writer lists its
+# directory's resume order, the core merges them (newest first for ``last``), and the ranks try
+# the candidates in that order; each writer verifies its own copy (every byte, loaded in the same
+# pass), and the first candidate that verifies in at least one directory is chosen. A directory
+# whose copy is missing or does not verify receives the copy of a directory that has it (the
+# core's catch_up), over torch.distributed, into a temp file published atomically (the store's
+# atomic writer), and verifies it again before any rank reads it. With a remote tier (remote=),
+# rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every node's copy
+# is the same bytes), rank 0 lists the remote tier too and its names join the merged order (last
+# among equals), and a checkpoint no directory holds whole is downloaded from the remote tier by
+# each writer that lacks it (no lease: reading only), published, verified; a writer whose download
+# failed then gets a peer's copy. A resume from an explicit path reads that path on every rank, as
+# with one directory.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each), so one rank's failure is raised on every rank.
 
@@ -52,23 +53,21 @@ log = logging.getLogger("pitstop")
 
 
 def open_directories(
-    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool, background: bool
+    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool
 ) -> DirectoryGroups:
     """Every rank: find out which ranks share ``directory``, and open it on each writer (a
     failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
-    state or background saves in directories the ranks do not share."""
+    state in directories the ranks do not share."""
     groups = DirectoryGroups.one(ranks.world_size)
     if ranks.many and not isinstance(directory.storage, RemoteStorage):
         groups = probe_groups(ranks, directory.path)
     if not groups.shared:
-        what = "sharded state (FSDP2, DTensor)" if sharded else "async_save" if background else ""
-        if what:
-            other = ", or save synchronously (async_save=False)" if what == "async_save" else ""
+        if sharded:
             raise ConfigError(
                 f"{directory.path} is a different directory on ranks {list(groups.writers)} "
-                f"(ranks sharing one: {[list(g) for g in groups.groups]}); {what} in directories "
-                f"the ranks do not share is not supported yet: give every rank one shared "
-                f"directory{other}"
+                f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state (FSDP2, "
+                f"DTensor) in directories the ranks do not share is not supported yet: give "
+                f"every rank one shared directory"
             )
         if isinstance(directory, TieredDirectory):  # one upload per checkpoint: rank 0's
             directory.uploads = ranks.leader

@@ -1,5 +1,6 @@
-"""The catch-up plan with a remote tier (pitstop.core.ranks.catch_up): a peer's copy first, the
-remote tier only when no directory holds the checkpoint whole."""
+"""Nodes that share no directory: the catch-up plan with a remote tier (pitstop.core.ranks
+catch_up: a peer's copy first, the remote tier only when no directory holds the checkpoint
+whole), and one background save's outcome agreed from every writer's (core.session)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.core.ranks import REMOTE, DirectoryGroups, Transfer, catch_up
+from pitstop.core.session import SaveStatus, agreed_status
 
 
 def groups_of(count: int) -> DirectoryGroups:
@@ -40,3 +42,20 @@ def test_a_checkpoint_only_the_remote_tier_holds_is_downloaded_by_every_node() -
         Transfer(source=REMOTE, target=2),
     )
     assert catch_up(groups, [False, True], remote=True) == (Transfer(source=2, target=0),)
+
+
+@given(st.lists(st.sampled_from([None, *SaveStatus]), max_size=5))
+def test_a_background_save_counts_once_every_copy_is_published_and_fails_if_any_fails(
+    statuses: list[SaveStatus | None],
+) -> None:
+    agreed = agreed_status(statuses)
+    held = {s for s in statuses if s is not None}
+    if not held:
+        assert agreed is None
+    elif SaveStatus.FAILED in held:
+        assert agreed is SaveStatus.FAILED
+    elif SaveStatus.PENDING in held:
+        assert agreed is SaveStatus.PENDING
+    else:
+        assert agreed is SaveStatus.PUBLISHED
+    assert agreed_status([*statuses, agreed]) == agreed  # agreeing again changes nothing
