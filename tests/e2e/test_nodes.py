@@ -224,16 +224,9 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
 @pytest.mark.parametrize(
     ("script", "options", "named"),
     [
-        pytest.param("ddp_loop.py", ("--async-save", "on"), "async_save", marks=pytest.mark.slow),
         ("sharded_train.py", (), "sharded state (FSDP2, DTensor)"),
-        pytest.param(
-            "ddp_loop.py",
-            ("--remote", "s3://pitstop/unused"),
-            "a remote tier (remote=)",
-            marks=pytest.mark.slow,
-        ),
     ],
-    ids=["async_save", "sharded", "remote tier"],
+    ids=["sharded"],
 )
 def test_what_is_not_supported_across_unshared_directories_is_refused_on_every_rank(
     tmp_path: Path, script: str, options: tuple[str, ...], named: str

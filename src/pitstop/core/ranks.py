@@ -56,6 +56,7 @@ __all__ = [
     "INTERRUPTED",
     "NOT_REQUESTED",
     "OK",
+    "REMOTE",
     "CallInput",
     "DirectoryGroups",
     "Outcome",
@@ -338,23 +339,35 @@ def directory_groups(seen: Sequence[Collection[int]], *, directory: str = "") ->
     return DirectoryGroups(tuple(groups))
 
 
+REMOTE = -1
+"""The source of a :class:`Transfer` from the remote tier (no rank: the target downloads it)."""
+
+
 @attrs.frozen
 class Transfer:
-    """One directory catching up: the writer ``source`` sends its copy to the writer ``target``."""
+    """One directory catching up: the writer ``source`` (or the remote tier, :data:`REMOTE`)
+    sends its copy to the writer ``target``."""
 
     source: int
     target: int
 
 
-def catch_up(groups: DirectoryGroups, valid: Sequence[bool]) -> tuple[Transfer, ...] | None:
+def catch_up(
+    groups: DirectoryGroups, valid: Sequence[bool], *, remote: bool = False
+) -> tuple[Transfer, ...] | None:
     """The copies to send so that every directory holds a checkpoint: ``valid[i]`` says whether
-    group ``i``'s copy verifies. ``None``: no directory holds it whole. The senders are the
-    groups that hold it, taken in turn."""
+    group ``i``'s copy verifies; ``remote``: whether the remote tier lists it. ``None``: no
+    directory holds it whole, and no remote tier does. The senders are the groups that hold
+    it, taken in turn; only when none does, each lacking directory downloads it from the
+    remote tier (:data:`REMOTE`): a peer's copy is preferred, the remote tier is the last
+    resort."""
     if len(valid) != len(groups.groups):
         raise ValueError(f"{len(valid)} answers for {len(groups.groups)} directories")
     holders = [writer for writer, ok in zip(groups.writers, valid, strict=True) if ok]
     if not holders:
-        return None
+        if not remote:
+            return None
+        holders = [REMOTE]
     lacking = [writer for writer, ok in zip(groups.writers, valid, strict=True) if not ok]
     return tuple(
         Transfer(source=holders[i % len(holders)], target=target)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pitstop.core.ranks import DirectoryGroups
+from pitstop.core.session import SaveStatus, agreed_status
 from pitstop.shell.session import SaveSession
 from pitstop.shell.store.directory import CheckpointDirectory
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from pitstop.shell.saving import Saver
     from pitstop.shell.shardsave import ShardedSaves
 
-__all__ = ["close_run", "on_writers", "release", "shut_down"]
+__all__ = ["close_run", "on_writers", "release", "settle_on_writers", "shut_down"]
 
 log = logging.getLogger("pitstop")
 
@@ -45,6 +46,18 @@ def on_writers(ranks: Ranks, groups: DirectoryGroups, work: Callable[[], Any]) -
         ranks.lead(work)
     else:
         ranks.each(lambda: work() if groups.writes(ranks.rank) else None)
+
+
+def settle_on_writers(
+    ranks: Ranks, groups: DirectoryGroups, settle: Callable[[], SaveStatus | None]
+) -> SaveStatus | None:
+    """How the save in flight ended, heard by every rank: rank 0's ``settle`` (one directory),
+    or every directory's writer's, agreed (the core's agreed_status); a failure on any writer
+    is raised on every rank."""
+    if groups.shared:
+        return ranks.lead(settle)
+    statuses = ranks.all_gather_each(lambda: settle() if groups.writes(ranks.rank) else None)
+    return agreed_status([statuses[w] for w in groups.writers])
 
 
 def release(directory: CheckpointDirectory, hooks: list[torch.utils.hooks.RemovableHandle]) -> None:

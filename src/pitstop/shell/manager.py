@@ -42,7 +42,7 @@ from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import PitstopError
 from pitstop.shell.checkpoint import Checkpoint, checked_options, config_of, manual_reason, records
-from pitstop.shell.lifetime import close_run, on_writers, release, shut_down
+from pitstop.shell.lifetime import close_run, on_writers, release, settle_on_writers, shut_down
 from pitstop.shell.nodes import open_directories
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.registration import add_component, register_component
@@ -152,13 +152,13 @@ class Checkpointer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ranks.call(f"Checkpointer({str(directory)!r})")
         self._groups = open_directories(  # each directory's writer locks and reads it
-            self._ranks, self._directory, sharded=sharded, background=bool(options.async_save)
+            self._ranks, self._directory, sharded=sharded
         )
         try:
             schedule = ScheduleState(timer_start=time.monotonic())
             self.last_blocking_s = 0.0
             """Seconds the last save held the training loop (capture, and the copy when async)."""
-            background = bool(options.async_save) and self._ranks.leader
+            background = bool(options.async_save) and self._groups.writes(self._ranks.rank)
             self._session = SaveSession(self._directory.path, background=background)
             self._saver = Saver(
                 schedule=schedule,
@@ -239,7 +239,7 @@ class Checkpointer:
                 self._hear(status)
             return status
 
-        self._hear(self._ranks.lead(settle))
+        self._hear(settle_on_writers(self._ranks, self._groups, settle))
 
     def _hear(self, status: SaveStatus | None) -> None:
         if self._remote is not None and status is not None and status is not SaveStatus.PENDING:

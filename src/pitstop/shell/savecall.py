@@ -181,16 +181,12 @@ class SaveCalls:
         self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], None]
     ) -> int:
         """Every rank's part to every directory's writer, which plans rank 0's decision on its
-        own directory (``follow``; rank 0 planned it already) and writes its copy (``write``);
-        the save counts once every copy is published (the outcome agreed)."""
+        own directory (``follow``; rank 0 planned it already: agreed first, so that a failed
+        background save of any writer's is raised everywhere before any copy is written) and
+        writes its copy (``write``); the save counts once every copy is published (agreed)."""
         ranks = self.ranks
-
-        def follow_and_write(parts: list[Any]) -> int:
-            if not ranks.leader:
-                follow()
-            return write(parts)
-
-        return gather_to_writers(ranks, groups, rank_state(self.live), follow_and_write) or 0
+        ranks.each(lambda: follow() if groups.writes(ranks.rank) and not ranks.leader else None)
+        return gather_to_writers(ranks, groups, rank_state(self.live), write) or 0
 
     def _quick(
         self, each: Callable[[], CallInput], decide: Callable[[CallInput], bool]

@@ -10,9 +10,9 @@
 # (an all-gather of the packed parts, where one directory needs a gather to rank 0 alone), and the
 # save counts once every writer has published it (the outcome agreed in one more round). A copy
 # travels from one writer to another in chunks of CHUNK bytes (memory bounded by one chunk on each
-# side), with a CRC-32 of the whole; the receiver drains every chunk even when its own write
-# fails, and a sender that cannot read sends zeros and says so at the end, so that neither side
-# is left waiting for the other.
+# side), with a CRC-32 of the whole (the format's fastest engine: ISA-L where installed); the
+# receiver drains every chunk even when its own write fails, and a sender that cannot read sends
+# zeros and says so at the end, so that neither side is left waiting for the other.
 # How: point-to-point sends on pitstop's own gloo group, each bounded by its timeout like every
 # collective of pitstop's (Ranks._named, Ranks._wait); the files are the caller's (the store's
 # atomic writer publishes what is received).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Final, TypeVar
@@ -32,6 +31,7 @@ import torch
 
 from pitstop.core.ranks import DirectoryGroups, directory_groups
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.ranks.distributed import PART_BOX, Ranks
 from pitstop.shell.ranks.packing import pack_state, unpack_state
 
@@ -122,7 +122,7 @@ def send(
         if failed:
             buffer[:n] = 0
         else:
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32_update(view[:n], crc)
         _exchange(ranks, buffer[:n], target, sending=True)
     trailer = torch.tensor([crc, int(bool(failed))], dtype=torch.int64)  # a CRC fits in 63 bits
     _exchange(ranks, trailer, target, sending=True)
@@ -146,7 +146,7 @@ def receive(ranks: Ranks, source: int, file: BinaryIO, where: str, chunk: int = 
         if problem:
             continue
         data = part.numpy().data
-        crc = zlib.crc32(data, crc)
+        crc = crc32_update(data, crc)
         try:
             file.write(data)
         except OSError as exc:

@@ -32,13 +32,14 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pitstop.core.naming import temp_name
 from pitstop.core.plan import SavePlan, plan_arrival
-from pitstop.core.pointers import Tier, tiered_resume_order
+from pitstop.core.pointers import Tier, resume_order, tiered_resume_order
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
 from pitstop.shell.store.objectstore import ObjectStorage
@@ -233,6 +234,9 @@ class TieredDirectory(CheckpointDirectory):
             protect=protect,
         )
         self._arrived: tuple[CheckpointEntry, Path] | None = None
+        self.uploads = True
+        """Whether this directory's checkpoints are uploaded (``False``: another node's writer
+        uploads the same checkpoints, so that each is uploaded once)."""
 
     def execute(self, plan: SavePlan, write: WriteCheckpoint) -> list[str]:
         """Carry ``plan`` out locally; once its checkpoint is published, queue its upload."""
@@ -240,7 +244,7 @@ class TieredDirectory(CheckpointDirectory):
             return super().execute(plan, write)
         finally:
             entry = plan.entry
-            if entry is not NO_CHECKPOINT and self.carried_out(plan):
+            if self.uploads and entry is not NO_CHECKPOINT and self.carried_out(plan):
                 self.remote.stage(entry, self.storage.path(entry.name))
 
     def choose(
@@ -275,6 +279,30 @@ class TieredDirectory(CheckpointDirectory):
                 self._arrived = (entry, path)
             return path, entry
         return None, NO_CHECKPOINT
+
+    def remote_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry]]:
+        """The remote tier's resume order for ``pointer``, each name with its entry: listed
+        without its lease (a reader's listing; the lease is the uploader's)."""
+        best = self.policy.best
+        found = scan(self.remote.objects, best)
+        order = resume_order(found.catalog, found.pointers, pointer, best)
+        entries = [(name, found.catalog.get(name)) for name in order]
+        return [(name, e) for name, e in entries if isinstance(e, CheckpointEntry)]
+
+    def download(self, name: str) -> Path:
+        """Copy checkpoint ``name`` from the remote tier into this directory (downloaded to
+        the cache, then published atomically with its seq, as a peer's copy is); its local
+        path, unchecked. Reads only: no lease is taken."""
+        path = self.storage.path(name)
+        with self.remote.objects.fetched(name) as fetched:
+
+            def copy(file: BinaryIO) -> None:
+                with open(fetched, "rb") as source:
+                    shutil.copyfileobj(source, file, 8 << 20)
+
+            write_atomically(path, copy)
+        self.rescan()
+        return path
 
     def adopt(self) -> None:
         """The run resumed: both tiers' checkpoints are its own; a remote checkpoint it resumed
