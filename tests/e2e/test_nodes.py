@@ -225,7 +225,7 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
     ("script", "options", "named"),
     [
         pytest.param("ddp_loop.py", ("--async-save", "on"), "async_save", marks=pytest.mark.slow),
-        ("sharded_train.py", (), "sharded state (FSDP2, DTensor)"),
+        ("sharded_train.py", ("--async",), "async_save"),
         pytest.param(
             "ddp_loop.py",
             ("--remote", "s3://pitstop/unused"),
@@ -233,7 +233,7 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
             marks=pytest.mark.slow,
         ),
     ],
-    ids=["async_save", "sharded", "remote tier"],
+    ids=["async_save", "sharded async_save", "remote tier"],
 )
 def test_what_is_not_supported_across_unshared_directories_is_refused_on_every_rank(
     tmp_path: Path, script: str, options: tuple[str, ...], named: str

@@ -5,8 +5,9 @@
 # a probe, agreed; never guessed from host names) — a local directory only: an object store is
 # one place for every rank. Each directory's writer (its group's lowest rank; the core's
 # DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
-# before. Sharded state and background saves across directories are refused for now
-# (ConfigError, at construction, on every rank). A resume of a pointer (``last``, ``best``,
+# before. Background saves across directories are refused for now (ConfigError, at
+# construction, on every rank); sharded state is pitstop.shell.sharded.acrossnodes'. A resume
+# of a pointer (``last``, ``best``,
 # ``final``) is one decision for every rank: every writer lists its directory's resume order,
 # the core merges them (newest first for ``last``), and the ranks try the candidates in that
 # order; each writer verifies its own copy (every byte, loaded in the same pass), and the first
@@ -23,19 +24,18 @@
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
 from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import DirectoryGroups, catch_up, entry_to_wire, merged_order
 from pitstop.core.records import PointerName
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.ranks.peers import probe_groups, receive, send
+from pitstop.shell.ranks.peers import probe_groups
 from pitstop.shell.resumeread import ResumeRead
-from pitstop.shell.store.atomic import write_atomically
+from pitstop.shell.sharded.acrossnodes import receive_file, send_file
 from pitstop.shell.store.directory import CheckpointDirectory, scan
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
@@ -49,14 +49,14 @@ def open_directories(
     ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool, background: bool
 ) -> DirectoryGroups:
     """Every rank: find out which ranks share ``directory``, and open it on each writer (a
-    failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
-    state or background saves in directories the ranks do not share."""
+    failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for
+    background saves in directories the ranks do not share."""
     groups = DirectoryGroups.one(ranks.world_size)
     if ranks.many and not isinstance(directory.storage, RemoteStorage):
         groups = probe_groups(ranks, directory.path)
     if not groups.shared:
         tiered = isinstance(directory, TieredDirectory)
-        what = "sharded state (FSDP2, DTensor)" if sharded else "async_save" if background else ""
+        what = "async_save" if background else ""  # sharded state: each node its own shards
         what = what or ("a remote tier (remote=)" if tiered else "")
         if what:
             other = ", or save synchronously (async_save=False)" if what == "async_save" else ""
@@ -158,48 +158,12 @@ def _move(
     for move in transfers:
         try:
             if ranks.rank == move.source:
-                _send(ranks, move.target, path)
+                send_file(ranks, move.target, path)
             elif ranks.rank == move.target:
-                _receive(ranks, move.source, path)
+                receive_file(ranks, move.source, path)
                 reading.verify(path)  # the copy received, every byte: and loaded for the read
                 directory.rescan()
         except Exception as exc:
             failed = failed or exc
     if failed is not None:
         raise failed
-
-
-def _send(ranks: Ranks, target: int, path: Path) -> None:
-    """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so)."""
-    try:
-        file = open(path, "rb")  # noqa: SIM115 - closed below
-    except OSError:
-        send(ranks, target, None, 0, str(path))
-        return
-    with file:
-        send(ranks, target, file, os.fstat(file.fileno()).st_size, str(path))
-
-
-class _Discard:
-    """Where a copy goes that cannot be written: nowhere (its sender still sends it all)."""
-
-    def write(self, data: object) -> None:
-        """Drop ``data``."""
-
-
-def _receive(ranks: Ranks, source: int, path: Path) -> None:
-    """Receive ``source``'s copy into ``path``, published atomically; drained even when the
-    temp file cannot be made, so that the sender is not left waiting."""
-    began = False
-
-    def write(file: BinaryIO) -> None:
-        nonlocal began
-        began = True
-        receive(ranks, source, file, str(path))
-
-    try:
-        write_atomically(path, write)
-    except BaseException:
-        if not began:
-            receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
-        raise

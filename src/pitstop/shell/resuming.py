@@ -50,6 +50,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.nodes import choose_across
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.sharded.acrossnodes import choose_sharded_across
 from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,
@@ -97,9 +98,15 @@ def resume_from(
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
         plan = None
-        if sharded and pointer is not None:
+        across = groups is not None and not groups.shared
+        if sharded and pointer is not None and across:  # each node holds its ranks' shards
+            assert groups is not None
+            planner = partial(_plan, live=live, ranks=ranks)
+            path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
+        elif sharded and pointer is not None:
             path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
-        elif groups is not None and not groups.shared and pointer is not None:
+        elif across and pointer is not None:
+            assert groups is not None
             path, wire = choose_across(directory, pointer, reading, ranks, groups)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
