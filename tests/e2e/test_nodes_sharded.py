@@ -188,6 +188,8 @@ def test_each_node_keeps_its_shards_and_a_sigterm_resumes_bitwise(
         assert part["complete"] is False, part
         assert part["missing_ranks"] == [1 - rank], part
         assert 0 < part["files_here"] < part["files"], part
+        checks = json.loads(cli("ls", run.node(run.holder(rank)), "--check", "--json").stdout)
+        assert [row["check"] for row in checks] == ["partial", "partial"], checks
         table = cli("ls", run.node(run.holder(rank))).stdout
         assert f"partial: {part['files_here']} of {part['files']} files" in table, table
         checked = cli("verify", here)  # what is missing here, not a generic corruption

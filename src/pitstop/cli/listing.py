@@ -68,6 +68,7 @@ def list_directory(
     failures: dict[str, str] = dict(found.unreadable)
     checked: dict[str, str | None] = {}  # name -> None (ok) or the problem
     gone: set[str] = set()  # deleted while being checked (a live run's retention)
+    partial_here: set[str] = set()  # whole here, but other nodes' ranks' files elsewhere
     if check:
         with progress_bars(console, enabled=not as_json):
             for entry in found.catalog:
@@ -80,7 +81,10 @@ def list_directory(
                     if vanished(local):
                         gone.add(entry.name)
                         continue
-                    failures[entry.name] = checked[entry.name] = str(exc)
+                    part = None if remote else _partial(local)  # a node's part: not corrupt
+                    if part is not None:
+                        partial_here.add(entry.name)
+                    failures[entry.name] = checked[entry.name] = part or str(exc)
                 finally:
                     if remote:  # a fetched copy: checked, not kept
                         local.unlink(missing_ok=True)
@@ -142,6 +146,8 @@ def list_directory(
             if check:
                 problem = checked.get(entry.name)
                 row["check"] = "ok" if problem is None else "corrupt"
+                if entry.name in partial_here:  # whole here, other ranks' files elsewhere
+                    row["check"] = "partial"
                 row["problem"] = problem
                 row["resume_from_last"] = choice is not None and choice.entry == entry
             rows.append(row)
@@ -182,7 +188,8 @@ def list_directory(
         ]
         if check:
             ok = checked.get(entry.name) is None
-            row_cells.append("[green]ok[/green]" if ok else "[red]CORRUPT[/red]")
+            bad = "[yellow]PARTIAL[/yellow]" if entry.name in partial_here else "[red]CORRUPT[/red]"
+            row_cells.append("[green]ok[/green]" if ok else bad)
         table.add_row(*row_cells)
     for name in found.unreadable:
         table.add_row(
@@ -207,7 +214,8 @@ def list_directory(
     if not check:
         return 0
     for name, why in failures.items():
-        console.print(f"[red]corrupt:[/red] {escape(why if name in why else f'{name}: {why}')}")
+        label = "[yellow]partial:[/yellow]" if name in partial_here else "[red]corrupt:[/red]"
+        console.print(f"{label} {escape(why if name in why else f'{name}: {why}')}")
     _print_resume(console, resume_choice())
     return 1 if failures else 0
 
