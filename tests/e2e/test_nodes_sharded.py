@@ -8,9 +8,9 @@ the rest); a SIGTERM to one rank stops both and the resume — each node fetchin
 the files its rank reads and lacks — continues bitwise as the straight run; with one node's
 directory wiped, the shards its rank wrote are lost everywhere and the resume is an error
 naming the steps and the missing files; a corrupt shard on one node makes the resume fall back
-to the previous checkpoint, with a warning naming the step and the file. The stopped run is
-made once and copied for each test. Every wait is bounded; every process is killed when a test
-ends, passing or not.
+to the previous checkpoint, with a warning naming the step and the file (rank 1's node by
+default, rank 0's under ``-m slow``). The stopped run is made once and copied for each
+test. Every wait is bounded; every process is killed when a test ends, passing or not.
 """
 
 from __future__ import annotations
@@ -199,35 +199,46 @@ def test_each_node_keeps_its_shards_and_a_sigterm_resumes_bitwise(
         assert re.search(missing, checked.stdout), checked.stdout
     second, said = run.train("second")
     assert_continues_exactly(straight, second, STOP_AT)
+    for node in (0, 1):  # retention and pointers on each node as on the other (keep_last 3)
+        held = sorted(p.name for p in run.node(node).iterdir() if p.name.startswith("step_"))
+        assert held == [name(4), name(6), name(TARGET)], held
+        assert (run.node(node) / "last").resolve().name == name(TARGET)
     # A node fetched a file its rank reads and lacks (DCP stores a replicated value once).
     assert re.search(r"directory lacks __\d_0\.distcp of " + name(STOP_AT), said), said
 
 
+# rank 1's node by default; rank 0's (the one that also holds DCP's .metadata) under -m slow
+ONE_RANK = [1, pytest.param(0, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("lost", ONE_RANK)
 def test_a_wiped_node_loses_its_ranks_shards_and_the_resume_names_them(
-    stopped: tuple[Run, list[Any]],
+    stopped: tuple[Run, list[Any]], lost: int
 ) -> None:
     run, _ = stopped
-    wiped = run.holder(1)
-    shutil.rmtree(run.node(wiped))  # a new machine: rank 1's shards are on no disk now
+    wiped = run.holder(lost)
+    shutil.rmtree(run.node(wiped))  # a new machine: its rank's shards are on no disk now
     for line in run.fail("second"):  # every rank, the same error: no fresh start
         assert line.startswith("error CheckpointCorrupt"), line
         message = json.loads(line.split(" ", 2)[2])
         for step in (2, STOP_AT):
-            assert f"step {step} ({name(step)}): __1_0.distcp (written by rank 1)" in message
-        assert "__0_0.distcp" not in message, message
-    assert not list(run.node(wiped).glob("step_*/__1_0.distcp"))
+            shard = f"__{lost}_0.distcp (written by rank {lost})"
+            assert re.search(rf"step {step} \({name(step)}\): [^;]*{re.escape(shard)}", message)
+        assert f"__{1 - lost}_0.distcp" not in message, message
+    assert not list(run.node(wiped).glob(f"step_*/__{lost}_0.distcp"))
 
 
+@pytest.mark.parametrize("lost", ONE_RANK)
 def test_a_corrupt_shard_on_one_node_falls_back_to_the_previous_checkpoint(
-    stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]]
+    stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]], lost: int
 ) -> None:
     run, _ = stopped
-    shard = run.node(run.holder(1)) / name(STOP_AT) / "__1_0.distcp"
+    shard = run.node(run.holder(lost)) / name(STOP_AT) / f"__{lost}_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     second, said = run.train("second")
     assert f"resume skips step {STOP_AT} ({name(STOP_AT)})" in said, said
-    assert "__1_0.distcp (written by rank 1) whole in none" in said, said
-    assert "__1_0.distcp fails its checksum" in said, said
+    assert f"__{lost}_0.distcp (written by rank {lost}) whole in none" in said, said
+    assert f"__{lost}_0.distcp fails its checksum" in said, said
     assert_continues_exactly(straight, second, 2)

@@ -28,15 +28,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-from pitstop.core.pointers import resume_order
-from pitstop.core.ranks import DirectoryGroups, catch_up, entry_to_wire, merged_order
+from pitstop.core.ranks import DirectoryGroups, catch_up, merged_order
 from pitstop.core.records import PointerName
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import probe_groups
 from pitstop.shell.resumeread import ResumeRead
-from pitstop.shell.sharded.acrossnodes import receive_file, send_file
-from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file, send_file
+from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
 
@@ -81,18 +80,6 @@ def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its
     directory.open()
 
 
-Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], bool]
-"""A writer's resume order, each name with its entry as it travels, and whether its directory
-holds any checkpoint."""
-
-
-def _listed(directory: CheckpointDirectory, pointer: PointerName) -> Listed:
-    best = directory.policy.best
-    found = scan(directory.storage, best)
-    order = resume_order(found.catalog, found.pointers, pointer, best)
-    return [(n, entry_to_wire(found.catalog.get(n))) for n in order], bool(found.catalog)
-
-
 def choose_across(
     directory: CheckpointDirectory,
     pointer: PointerName,
@@ -103,7 +90,7 @@ def choose_across(
     """Every rank: the checkpoint a resume of ``pointer`` restores and its entry (as it
     travels), in every directory once this returns; ``(None, None)``: none anywhere."""
     writes = groups.writes(ranks.rank)
-    lists = ranks.all_gather_each(lambda: _listed(directory, pointer) if writes else None)
+    lists = ranks.all_gather_each(lambda: listed_order(directory, pointer) if writes else None)
     orders = [cast(Listed, lists[w]) for w in groups.writers]
     seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
     mine = {name for name, _ in cast(Listed, lists[ranks.rank])[0]} if writes else set()

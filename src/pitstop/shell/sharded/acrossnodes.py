@@ -47,7 +47,7 @@ from pitstop.shell.store.sharddir import read_layout, verify_sharded
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
 
-__all__ = ["choose_sharded_across", "receive_file", "send_file"]
+__all__ = ["Listed", "choose_sharded_across", "listed_order", "receive_file", "send_file"]
 
 log = logging.getLogger("pitstop")
 
@@ -92,7 +92,8 @@ def receive_file(ranks: Ranks, source: int, path: Path) -> None:
         raise
 
 
-def _listed(directory: CheckpointDirectory, pointer: PointerName) -> Listed:
+def listed_order(directory: CheckpointDirectory, pointer: PointerName) -> Listed:
+    """A writer's resume order of ``pointer`` in its own directory, as it travels."""
     best = directory.policy.best
     found = scan(directory.storage, best)
     order = resume_order(found.catalog, found.pointers, pointer, best)
@@ -177,7 +178,7 @@ def choose_sharded_across(
     Raises :class:`~pitstop.errors.CheckpointCorrupt` naming each step and its missing files
     when checkpoints were found but none is complete across the directories."""
     writes = groups.writes(ranks.rank)
-    lists = ranks.all_gather_each(lambda: _listed(directory, pointer) if writes else None)
+    lists = ranks.all_gather_each(lambda: listed_order(directory, pointer) if writes else None)
     orders = [cast(Listed, lists[w]) for w in groups.writers]
     seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
     lost: list[str] = []  # each incomplete candidate: its step and missing files
