@@ -89,7 +89,8 @@ def resume_from(
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
     ``groups``: which ranks share a directory (directories not shared: every writer's copy
-    counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes).
+    counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes; sharded
+    state: the newest checkpoint complete across them, pitstop.shell.sharded.acrossnodes).
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:

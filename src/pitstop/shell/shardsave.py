@@ -25,7 +25,10 @@
 # settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised there
 # on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put back. A
 # Checkpointer dropped without close() cannot run a collective: its save in flight is not published
-# (its temp directory is removed when the directory is next opened).
+# (its temp directory is removed when the directory is next opened). In directories the ranks
+# do not share (synchronous saves only), each directory's writer follows rank 0's plan into the
+# same temp name on its own disk, every rank writes its shards into its node's, and each writer
+# gets rank 0's layout and every rank's part and publishes its own copy (the outcome agreed).
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
