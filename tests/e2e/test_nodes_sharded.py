@@ -9,8 +9,9 @@ the files its rank reads and lacks — continues bitwise as the straight run; wi
 directory wiped, the shards its rank wrote are lost everywhere and the resume is an error
 naming the steps and the missing files; a corrupt shard on one node makes the resume fall back
 to the previous checkpoint, with a warning naming the step and the file (rank 1's node by
-default, rank 0's under ``-m slow``). The stopped run is made once and copied for each
-test. Every wait is bounded; every process is killed when a test ends, passing or not.
+default, rank 0's under ``-m slow``); a corrupt manifest on one node is fetched from the
+other (``-m slow``). The stopped run is made once and copied for each test. Every wait is
+bounded; every process is killed when a test ends, passing or not.
 """
 
 from __future__ import annotations
@@ -242,3 +243,19 @@ def test_a_corrupt_shard_on_one_node_falls_back_to_the_previous_checkpoint(
     assert f"__{lost}_0.distcp (written by rank {lost}) whole in none" in said, said
     assert f"__{lost}_0.distcp fails its checksum" in said, said
     assert_continues_exactly(straight, second, 2)
+
+
+@pytest.mark.slow
+def test_a_corrupt_manifest_on_one_node_is_fetched_from_the_other(
+    stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]]
+) -> None:
+    run, _ = stopped
+    node = run.holder(1)
+    manifest = run.node(node) / name(STOP_AT) / "manifest.pitstop"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    manifest.write_bytes(bytes(data))
+    second, said = run.train("second")
+    assert re.search(rf"in rank 1's directory: .*{name(STOP_AT)}", said), said
+    assert f"rank 1's directory lacks manifest.pitstop of {name(STOP_AT)}" in said, said
+    assert_continues_exactly(straight, second, STOP_AT)  # the newest, not the one before

@@ -156,6 +156,19 @@ def _move(
         raise failed
 
 
+def _say(moves: Sequence[FileMove], name: str, ranks: Ranks, writers: Sequence[int]) -> None:
+    """Rank 0 says, at INFO, which directory receives which file of ``name`` from which."""
+    if ranks.leader:
+        for move in moves:
+            log.info(
+                "resume: rank %d's directory lacks %s of %s: rank %d sends it",
+                writers[move.target],
+                move.name,
+                name,
+                writers[move.source],
+            )
+
+
 def _missing(layout: ShardedLayout, names: Sequence[str]) -> str:
     """The missing files in words, each with the rank that wrote it."""
     ranks = {f.name: f.rank for f in layout.files}
@@ -231,7 +244,8 @@ def _candidate(
     held = [set(cast(tuple[list[str], list[str]], found[w])[0]) for w in writers]
     if ranks.leader:
         for w in writers:
-            for problem in cast(tuple[list[str], list[str]], found[w])[1]:
+            manifest = [] if manifests[w] is None else [manifests[w]]
+            for problem in manifest + cast(tuple[list[str], list[str]], found[w])[1]:
                 log.warning("resume: in rank %d's directory: %s", w, problem)
     listed = [f.name for f in layout.files] + [MANIFEST_NAME]
     cover = cover_nodes(listed, held, [{MANIFEST_NAME}] * len(writers))
@@ -246,6 +260,7 @@ def _candidate(
             )
         return f"{step}: {missing}"
     moves = cover.moves  # the manifest first, to every directory without it whole
+    _say(moves, name, ranks, writers)
     ranks.each(lambda: _move(moves, path, layout, ranks, writers))
     for move in moves:
         held[move.target].add(move.name)
@@ -253,15 +268,7 @@ def _candidate(
     reads = ranks.all_gather(mine.files)
     needed = [{MANIFEST_NAME}.union(*(reads[r] for r in g)) for g in groups.groups]
     fetch = cover_nodes(listed, held, needed).moves
-    if ranks.leader:
-        for move in fetch:
-            log.info(
-                "resume: rank %d's directory lacks %s of %s: rank %d sends it",
-                writers[move.target],
-                move.name,
-                name,
-                writers[move.source],
-            )
+    _say(fetch, name, ranks, writers)
     ranks.each(lambda: _move(fetch, path, layout, ranks, writers))
     if moves or fetch:
         ranks.each(lambda: directory.rescan() if writes else None)
