@@ -224,9 +224,9 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
 @pytest.mark.parametrize(
     ("script", "options", "named"),
     [
-        ("sharded_train.py", (), "sharded state (FSDP2, DTensor)"),
+        ("sharded_train.py", ("--async",), "saved in the background (async_save)"),
     ],
-    ids=["sharded"],
+    ids=["sharded async_save"],
 )
 def test_what_is_not_supported_across_unshared_directories_is_refused_on_every_rank(
     tmp_path: Path, script: str, options: tuple[str, ...], named: str

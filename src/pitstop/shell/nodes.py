@@ -5,22 +5,23 @@
 # a probe, agreed; never guessed from host names) — a local directory only: an object store is one
 # place for every rank. Each directory's writer (its group's lowest rank; the core's
 # DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
-# before. Sharded state across directories is refused for now (ConfigError, at construction, on
-# every rank). A background save (async_save) is written by every writer's own writer thread; how
-# it ended is agreed at the next call that settles it (pitstop.shell.lifetime). A resume of a
-# pointer (``last``, ``best``, ``final``) is one decision for every rank: every writer lists its
-# directory's resume order, the core merges them (newest first for ``last``), and the ranks try
-# the candidates in that order; each writer verifies its own copy (every byte, loaded in the same
-# pass), and the first candidate that verifies in at least one directory is chosen. A directory
-# whose copy is missing or does not verify receives the copy of a directory that has it (the
-# core's catch_up), over torch.distributed, into a temp file published atomically (the store's
-# atomic writer), and verifies it again before any rank reads it. With a remote tier (remote=),
-# rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every node's copy
-# is the same bytes), rank 0 lists the remote tier too and its names join the merged order (last
-# among equals), and a checkpoint no directory holds whole is downloaded from the remote tier by
-# each writer that lacks it (no lease: reading only), published, verified; a writer whose download
-# failed then gets a peer's copy. A resume from an explicit path reads that path on every rank, as
-# with one directory.
+# before. Sharded state is pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded
+# state saved in the background across directories is refused for now (ConfigError, at
+# construction, on every rank). A background save (async_save) is written by every writer's own
+# writer thread; how it ended is agreed at the next call that settles it (pitstop.shell.lifetime).
+# A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every
+# writer lists its directory's resume order, the core merges them (newest first for ``last``),
+# and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
+# loaded in the same pass), and the first candidate that verifies in at least one directory is
+# chosen. A directory whose copy is missing or does not verify receives the copy of a directory
+# that has it (the core's catch_up), over torch.distributed, into a temp file published atomically
+# (the store's atomic writer), and verifies it again before any rank reads it. With a remote tier
+# (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
+# node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
+# order (last among equals), and a checkpoint no directory holds whole is downloaded from the
+# remote tier by each writer that lacks it (no lease: reading only), published, verified; a writer
+# whose download failed then gets a peer's copy. A resume from an explicit path reads that path on
+# every rank, as with one directory.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each), so one rank's failure is raised on every rank.
 
@@ -30,20 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
-from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import REMOTE, DirectoryGroups, catch_up, entry_to_wire, merged_order
 from pitstop.core.records import PointerName
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.ranks.peers import probe_groups, receive, send
+from pitstop.shell.ranks.peers import probe_groups
 from pitstop.shell.resumeread import ResumeRead
-from pitstop.shell.store.atomic import write_atomically
-from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file, send_file
+from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
 
@@ -53,21 +52,22 @@ log = logging.getLogger("pitstop")
 
 
 def open_directories(
-    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool
+    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool, background: bool
 ) -> DirectoryGroups:
     """Every rank: find out which ranks share ``directory``, and open it on each writer (a
     failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
-    state in directories the ranks do not share."""
+    state saved in the background (``background``) in directories the ranks do not share."""
     groups = DirectoryGroups.one(ranks.world_size)
     if ranks.many and not isinstance(directory.storage, RemoteStorage):
         groups = probe_groups(ranks, directory.path)
     if not groups.shared:
-        if sharded:
+        if sharded and background:
             raise ConfigError(
                 f"{directory.path} is a different directory on ranks {list(groups.writers)} "
                 f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state (FSDP2, "
-                f"DTensor) in directories the ranks do not share is not supported yet: give "
-                f"every rank one shared directory"
+                f"DTensor) saved in the background (async_save) in directories the ranks do "
+                f"not share is not supported yet: save synchronously (async_save=False), or "
+                f"give every rank one shared directory"
             )
         if isinstance(directory, TieredDirectory):  # one upload per checkpoint: rank 0's
             directory.uploads = ranks.leader
@@ -86,18 +86,6 @@ def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its
     directory.open()
 
 
-Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], bool]
-"""A writer's resume order, each name with its entry as it travels, and whether its directory
-holds any checkpoint."""
-
-
-def _listed(directory: CheckpointDirectory, pointer: PointerName) -> Listed:
-    best = directory.policy.best
-    found = scan(directory.storage, best)
-    order = resume_order(found.catalog, found.pointers, pointer, best)
-    return [(n, entry_to_wire(found.catalog.get(n))) for n in order], bool(found.catalog)
-
-
 def choose_across(
     directory: CheckpointDirectory,
     pointer: PointerName,
@@ -108,7 +96,7 @@ def choose_across(
     """Every rank: the checkpoint a resume of ``pointer`` restores and its entry (as it
     travels), in every directory once this returns; ``(None, None)``: none anywhere."""
     writes = groups.writes(ranks.rank)
-    lists = ranks.all_gather_each(lambda: _listed(directory, pointer) if writes else None)
+    lists = ranks.all_gather_each(lambda: listed_order(directory, pointer) if writes else None)
     orders = [cast(Listed, lists[w]) for w in groups.writers]
     tiered = directory if isinstance(directory, TieredDirectory) else None
     remote = ranks.lead(partial(_remote_listed, tiered, pointer)) if tiered else []
@@ -206,48 +194,12 @@ def _move(
     for move in transfers:
         try:
             if ranks.rank == move.source:
-                _send(ranks, move.target, path)
+                send_file(ranks, move.target, path)
             elif ranks.rank == move.target:
-                _receive(ranks, move.source, path)
+                receive_file(ranks, move.source, path)
                 reading.verify(path)  # the copy received, every byte: and loaded for the read
                 directory.rescan()
         except Exception as exc:
             failed = failed or exc
     if failed is not None:
         raise failed
-
-
-def _send(ranks: Ranks, target: int, path: Path) -> None:
-    """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so)."""
-    try:
-        file = open(path, "rb")  # noqa: SIM115 - closed below
-    except OSError:
-        send(ranks, target, None, 0, str(path))
-        return
-    with file:
-        send(ranks, target, file, os.fstat(file.fileno()).st_size, str(path))
-
-
-class _Discard:
-    """Where a copy goes that cannot be written: nowhere (its sender still sends it all)."""
-
-    def write(self, data: object) -> None:
-        """Drop ``data``."""
-
-
-def _receive(ranks: Ranks, source: int, path: Path) -> None:
-    """Receive ``source``'s copy into ``path``, published atomically; drained even when the
-    temp file cannot be made, so that the sender is not left waiting."""
-    began = False
-
-    def write(file: BinaryIO) -> None:
-        nonlocal began
-        began = True
-        receive(ranks, source, file, str(path))
-
-    try:
-        write_atomically(path, write)
-    except BaseException:
-        if not began:
-            receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
-        raise

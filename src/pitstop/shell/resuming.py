@@ -50,6 +50,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.nodes import choose_across
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.sharded.acrossnodes import choose_sharded_across
 from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,
@@ -88,7 +89,8 @@ def resume_from(
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
     ``groups``: which ranks share a directory (directories not shared: every writer's copy
-    counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes).
+    counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes; sharded
+    state: the newest checkpoint complete across them, pitstop.shell.sharded.acrossnodes).
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
@@ -97,9 +99,15 @@ def resume_from(
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
         plan = None
-        if sharded and pointer is not None:
+        across = groups is not None and not groups.shared
+        if sharded and pointer is not None and across:  # each node holds its ranks' shards
+            assert groups is not None
+            planner = partial(_plan, live=live, ranks=ranks)
+            path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
+        elif sharded and pointer is not None:
             path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
-        elif groups is not None and not groups.shared and pointer is not None:
+        elif across and pointer is not None:
+            assert groups is not None
             path, wire = choose_across(directory, pointer, reading, ranks, groups)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))

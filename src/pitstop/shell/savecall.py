@@ -156,7 +156,14 @@ class SaveCalls:
                 return None
             (_, wire, *decided), temp = planned
             if shards is not None and temp is not None:
-                ticket = shards.save(temp, staged)
+                across = None
+                if groups is not None:  # each writer follows rank 0 into the same temp name
+                    decision, merged = decided
+                    begin = partial(
+                        self._begin_across, temp, decision, policy, progress, merged, detail
+                    )
+                    across = (groups, partial(begin, resumed_from))
+                ticket = shards.save(temp, staged, across)
             else:
                 write = partial(saver.write, progress, overlap=overlap)
                 if groups is not None:  # every directory's writer writes its own copy
@@ -176,6 +183,13 @@ class SaveCalls:
         if interrupt is not None:  # this rank's part of the save is handed over, as failed
             raise interrupt
         return wire, ticket
+
+    def _begin_across(self, temp: str, decision: Any, *planned: Any) -> None:
+        """Another directory's writer: plan rank 0's sharded save on its own directory and
+        make rank 0's temp directory there (rank 0 began it already)."""
+        if not self.ranks.leader:
+            self.saver.follow(decision, *planned)
+            self.saver.begin_sharded(planned[1], temp=temp)
 
     def _write_copies(
         self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], None]

@@ -44,6 +44,7 @@ from pitstop.core.records import (
 )
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
 from pitstop.core.session import Event, Request, after_raise, left_by_raise, waits_for_uploads
+from pitstop.core.shardcover import DIRECTORIES
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell.carryout import carry_out
@@ -69,8 +70,12 @@ class _Handed:
     meta: dict[str, Any]
 
 
-def _with_fresh(meta: dict[str, Any], fresh: tuple[str, ...]) -> dict[str, Any]:
-    """``meta`` naming the optimizers that had no state when a sharded save began."""
+def _with_fresh(
+    meta: dict[str, Any], fresh: tuple[str, ...], homes: Sequence[Sequence[int]] = ()
+) -> dict[str, Any]:
+    """``meta`` naming the optimizers that had no state when a sharded save began, and the
+    ranks sharing each directory (``homes``: where they do not all share one)."""
+    meta = {**meta, DIRECTORIES: [list(g) for g in homes]} if homes else meta
     return {**meta, FRESH_OPTIMIZERS: list(fresh)} if fresh else meta
 
 
@@ -247,11 +252,13 @@ class Saver:
         self.schedule, self.pointers = self._decided, plan.pointers
         return True
 
-    def begin_sharded(self, progress: Progress, *, copy: bool = False) -> str | None:
+    def begin_sharded(
+        self, progress: Progress, *, copy: bool = False, temp: str | None = None
+    ) -> str | None:
         """Rank 0: start the planned sharded save and create the temp directory every rank
         writes its shards into; its name (``None``: the plan writes no checkpoint, only moves
         pointers). ``copy`` (a background save): the replicated state is copied now
-        (:meth:`capture_sharded`)."""
+        (:meth:`capture_sharded`). ``temp``: another directory's writer makes rank 0's."""
         plan = self._planned
         assert plan is not None
         self._directory.check(plan)  # another run's checkpoints: refused before writing
@@ -263,7 +270,7 @@ class Saver:
         )
         if copy:
             self.capture_sharded()
-        temp = self._temp = self._directory.sharded_temp(entry)  # this attempt's own
+        temp = self._temp = temp or self._directory.sharded_temp(entry)  # this attempt's own
         try:
             (self._directory.path / temp).mkdir()  # it must not exist yet
         except OSError as exc:
@@ -304,14 +311,16 @@ class Saver:
         parts: list[dict[str, Any]] | None,
         *,
         fresh: tuple[str, ...] = (),
+        homes: Sequence[Sequence[int]] = (),
     ) -> int:
         """Rank 0: every rank's shards are durable in the temp directory: capture the
         replicated state, write the manifest last, publish, then pointers and retention.
-        ``fresh``: the optimizers that had no state when the save began."""
+        ``fresh``: the optimizers that had no state when the save began; ``homes``: as for
+        ``_with_fresh`` (each file lies in its writing rank's directory)."""
         plan, entry = self._planned_save()
         try:
             tree, meta = capture(self._live, parts, sharded=True)
-            meta = _with_fresh(meta, fresh)
+            meta = _with_fresh(meta, fresh, homes)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta, temp=self._temp)
         except BaseException:

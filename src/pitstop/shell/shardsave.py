@@ -25,7 +25,10 @@
 # settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised there
 # on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put back. A
 # Checkpointer dropped without close() cannot run a collective: its save in flight is not published
-# (its temp directory is removed when the directory is next opened).
+# (its temp directory is removed when the directory is next opened). In directories the ranks
+# do not share (synchronous saves only), each directory's writer follows rank 0's plan into the
+# same temp name on its own disk, every rank writes its shards into its node's, and each writer
+# gets rank 0's layout and every rank's part and publishes its own copy (the outcome agreed).
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from pitstop.core.ranks import DirectoryGroups
 from pitstop.core.records import Progress
 from pitstop.core.schema import RANKED
 from pitstop.core.session import Phase, SaveStatus
@@ -58,7 +62,11 @@ from pitstop.shell.store.publish import PublishedInterrupted
 if TYPE_CHECKING:
     from pitstop.shell.sharded.shardstage import DeferredCopy, StagedShards
 
-__all__ = ["ShardedSaves", "Staged", "holds_sharded"]
+__all__ = ["Across", "ShardedSaves", "Staged", "holds_sharded"]
+
+Across = tuple[DirectoryGroups, Callable[[], object]]
+"""Directories the ranks do not share: which ranks share each, and what begins a save on a
+writer (rank 0's decision followed on its own directory and rank 0's temp directory made)."""
 
 
 def holds_sharded(live: LiveState) -> bool:
@@ -154,19 +162,23 @@ class ShardedSaves:
             except Exception as exc:  # this rank's write failure, heard by every rank later
                 return Staged(exc, None, fresh.names)
 
-    def save(self, temp: str, staged: Staged | None = None) -> int:
+    def save(self, temp: str, staged: Staged | None = None, across: Across | None = None) -> int:
         """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
         (synchronous) rank 0 publishes it, or (background) DCP goes on writing — from
         ``staged`` (:meth:`stage`, called before the plan), else from a copy made now (a
         Ctrl-C during it: see :meth:`stage_or_interrupted`). Every rank's own part (RNG,
         per-rank components) reaches rank 0 with the round that ends the write (synchronous)
         or, taken with the copy, with the one that ends DCP's write (background). The save's
-        ticket (on rank 0)."""
+        ticket (on rank 0). ``across``: directories the ranks do not share (synchronous saves
+        only): each writer begins the save in its own and publishes it there."""
         if self._stager is None:
             # As in stage(): an optimizer without state is given zeroed state for DCP, and
             # it is taken away again once its shards are written.
             with FreshOptimizers(sharded_components(self._live)) as fresh:
-                return self._write(temp, fresh.names)
+                if across is not None:
+                    groups, begin = across
+                    self._ranks.each(lambda: begin() if groups.writes(self._ranks.rank) else None)
+                return self._write(temp, fresh.names, across)
         interrupt = None
         if staged is None:
             try:
@@ -234,7 +246,7 @@ class ShardedSaves:
             return lambda: packed
         return partial(pack_state, part)
 
-    def _write(self, temp: str, fresh: tuple[str, ...]) -> int:
+    def _write(self, temp: str, fresh: tuple[str, ...], across: Across | None = None) -> int:
         from pitstop.shell.sharded.shardwrite import write_shards
 
         saver, ranks = self._saver, self._ranks
@@ -253,6 +265,17 @@ class ShardedSaves:
             if ranks.leader:
                 saver.abort_sharded()
             raise
+        if across is not None:  # rank 0's layout and every rank's part to every writer
+            groups = across[0]
+            layout, riders = ranks.lead(lambda: (written.layout(ranks.world_size), written.riders))
+
+            def publish_here() -> int:
+                if not groups.writes(ranks.rank):
+                    return 0
+                parts = [unpack_state(packed) for packed in riders]
+                return saver.publish_sharded(layout, parts, fresh=fresh, homes=groups.groups)
+
+            return ranks.each(publish_here)  # counted once every writer published its copy
 
         def publish() -> int:
             parts = [unpack_state(packed) for packed in written.riders]

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_aside
 from pitstop.core.replacement import Found, Holds, Settlement, settle_replacement
+from pitstop.core.shardcover import part_here
 from pitstop.core.sharded import (
     MANIFEST_NAME,
     ShardedLayout,
@@ -56,8 +57,10 @@ from pitstop.shell.store.publish import delete_sharded, publish_file
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
+    "Part",
     "clear_leftover",
     "file_table",
+    "part_held",
     "publish_sharded",
     "read_layout",
     "verify_sharded",
@@ -377,3 +380,20 @@ def read_layout(
     where = f"{path}: sharded"
     layout = layout_from_wire(manifest.meta.get("sharded"), where, itemsizes=fileformat.ITEMSIZES)
     return layout, manifest.meta
+
+
+Part = tuple[int, int, tuple[int, ...], tuple[str, ...]]
+"""What one directory holds of a sharded checkpoint: files here, files listed, the ranks that
+wrote those absent, and their names."""
+
+
+def part_held(directory: str | os.PathLike[str]) -> Part:
+    """What ``directory`` holds of the files its manifest lists (present, not checked: a node
+    of a job whose ranks share no directory holds its own ranks' files). Raises
+    :class:`~pitstop.errors.CheckpointCorrupt` for a missing or bad manifest."""
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    files = [(f.name, f.rank) for f in layout.files]
+    present = {name for name, _ in files if os.path.lexists(root / name)}
+    here, listed, ranks = part_here(files, present)
+    return here, listed, ranks, tuple(sorted(n for n, _ in files if n not in present))
