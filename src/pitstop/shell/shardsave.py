@@ -25,7 +25,10 @@
 # settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised there
 # on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put back. A
 # Checkpointer dropped without close() cannot run a collective: its save in flight is not published
-# (its temp directory is removed when the directory is next opened).
+# (its temp directory is removed when the directory is next opened). On object storage (s3://)
+# every rank stages its files in a local folder of its own and uploads them in DCP's write step
+# (pitstop.shell.store.shardobjects), and rank 0 commits once the write returned on every rank;
+# saves there are synchronous (async_save with sharded state on s3:// is a ConfigError).
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
@@ -45,7 +48,7 @@ import torch
 from pitstop.core.records import Progress
 from pitstop.core.schema import RANKED
 from pitstop.core.session import Phase, SaveStatus
-from pitstop.errors import SaveError
+from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.packing import Packed, pack_state, unpack_state
 from pitstop.shell.saving import Saver
@@ -53,7 +56,9 @@ from pitstop.shell.session import RemoteTicket
 from pitstop.shell.sharded.support import is_sharded
 from pitstop.shell.state.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.state.freshopt import FreshOptimizers
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import PublishedInterrupted
+from pitstop.shell.store.shardobjects import upload_shards
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.shardstage import DeferredCopy, StagedShards
@@ -90,6 +95,12 @@ class ShardedSaves:
         and with ``"overlap"`` the parameters and optimizer state copied after the call."""
         if not saver.sharded:
             return None
+        if background and isinstance(saver.directory.storage, ObjectStorage):
+            raise ConfigError(
+                f"{saver.directory.storage}: sharded checkpoints on object storage are saved "
+                "synchronously only (async_save with sharded state there is not done yet); "
+                "leave async_save out, or save to a local directory"
+            )
         saves = cls(saver, ranks, timeout_s=timeout_s)
         if background:
             saves.background(overlap=background == "overlap")
@@ -239,7 +250,11 @@ class ShardedSaves:
 
         saver, ranks = self._saver, self._ranks
         root, model = self._directory / temp, self._live.model
+        storage = saver.directory.storage
+        remote = storage if isinstance(storage, ObjectStorage) else None
         try:
+            if remote is not None and not ranks.leader:  # this rank's own staging folder
+                root.mkdir(parents=True, exist_ok=True)
             written = write_shards(
                 root,
                 model,
@@ -248,11 +263,15 @@ class ShardedSaves:
                 created=True,
                 gather=self._part,
                 ema=self._live.ema,
+                ship=None if remote is None else partial(upload_shards, remote),
             )
         except BaseException:  # raised on every rank: the temp directory is gone
             if ranks.leader:
                 saver.abort_sharded()
             raise
+        finally:
+            if remote is not None and not ranks.leader:  # uploaded, or failed on every rank
+                shutil.rmtree(root, ignore_errors=True)
 
         def publish() -> int:
             parts = [unpack_state(packed) for packed in written.riders]

@@ -53,7 +53,7 @@ from pitstop.shell.format.checksums import (
 )
 from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.publish import delete_sharded, publish_file
-from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.storage import FileKind, LocalStorage, RemoteStorage, Storage
 
 __all__ = [
     "clear_leftover",
@@ -202,6 +202,9 @@ def publish_sharded(
     """
     path = storage.path(name)
     step = f"write the manifest of the new {path}"
+    if isinstance(storage, RemoteStorage):  # no rename: one conditional commit (shardobjects)
+        _commit_remote(storage, temp, name, replaced, manifest)
+        return
     try:
         if manifest is not None:
             manifest(storage.path(temp))  # its own errors are SaveErrors naming the manifest
@@ -221,6 +224,30 @@ def publish_sharded(
         raise
     if aside is not None:
         _remove_quietly(storage, aside, name)
+
+
+def _commit_remote(
+    storage: RemoteStorage,
+    temp: str,
+    name: str,
+    replaced: Callable[[], None] | None,
+    manifest: Callable[[Path], None] | None,
+) -> None:
+    """:func:`publish_sharded` on object storage: the manifest, then the commit — one
+    conditional PUT, so ``name`` holds the old checkpoint or the new one; the staging folder
+    goes either way."""
+    try:
+        if manifest is not None:
+            manifest(storage.path(temp))
+        replacing = storage.kind(name) is not FileKind.MISSING
+        storage.replace(temp, name)
+    except Exception as exc:
+        shutil.rmtree(storage.path(temp), ignore_errors=True)
+        if isinstance(exc, SaveError):
+            raise
+        raise SaveError(f"could not commit {storage}/{name}: {exc}") from exc
+    if replacing and replaced is not None:
+        replaced()
 
 
 def _found(storage: Storage, name: str) -> Found:
