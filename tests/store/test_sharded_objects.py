@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(
     reason="torch.distributed with gloo is unavailable",
 )
 
-SCRIPT = Path(__file__).parents[1] / "e2e" / "sharded_train.py"
+SCRIPT = Path(__file__).with_name("sharded_s3child.py")  # tests/e2e/sharded_train.py, and more
 TARGET = 6  # saves at 2, 4, 6; keep_last=2: step 2 is deleted by the step-6 save
 TIMEOUT_S = 300.0
 
@@ -158,6 +158,19 @@ def test_each_checkpoint_is_one_commit_over_every_ranks_shard_objects(
         obj for c in commits for obj in c.objects()
     }  # nothing of step 2 left, nothing uncommitted
     assert not [k for k in keys(url) if sharded_name(2) in k]
+
+
+def test_a_rank_whose_upload_fails_fails_the_save_on_every_rank_and_nothing_is_committed(
+    straight: Run, s3_server: S3Server, tmp_path: Path
+) -> None:
+    url, env = fresh_url(), s3_server.env()
+    run = train(url, tmp_path / "run", env, "--fail-upload-at", "4", "--fail-rank", "1")
+    for rank in range(2):
+        errors = [line for line in run.finished.lines(rank) if line.startswith("save error")]
+        assert len(errors) == 1, run.finished.describe()
+        assert "upload injected on rank 1" in errors[0]
+        assert_same(trained(run.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+    assert _names_env(url, env) == [sharded_name(2), sharded_name(6)]  # step 4: never committed
 
 
 # --- resuming ---------------------------------------------------------------------------------
