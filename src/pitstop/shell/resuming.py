@@ -68,7 +68,6 @@ from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, 
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.resolve import find_resume, own_pointer
 from pitstop.shell.store.sharddir import verify_sharded
-from pitstop.shell.store.shardobjects import fetch_sharded
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
@@ -299,7 +298,7 @@ def _problem(
             if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
                 mine += tuple(f.name for f in plan.layout.files if f.name == DCP_METADATA)
             if remote is not None:
-                fetch_sharded(remote, path.name, mine)
+                remote.fetch_files(path.name, mine)
             verify_sharded(path, plan.layout, mine)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
@@ -314,7 +313,7 @@ def _fetched(
     path = storage.path(name)
     shutil.rmtree(path, ignore_errors=True)
     try:
-        fetch_sharded(storage, name, (MANIFEST_NAME,))
+        storage.fetch_files(name, (MANIFEST_NAME,))
     except (CheckpointCorrupt, OSError) as exc:
         return path, (None, str(exc))
     return path, _planned(path, live, ranks)

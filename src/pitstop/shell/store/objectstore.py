@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -254,11 +254,7 @@ class ObjectStorage:
         elif _is_file(target):
             self._commit(source, target)
             self._local.remove(source)
-        elif _is_sharded(target):
-            from pitstop.shell.store.shardobjects import commit_sharded
-
-            commit_sharded(self, source, target)
-        else:
+        else:  # a sharded checkpoint is committed by pitstop.shell.store.shardobjects
             raise OSError(errno.EINVAL, f"{self.location.url(target)}: not a checkpoint name")
 
     def upload_from(self, name: str, path: Path | None) -> None:
@@ -344,11 +340,22 @@ class ObjectStorage:
         (checked by the reader that opens it). ``CheckpointCorrupt`` when its data is missing
         or not the size its commit records. A sharded checkpoint: its folder, every file fetched."""
         if _is_sharded(name):
-            from pitstop.shell.store.shardobjects import fetch_sharded
-
-            return fetch_sharded(self, name)
+            return self.fetch_files(name)
         commit = self.commit(name)
         self.download(name, commit.data, commit.size, self._local.path(name))
+        return self._local.path(name)
+
+    def fetch_files(self, name: str, files: Collection[str] | None = None) -> Path:
+        """The committed sharded checkpoint ``name``'s local folder (the cache's ``name``),
+        with ``files`` of it downloaded (default: every one, the manifest among them), each
+        checked against its commit's size; ``CheckpointCorrupt`` for one it does not list."""
+        commit = self.commit(name)
+        listed = {f.name: f for f in commit.files}
+        for wanted in sorted(listed if files is None else set(files)):
+            if wanted not in listed:
+                raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {wanted}")
+            target = self._local.path(name) / wanted
+            self.download(name, f"{commit.data}/{wanted}", listed[wanted].size, target)
         return self._local.path(name)
 
     def download(self, name: str, data: str, size: int, target: Path) -> None:

@@ -52,8 +52,10 @@ from pitstop.shell.format.checksums import (
     default_threads,
 )
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import delete_sharded, publish_file
-from pitstop.shell.store.storage import FileKind, LocalStorage, RemoteStorage, Storage
+from pitstop.shell.store.shardobjects import commit_sharded
+from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
     "clear_leftover",
@@ -202,7 +204,7 @@ def publish_sharded(
     """
     path = storage.path(name)
     step = f"write the manifest of the new {path}"
-    if isinstance(storage, RemoteStorage):  # no rename: one conditional commit (shardobjects)
+    if isinstance(storage, ObjectStorage):  # no rename: one conditional commit (shardobjects)
         _commit_remote(storage, temp, name, replaced, manifest)
         return
     try:
@@ -227,7 +229,7 @@ def publish_sharded(
 
 
 def _commit_remote(
-    storage: RemoteStorage,
+    storage: ObjectStorage,
     temp: str,
     name: str,
     replaced: Callable[[], None] | None,
@@ -240,7 +242,8 @@ def _commit_remote(
         if manifest is not None:
             manifest(storage.path(temp))
         replacing = storage.kind(name) is not FileKind.MISSING
-        storage.replace(temp, name)
+        layout, meta = read_layout(storage.path(temp))
+        commit_sharded(storage, temp, name, layout.files, meta)
     except Exception as exc:
         shutil.rmtree(storage.path(temp), ignore_errors=True)
         if isinstance(exc, SaveError):

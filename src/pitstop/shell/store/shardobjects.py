@@ -10,32 +10,36 @@
 # object only when the core says every file is there at its size (commit_sharded): a create
 # (If-None-Match: *), or the swap of its own earlier commit of that name (If-Match), whose data
 # objects are deleted after. A failed commit deletes this attempt's data objects (what cannot be
-# deleted is an orphan the next writer's open removes). Reading: the commit's files, or only
-# those named (a resume's rank: the manifest, then what its read plan needs), are downloaded to a
-# local folder, each checked against its commit's size as it comes (fetch_sharded); the CRC-32s
+# deleted is an orphan the next writer's open removes). Reading (ObjectStorage.fetch_files): the
+# commit's files, or only those named (a resume's rank: the manifest, then what its read plan
+# needs), are downloaded to a local folder, each checked against its commit's size; the CRC-32s
 # are checked by the reader (pitstop.shell.store.sharddir.verify_sharded) before DCP reads.
 # How: an ObjectStorage's requests; the staging folders are local files of this process.
 
-"""Sharded checkpoints on ``s3://``: upload each rank's shards, commit, fetch."""
+"""Sharded checkpoints on ``s3://``: upload each rank's shards, commit them."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pitstop.core.objects import commit_problem, data_name, deletion_order, sharded_commit
+from pitstop.core.objects import (
+    Commit,
+    commit_problem,
+    data_name,
+    deletion_order,
+    encode_commit,
+    sharded_commit,
+)
 from pitstop.core.sharded import MANIFEST_NAME, ShardFile
-from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.errors import SaveError
 from pitstop.shell.format.checksums import crc32
-from pitstop.shell.store.sharddir import read_layout
+from pitstop.shell.store.objectstore import ObjectStorage, token_of
 
-if TYPE_CHECKING:
-    from pitstop.shell.store.objectstore import ObjectStorage
-
-__all__ = ["commit_sharded", "fetch_sharded", "upload_shards"]
+__all__ = ["commit_sharded", "upload_shards"]
 
 
 def _final(temp: str) -> str:
@@ -47,8 +51,6 @@ def upload_shards(storage: ObjectStorage, directory: Path, table: Iterable[Shard
     """Every rank, in DCP's write step: upload the files of ``table`` (the ones this rank
     wrote) from its local staging folder ``directory`` (``.tmp-<token>-<name>``) to the data
     objects of the checkpoint it will be. Raises ``OSError`` naming the object."""
-    from pitstop.shell.store.objectstore import token_of
-
     name = _final(directory.name)
     folder = data_name(name, token_of(directory.name, name))
     for file in table:
@@ -67,22 +69,26 @@ def _listed(storage: ObjectStorage, folder: str) -> dict[str, int]:
     return storage.call("list", folder, walk)
 
 
-def commit_sharded(storage: ObjectStorage, temp: str, name: str) -> None:
+def commit_sharded(
+    storage: ObjectStorage,
+    temp: str,
+    name: str,
+    files: Iterable[ShardFile],
+    meta: Mapping[str, Any],
+) -> None:
     """Rank 0: publish the staged checkpoint ``temp`` (every rank's shards uploaded, the
-    manifest written into it last) as ``name``: upload its manifest and what else of rank 0's
-    is not uploaded yet, check the listing, write the commit. The local folder goes either way.
+    manifest written into it last; ``files``: every rank's, as its layout lists them;
+    ``meta``: its manifest's) as ``name``: upload the manifest and what else of rank 0's is
+    not uploaded yet, check the listing, write the commit. The local folder goes either way.
     Raises :class:`~pitstop.errors.SaveError` naming what is missing, ``FileExistsError``
     when another writer committed ``name``, ``OSError`` for a request that failed."""
-    from pitstop.shell.store.objectstore import token_of
-
     local = storage.path(temp)
     try:
-        layout, meta = read_layout(local)
         data = (local / MANIFEST_NAME).read_bytes()
         manifest = ShardFile(
             name=MANIFEST_NAME, size=len(data), crc32=crc32(memoryview(data)), rank=0
         )
-        commit = sharded_commit(name, token_of(temp, name), (*layout.files, manifest), meta)
+        commit = sharded_commit(name, token_of(temp, name), (*files, manifest), meta)
         listed = _listed(storage, commit.data)
         for file in commit.files:  # rank 0's own: .metadata and the manifest
             key = f"{commit.data}/{file.name}"
@@ -97,11 +103,9 @@ def commit_sharded(storage: ObjectStorage, temp: str, name: str) -> None:
         shutil.rmtree(local, ignore_errors=True)
 
 
-def _commit(storage: ObjectStorage, commit: Any) -> None:
+def _commit(storage: ObjectStorage, commit: Commit) -> None:
     """Write ``commit`` by one conditional PUT: a create, or the swap of this writer's own
     earlier commit of its name (by the ETag it saw), whose data objects go after."""
-    from pitstop.core.objects import encode_commit
-
     name, old = commit.name, None
     try:
         seen = storage.etag(name)  # a commit this process read or wrote
@@ -122,20 +126,3 @@ def _commit(storage: ObjectStorage, commit: Any) -> None:
         for obj in deletion_order(old)[1:]:
             with contextlib.suppress(OSError):
                 storage.delete(obj)
-
-
-def fetch_sharded(storage: ObjectStorage, name: str, files: Collection[str] | None = None) -> Path:
-    """Download the committed sharded checkpoint ``name`` to its local folder (the cache's
-    ``name``) and return it: the files ``files`` of it (default: every one, the manifest
-    among them), each checked against its commit's size (``CheckpointCorrupt`` when missing
-    or of another size; a name it does not list, too)."""
-    commit = storage.commit(name)
-    folder = storage.path(name)
-    listed = {f.name: f for f in commit.files}
-    for wanted in sorted(listed if files is None else set(files)):
-        file = listed.get(wanted)
-        if file is None:
-            raise CheckpointCorrupt(f"{storage.location.url(name)}: its commit lists no {wanted}")
-        target = folder / file.name
-        storage.download(name, f"{commit.data}/{file.name}", file.size, target)
-    return folder
