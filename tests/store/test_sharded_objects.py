@@ -8,8 +8,9 @@ after a save and resumed in fresh processes ends bitwise equal to the uninterrup
 flipped byte in a shard object of the newest checkpoint makes every rank fall back to the
 previous one (with a warning on every rank) and the run still ends bitwise equal; a save killed
 after every rank's shards were uploaded but before its commit is never listed, the resume takes
-the previous checkpoint, and the next writer removes the uncommitted objects; ``verify``,
-``info``, ``load`` and ``pitstop ls`` read an ``s3://`` sharded checkpoint.
+the previous checkpoint, and the next writer removes the uncommitted objects; a rank whose
+upload fails fails the save on every rank, nothing committed; ``async_save`` is refused there;
+``verify``, ``info``, ``load`` and ``pitstop ls`` read an ``s3://`` sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -171,6 +172,18 @@ def test_a_rank_whose_upload_fails_fails_the_save_on_every_rank_and_nothing_is_c
         assert "upload injected on rank 1" in errors[0]
         assert_same(trained(run.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
     assert _names_env(url, env) == [sharded_name(2), sharded_name(6)]  # step 4: never committed
+
+
+def test_a_background_sharded_save_on_s3_is_refused_on_every_rank(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    url = fresh_url()
+    run = train(url, tmp_path / "run", s3_server.env(), "--async", code=3)
+    for rank in range(2):
+        (line,) = [x for x in run.finished.lines(rank) if x.startswith("error ")]
+        assert line.startswith("error ConfigError"), run.finished.describe()
+        assert "synchronously only" in line
+    assert not _names_env(url, s3_server.env())
 
 
 # --- resuming ---------------------------------------------------------------------------------

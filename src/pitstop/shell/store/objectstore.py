@@ -14,7 +14,9 @@
 # every blob's CRC-32 matched. Every client error becomes an OSError naming the URL; a missing
 # bucket and refused credentials say so. A remote tier's upload names the local file that
 # holds the checkpoint (upload_from), so its publish uploads that file, never a copy of it. A
-# sharded checkpoint's objects, commit and download are pitstop.shell.store.shardobjects'.
+# sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
+# are fetched into a local folder (fetch_files); its upload and commit are
+# pitstop.shell.store.shardobjects'.
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
@@ -210,7 +212,8 @@ class ObjectStorage:
         return sorted(wanted | local | set(self._links))
 
     def kind(self, name: str) -> FileKind:
-        """A commit object is a regular file, a pointer object a symlink."""
+        """A commit object is a regular file (a sharded one's: a directory), a pointer object a
+        symlink."""
         if name in self._links:
             return FileKind.SYMLINK
         if classify(name) is EntryKind.TEMP:

@@ -15,7 +15,9 @@
 # its writer's streams noted as they wrote and fsynced them (pitstop.shell.sharded.dcpwrite); a file
 # without a note is fsynced and read back instead. A verification compares size (before
 # reading a byte) and CRC-32 against the layout, and names the file that fails. Every file
-# read is opened as untrusted input (regular files only, symlinks not followed).
+# read is opened as untrusted input (regular files only, symlinks not followed). On object
+# storage there is no rename: the manifest is written into the staging folder and the
+# checkpoint is committed by one conditional PUT (pitstop.shell.store.shardobjects).
 # How: CRC-32 pieces on pitstop.shell.format.checksums' pool, joined with crc32_combine.
 
 """Sharded checkpoint directories: file tables, verify, write the manifest, publish, delete."""
