@@ -274,3 +274,21 @@ def test_readers_and_the_cli_take_an_s3_sharded_checkpoint(
     assert sharded_name(4) in out
     assert sharded_name(6) in out
     assert cli(["verify", f"{url}/{sharded_name(4)}"]) == 0
+
+
+def test_export_load_weights_and_prune_take_an_s3_sharded_prefix(
+    straight: Run, s3_server: S3Server, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    full = straight.ranks[0]["full"]["model"]
+    exported = pitstop.export_weights(straight.url, tmp_path / "weights.pt")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 5)
+    )
+    model.load_state_dict(torch.load(exported, weights_only=True), strict=True)
+    assert_same(dict(model.state_dict()), full)
+    url = fresh_url()
+    copy_prefix(s3_server, straight.url, url)
+    old = commit_of(s3_server, url, sharded_name(4))
+    assert cli(["prune", url, "--keep-last", "1"]) == 0
+    assert _names(url) == [sharded_name(6)]
+    assert not [k for k in keys(url) if k.startswith(old.data)]  # its commit, then every file
