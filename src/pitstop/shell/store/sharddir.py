@@ -56,7 +56,7 @@ from pitstop.shell.format.checksums import (
 from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import delete_sharded, publish_file
-from pitstop.shell.store.shardobjects import commit_sharded
+from pitstop.shell.store.shardobjects import publish_objects
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
@@ -207,7 +207,7 @@ def publish_sharded(
     path = storage.path(name)
     step = f"write the manifest of the new {path}"
     if isinstance(storage, ObjectStorage):  # no rename: one conditional commit (shardobjects)
-        _commit_remote(storage, temp, name, replaced, manifest)
+        publish_objects(storage, temp, name, replaced=replaced, manifest=manifest)
         return
     try:
         if manifest is not None:
@@ -228,31 +228,6 @@ def publish_sharded(
         raise
     if aside is not None:
         _remove_quietly(storage, aside, name)
-
-
-def _commit_remote(
-    storage: ObjectStorage,
-    temp: str,
-    name: str,
-    replaced: Callable[[], None] | None,
-    manifest: Callable[[Path], None] | None,
-) -> None:
-    """:func:`publish_sharded` on object storage: the manifest, then the commit — one
-    conditional PUT, so ``name`` holds the old checkpoint or the new one; the staging folder
-    goes either way."""
-    try:
-        if manifest is not None:
-            manifest(storage.path(temp))
-        replacing = storage.kind(name) is not FileKind.MISSING
-        layout, meta = read_layout(storage.path(temp))
-        commit_sharded(storage, temp, name, layout.files, meta)
-    except Exception as exc:
-        shutil.rmtree(storage.path(temp), ignore_errors=True)
-        if isinstance(exc, SaveError):
-            raise
-        raise SaveError(f"could not commit {storage}/{name}: {exc}") from exc
-    if replacing and replaced is not None:
-        replaced()
 
 
 def _found(storage: Storage, name: str) -> Found:

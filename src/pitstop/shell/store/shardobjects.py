@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,14 @@ from pitstop.core.objects import (
     encode_commit,
     sharded_commit,
 )
-from pitstop.core.sharded import MANIFEST_NAME, ShardFile
+from pitstop.core.sharded import MANIFEST_NAME, ShardFile, files_from_wire
 from pitstop.errors import SaveError
+from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32
 from pitstop.shell.store.objectstore import ObjectStorage, token_of
+from pitstop.shell.store.storage import FileKind
 
-__all__ = ["commit_sharded", "upload_shards"]
+__all__ = ["commit_sharded", "publish_objects", "upload_shards"]
 
 
 def _final(temp: str) -> str:
@@ -55,6 +57,36 @@ def upload_shards(storage: ObjectStorage, directory: Path, table: Iterable[Shard
     folder = data_name(name, token_of(directory.name, name))
     for file in table:
         storage.put(f"{folder}/{file.name}", directory / file.name, "overwrite")
+
+
+def publish_objects(
+    storage: ObjectStorage,
+    temp: str,
+    name: str,
+    *,
+    replaced: Callable[[], None] | None = None,
+    manifest: Callable[[Path], None] | None = None,
+) -> None:
+    """Rank 0: pitstop.shell.store.sharddir.publish_sharded on object storage — ``manifest``
+    writes the manifest into the staging folder ``temp``, then :func:`commit_sharded` commits
+    it by one conditional PUT, so ``name`` holds the old checkpoint or the new one (then
+    ``replaced()`` is called, if one was there); the staging folder goes either way. Raises
+    :class:`~pitstop.errors.SaveError` naming the checkpoint."""
+    local = storage.path(temp)
+    try:
+        if manifest is not None:
+            manifest(local)
+        replacing = storage.kind(name) is not FileKind.MISSING
+        meta = fileformat.read_manifest(local / MANIFEST_NAME).meta
+        files = files_from_wire(meta.get("sharded"), f"{local / MANIFEST_NAME}: sharded")
+        commit_sharded(storage, temp, name, files, meta)
+    except Exception as exc:
+        shutil.rmtree(local, ignore_errors=True)
+        if isinstance(exc, SaveError):
+            raise
+        raise SaveError(f"could not commit {storage.location.url(name)}: {exc}") from exc
+    if replacing and replaced is not None:
+        replaced()
 
 
 def _listed(storage: ObjectStorage, folder: str) -> dict[str, int]:
