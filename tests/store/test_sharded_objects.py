@@ -9,7 +9,8 @@ flipped byte in a shard object of the newest checkpoint makes every rank fall ba
 previous one (with a warning on every rank) and the run still ends bitwise equal; a save killed
 after every rank's shards were uploaded but before its commit is never listed, the resume takes
 the previous checkpoint, and the next writer removes the uncommitted objects; a rank whose
-upload fails fails the save on every rank, nothing committed; ``async_save`` is refused there;
+upload fails fails the save on every rank, nothing committed; of two writers committing one
+name exactly one wins; ``async_save`` is refused there;
 ``verify``, ``info``, ``load`` and ``pitstop ls`` read an ``s3://`` sharded checkpoint.
 """
 
@@ -30,11 +31,13 @@ import torch
 import pitstop
 from multirank import Finished, Job
 from pitstop.cli import main as cli
+from pitstop.core.naming import temp_name
 from pitstop.core.objects import decode_commit
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharded import MANIFEST_NAME, ShardFile, sharded_name
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.shardobjects import commit_sharded, upload_shards
 from s3server import BUCKET, S3Server
 from trees import assert_same
 
@@ -292,3 +295,33 @@ def test_export_load_weights_and_prune_take_an_s3_sharded_prefix(
     assert cli(["prune", url, "--keep-last", "1"]) == 0
     assert _names(url) == [sharded_name(6)]
     assert not [k for k in keys(url) if k.startswith(old.data)]  # its commit, then every file
+
+
+def stage(storage: ObjectStorage, token: str, name: str, body: bytes) -> tuple[str, ShardFile]:
+    """A staged sharded save of ``name`` (one shard, uploaded; a manifest) by attempt ``token``."""
+    temp = temp_name(name, token)
+    folder = storage.path(temp)
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(body)
+    (folder / MANIFEST_NAME).write_bytes(b"manifest " + body)
+    shard = ShardFile(name="__0_0.distcp", size=len(body), crc32=0, rank=0)
+    upload_shards(storage, folder, [shard])
+    return temp, shard
+
+
+def test_of_two_writers_committing_one_sharded_name_exactly_one_wins(s3_url: str) -> None:
+    name, entry = sharded_name(1), {"seq": 1}
+    first, second = ObjectStorage(s3_url), ObjectStorage(s3_url)
+    try:
+        temp_a, shard_a = stage(first, "a", name, b"first")
+        temp_b, shard_b = stage(second, "b", name, b"the second")
+        commit_sharded(first, temp_a, name, [shard_a], entry)
+        with pytest.raises(FileExistsError):
+            commit_sharded(second, temp_b, name, [shard_b], entry)
+        commit = first.commit(name)
+        assert commit.data.split("/")[1] == "a"  # the first's, untouched
+        assert [f.size for f in commit.files if f.name == "__0_0.distcp"] == [5]
+        assert not [k for k in keys(s3_url) if k.startswith(".data/b/")]  # the loser's: gone
+    finally:
+        first.close()
+        second.close()
