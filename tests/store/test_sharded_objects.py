@@ -10,7 +10,8 @@ previous one (with a warning on every rank) and the run still ends bitwise equal
 after every rank's shards were uploaded but before its commit is never listed, the resume takes
 the previous checkpoint, and the next writer removes the uncommitted objects; a rank whose
 upload fails fails the save on every rank, nothing committed; of two writers committing one
-name exactly one wins; ``async_save`` is refused there;
+name exactly one wins; saves in the background (``async_save=True`` and ``"overlap"``) publish
+checkpoints that resume bitwise;
 ``verify``, ``info``, ``load`` and ``pitstop ls`` read an ``s3://`` sharded checkpoint.
 """
 
@@ -177,16 +178,29 @@ def test_a_rank_whose_upload_fails_fails_the_save_on_every_rank_and_nothing_is_c
     assert _names_env(url, env) == [sharded_name(2), sharded_name(6)]  # step 4: never committed
 
 
-def test_a_background_sharded_save_on_s3_is_refused_on_every_rank(
-    s3_server: S3Server, tmp_path: Path
+@pytest.mark.parametrize("mode", ["--async", "--overlap"])
+def test_background_sharded_saves_on_s3_publish_what_a_resume_restores_bitwise(
+    straight: Run, s3_server: S3Server, tmp_path: Path, mode: str
 ) -> None:
-    url = fresh_url()
-    run = train(url, tmp_path / "run", s3_server.env(), "--async", code=3)
+    url, env = fresh_url(), s3_server.env()
+    run = train(url, tmp_path / "run", env, mode)
     for rank in range(2):
-        (line,) = [x for x in run.finished.lines(rank) if x.startswith("error ")]
-        assert line.startswith("error ConfigError"), run.finished.describe()
-        assert "synchronously only" in line
-    assert not _names_env(url, s3_server.env())
+        statuses = [x for x in run.finished.lines(rank) if x.startswith("status ")]
+        assert statuses == ["status 2 published", "status 4 published", "status 6 published"]
+        assert_same(trained(run.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+    assert _names_env(url, env) == [sharded_name(4), sharded_name(6)]
+    assert not [k for k in keys_env(url, env) if sharded_name(2) in k]
+    resumed = train(url, tmp_path / "resumed", env, mode)  # step 6, as the async run saved it
+    for rank in range(2):
+        assert resumed.ranks[rank]["resumed"] == TARGET
+        assert_same(trained(resumed.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+
+
+def keys_env(url: str, env: dict[str, str]) -> list[str]:
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        return keys(url)
 
 
 # --- resuming ---------------------------------------------------------------------------------

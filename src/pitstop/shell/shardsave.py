@@ -27,8 +27,8 @@
 # Checkpointer dropped without close() cannot run a collective: its save in flight is not published
 # (its temp directory is removed when the directory is next opened). On object storage (s3://)
 # every rank stages its files in a local folder of its own and uploads them in DCP's write step
-# (pitstop.shell.store.shardobjects), and rank 0 commits once the write returned on every rank;
-# saves there are synchronous (async_save with sharded state on s3:// is a ConfigError).
+# (pitstop.shell.store.shardobjects: in the background, on DCP's thread), and rank 0 commits once
+# the write ended on every rank; each other rank's staging folder goes once its write has ended.
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
@@ -48,7 +48,7 @@ import torch
 from pitstop.core.records import Progress
 from pitstop.core.schema import RANKED
 from pitstop.core.session import Phase, SaveStatus
-from pitstop.errors import ConfigError, SaveError
+from pitstop.errors import SaveError
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.packing import Packed, pack_state, unpack_state
 from pitstop.shell.saving import Saver
@@ -95,12 +95,6 @@ class ShardedSaves:
         and with ``"overlap"`` the parameters and optimizer state copied after the call."""
         if not saver.sharded:
             return None
-        if background and isinstance(saver.directory.storage, ObjectStorage):
-            raise ConfigError(
-                f"{saver.directory.storage}: sharded checkpoints on object storage are saved "
-                "synchronously only (async_save with sharded state there is not done yet); "
-                "leave async_save out, or save to a local directory"
-            )
         saves = cls(saver, ranks, timeout_s=timeout_s)
         if background:
             saves.background(overlap=background == "overlap")
@@ -115,6 +109,7 @@ class ShardedSaves:
         self._pending: Any = None  # the PendingShardedWrite in flight
         self._overlap = False
         self._later: DeferredCopy | None = None  # its copy left for later (overlap mode)
+        self._staging: Path | None = None  # this rank's staging folder (s3://, not rank 0)
         self.ticket: RemoteTicket | None = None
         """The record of the save in flight (every rank hears its outcome from a call)."""
 
@@ -250,8 +245,7 @@ class ShardedSaves:
 
         saver, ranks = self._saver, self._ranks
         root, model = self._directory / temp, self._live.model
-        storage = saver.directory.storage
-        remote = storage if isinstance(storage, ObjectStorage) else None
+        remote = self._remote()
         try:
             if remote is not None and not ranks.leader:  # this rank's own staging folder
                 root.mkdir(parents=True, exist_ok=True)
@@ -286,6 +280,10 @@ class ShardedSaves:
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
         staged = ready.shards
+        remote = self._remote()
+        if remote is not None and not ranks.leader:  # this rank's own staging folder
+            root.mkdir(parents=True, exist_ok=True)
+            self._staging = root
         if not isinstance(staged, Exception):
             self._later = staged.later
         # No round here: the one that agrees every rank staged runs on pitstop's thread after
@@ -299,6 +297,7 @@ class ShardedSaves:
                 group=self._group,
                 timeout=self._timeout_s,
                 rider=ready.part,
+                ship=None if remote is None else partial(upload_shards, remote),
             )
         except BaseException:  # a fault nothing here foresees: the others fail at the timeout
             self._later = None
@@ -308,6 +307,17 @@ class ShardedSaves:
         if not ranks.leader:
             return 0
         return saver.handed_over(fresh=ready.fresh)
+
+    def _drop_staging(self) -> None:
+        """Remove this rank's staging folder of the background save (s3://, not rank 0)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _remote(self) -> ObjectStorage | None:
+        """The object storage this run's checkpoints go to (``None``: a local directory)."""
+        storage = self._saver.directory.storage
+        return storage if isinstance(storage, ObjectStorage) else None
 
     def _abort(self, root: Path) -> None:
         """This rank raises out of a background save's call: rank 0's session ends it (so that
@@ -330,8 +340,14 @@ class ShardedSaves:
         self._pending = None
         ticket, self.ticket = self.ticket, None
         saver, ranks = self._saver, self._ranks
+        staging = self._staging
         try:
-            written = pending.written(self._timeout_s)  # every rank, or the same error on each
+            try:
+                written = pending.written(self._timeout_s)  # every rank, or the same error
+            except Exception:
+                self._drop_staging()  # failed on every rank: nothing writes there any more
+                raise
+            self._drop_staging()  # uploaded on every rank
 
             def publish() -> None:
                 parts = [unpack_state(packed) for packed in written.riders]  # every rank's part
@@ -348,7 +364,7 @@ class ShardedSaves:
                 ticket.settle(SaveStatus.PUBLISHED)
             raise
         except BaseException:  # KeyboardInterrupt while waiting: a later call finishes it
-            self._pending, self.ticket = pending, ticket
+            self._pending, self.ticket, self._staging = pending, ticket, staging
             raise
         if ticket is not None:
             ticket.settle(SaveStatus.PUBLISHED)

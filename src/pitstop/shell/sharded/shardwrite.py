@@ -286,6 +286,7 @@ def start_once_agreed(
     group: Any,
     timeout: float,
     rider: Callable[[], Any] | None = None,
+    ship: Ship | None = None,
 ) -> PendingShardedWrite:
     """Every rank, right after its own staging at the call: ``staged``, or the error that
     stopped it. Returns at once; a thread of pitstop's makes the copy ``staged`` left for
@@ -298,7 +299,7 @@ def start_once_agreed(
     in DCP's write (off the call), reaches rank 0 with this rank's files (its result's
     riders). Only that thread and DCP's write use ``group``, one save at a time."""
     root = Path(directory)
-    writer = Writer(root, rank=ranks.rank, rider=rider)
+    writer = Writer(root, rank=ranks.rank, rider=rider, ship=ship)
     on_group = Ranks(ranks.rank, ranks.world_size, group)
     started: Future[Any] = Future()
 
