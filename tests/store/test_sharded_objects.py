@@ -60,9 +60,10 @@ class Run:
 
 
 def train(url: str, out: Path, env: dict[str, str], *args: str, code: int = 0) -> Run:
+    """A job of 2 ranks; their temporary files (a killed rank's too) under ``out``'s folder."""
     job = Job(
         SCRIPT, "--dir", url, "--out", out, "--target", str(TARGET), *args,
-        env=env, timeout=TIMEOUT_S,
+        env={"TMPDIR": str(out.parent), **env}, timeout=TIMEOUT_S,
     )  # fmt: skip
     with job:
         finished = job.wait()
@@ -213,10 +214,13 @@ def test_a_run_killed_after_a_save_resumes_bitwise_in_fresh_processes(
     killed = train(url, tmp_path / "killed", env, "--die-at", "4", code=-9)
     assert "step 4" in killed.finished.lines(1)
     assert _names_env(url, env)[-1] == sharded_name(4)
-    resumed = train(url, tmp_path / "resumed", env)
+    temp = tmp_path / "temp"  # where the ranks stage and download: nothing left after close
+    temp.mkdir()
+    resumed = train(url, tmp_path / "resumed", {**env, "TMPDIR": str(temp)})
     for rank in range(2):
         assert resumed.ranks[rank]["resumed"] == 4
         assert_same(trained(resumed.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+    assert not list(temp.glob("pitstop-s3-*"))
 
 
 def _names_env(url: str, env: dict[str, str]) -> list[str]:
