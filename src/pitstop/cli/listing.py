@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,9 @@ def list_directory(
                         partial_here.add(entry.name)
                     failures[entry.name] = checked[entry.name] = part or str(exc)
                 finally:
-                    if remote:  # a fetched copy: checked, not kept
+                    if remote and local.is_dir():  # a sharded one's fetched folder
+                        shutil.rmtree(local, ignore_errors=True)
+                    elif remote:  # a fetched copy: checked, not kept
                         local.unlink(missing_ok=True)
     entries = [entry for entry in found.catalog if entry.name not in gone]
 

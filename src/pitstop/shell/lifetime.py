@@ -9,7 +9,8 @@
 # directory and the hooks — never to the Checkpointer, so it does not keep it alive. A sharded
 # save in flight needs a collective to finish, which a finalizer cannot run: it is abandoned
 # (not published; logged as a failed save). A remote tier's uploads are waited for when the
-# directory is released; one that failed is raised by close() after it (logged either way).
+# directory is released; one that failed is raised by close() after it (logged either way). A
+# rank that writes nothing still removes its object storage's local files (s3://) at close().
 # How: the Checkpointer registers shut_down() with weakref.finalize; close_run() (its close())
 # detaches it once the lock may go, and calls release() itself.
 
@@ -28,6 +29,7 @@ from pitstop.core.ranks import DirectoryGroups
 from pitstop.core.session import SaveStatus, agreed_status
 from pitstop.shell.session import SaveSession
 from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.storage import RemoteStorage
 
 if TYPE_CHECKING:
     from pitstop.shell.ranks.distributed import Ranks
@@ -150,3 +152,5 @@ def close_run(
                     for hook in hooks:
                         hook.remove()
                     hooks.clear()
+                    if isinstance(directory.storage, RemoteStorage):  # its local files go
+                        directory.storage.close()

@@ -16,6 +16,10 @@
 # replicated tree is checked and restored as above, and its layout checked on every rank in
 # the same pass, before DCP reads (resharding) the model and the optimizers. An optimizer
 # that had no state has none again unless the resume restored it (pitstop.shell.state.freshopt).
+# On object storage (s3://) each rank downloads, into a local folder of its own, the candidate's
+# manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
+# too) and checks each itself (size, CRC-32) — its copy is its own; the outcome is agreed as
+# above, every rank warns about a candidate skipped, and its folder is removed.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -39,7 +44,7 @@ from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.schema import STATE
-from pitstop.core.sharded import share_checks
+from pitstop.core.sharded import MANIFEST_NAME, share_checks
 from pitstop.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -61,6 +66,7 @@ from pitstop.shell.state.capture import (
 from pitstop.shell.state.freshopt import FreshOptimizers
 from pitstop.shell.state.restore import Restore, differences
 from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.resolve import find_resume, own_pointer
 from pitstop.shell.store.sharddir import verify_sharded
 
@@ -280,11 +286,13 @@ def _problem(
     planned: _Planned,
     shares: tuple[tuple[str, ...], ...] | None,
     ranks: Ranks,
+    remote: ObjectStorage | None = None,
 ) -> str | None:
     """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
 
     Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
-    file some rank's DCP read plan names is checked by one of those ranks, in parallel."""
+    file some rank's DCP read plan names is checked by one of those ranks, in parallel (on
+    object storage: by each rank that downloads it, ``shares`` None)."""
     plan, problem = planned
     if problem is not None:
         return problem
@@ -297,10 +305,26 @@ def _problem(
             mine = shares[ranks.rank] if shares is not None else plan.files
             if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
                 mine += tuple(f.name for f in plan.layout.files if f.name == DCP_METADATA)
+            if remote is not None:
+                remote.fetch_files(path.name, mine)
             verify_sharded(path, plan.layout, mine)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None
+
+
+def _fetched(
+    storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
+) -> tuple[Path, _Planned]:
+    """This rank's local folder of candidate ``name`` (fresh: its manifest downloaded) and its
+    plan of it."""
+    path = storage.path(name)
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        storage.fetch_files(name, (MANIFEST_NAME,))
+    except (CheckpointCorrupt, OSError) as exc:
+        return path, (None, str(exc))
+    return path, _planned(path, live, ranks)
 
 
 def _choose_sharded(
@@ -314,18 +338,27 @@ def _choose_sharded(
     this rank's plan of it); all ranks move on together, rank 0 warning about each one
     skipped and why (and where)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
+    storage = directory.storage
+    remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire in candidates:
-        planned = _planned(path, live, ranks)
+        if remote is not None:  # this rank's own copy: the manifest first
+            path, planned = _fetched(remote, path.name, live, ranks)
+        else:
+            planned = _planned(path, live, ranks)
         files = planned[0].files if planned[0] is not None else ()
         shares = _shares(planned, ranks.all_gather(files))
-        problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
+        if remote is not None:  # each rank checks every file it downloaded
+            shares = None
+        problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks, remote))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
             return path, wire, planned[0]
-        if ranks.leader:  # one line per problem, with the ranks that found it
+        if remote is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        if ranks.leader or remote is not None:  # one line per problem, with the ranks that found it
             for problem, where in found.items():
                 ranks_found = ", ".join(map(str, where))
                 log.warning(

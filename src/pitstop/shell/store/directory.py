@@ -361,7 +361,8 @@ class CheckpointDirectory:
             raise SaveError(f"{self.storage.path(entry.name)}: no shards were written")
         temp, layout, tree, meta = pending
         aside = None  # the checkpoint it replaces goes out of the way, still whole
-        if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
+        remote = isinstance(self.storage, RemoteStorage)  # there: its commit is swapped instead
+        if plan.replaces and not remote and self.storage.kind(entry.name) is FileKind.DIRECTORY:
             aside = aside_name(entry.name, self._token())
         manifest = partial(
             sharddir.write_manifest, layout=layout, meta=meta, tree=tree, token=self._token()

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 
-from pitstop.core.naming import LOCK_NAME
+from pitstop.core.naming import LOCK_NAME, EntryKind, classify
 from pitstop.core.objects import (
     Lease,
     LeaseVerdict,
@@ -147,7 +147,7 @@ class ObjectLease:
             commits = []
             for name in objects:
                 with contextlib.suppress(CheckpointCorrupt, ValueError, FileNotFoundError):
-                    if name.endswith(".pitstop"):
+                    if classify(name) is EntryKind.CHECKPOINT:  # a file's or a sharded one's
                         commits.append(storage.commit(name))
             for name in orphans(storage.data_names(), commits):
                 log.warning("removing %s, left by a writer that died", storage.location.url(name))

@@ -2,8 +2,9 @@
 #
 # Rules: a location given as ``s3://bucket/prefix`` is an ObjectStorage under its lease; anything
 # else is a local directory (its own Storage, or the one the caller passes) under the flock of
-# pitstop.shell.store.lock. An ``s3://`` location takes no other Storage, holds no sharded
-# checkpoint (yet), and without the S3 client installed is one ConfigError naming the extra;
+# pitstop.shell.store.lock. An ``s3://`` location takes no other Storage (its sharded
+# checkpoints: pitstop.shell.store.shardobjects); without the S3 client it is one ConfigError
+# naming the extra;
 # ``storage_options`` go to the S3 client and nowhere else. A local directory with ``remote=``
 # (an ``s3://`` URL) is a TieredDirectory: local publish first, upload in the background, the
 # remote tier's own retention (``remote_policy``, by default the local one's); a remote tier takes
@@ -43,8 +44,8 @@ def checkpoint_directory(
     over the checkpoints found until a resume; ``sharded``: the run holds sharded state;
     ``tier``: ``(remote, remote_policy)``, the ``s3://`` URL of a remote tier and its retention).
 
-    Raises :class:`~pitstop.errors.ConfigError` for an ``s3://`` location with a ``storage``
-    or sharded state, or without the S3 client; for ``storage_options`` on a local one without
+    Raises :class:`~pitstop.errors.ConfigError` for an ``s3://`` location with a ``storage``,
+    or without the S3 client; for ``storage_options`` on a local one without
     a remote tier; and for a ``remote`` or ``remote_policy`` that is not what it must be.
     """
     remote, remote_policy = tier
@@ -62,11 +63,6 @@ def checkpoint_directory(
     assert isinstance(directory, str)
     if storage is not None:
         raise ConfigError(f"Checkpointer({directory!r}): an s3:// location takes no storage=")
-    if sharded:
-        raise ConfigError(
-            f"Checkpointer({directory!r}): sharded checkpoints (DTensor, FSDP2) are not "
-            "stored on object storage yet; use a local directory"
-        )
     from pitstop.shell.store.lease import ObjectLease
     from pitstop.shell.store.objectstore import ObjectStorage
 

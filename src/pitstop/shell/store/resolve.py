@@ -33,7 +33,6 @@ from pitstop.core.naming import (
     POINTER_NAMES,
     checkpoint_name,
     parse_checkpoint,
-    parse_name,
     parse_sharded_name,
 )
 from pitstop.core.objects import is_object_url
@@ -257,13 +256,13 @@ def read_resolved(
 
 
 def split_object_url(url: str) -> tuple[str, str | PointerName]:
-    """``(prefix URL, checkpoint name)`` for ``s3://…/step_….pitstop``, ``(prefix URL,
+    """``(prefix URL, checkpoint name)`` for ``s3://…/step_…[.pitstop]``, ``(prefix URL,
     pointer)`` for ``s3://…/best`` (``last``, ``final``), and ``(url, LAST)`` for a prefix."""
     head, _, last = url.rstrip("/").rpartition("/")
     if head.startswith("s3:/") and head != "s3:/":
         if last in POINTER_NAMES:
             return head, PointerName(last)
-        if parse_name(last) is not NOT_A_CHECKPOINT:
+        if parse_checkpoint(last) is not NOT_A_CHECKPOINT:  # a file's or a sharded one's
             return head, last
     return url, PointerName.LAST
 

@@ -246,11 +246,12 @@ def _scan_file(
     entries: list[CheckpointEntry],
     unreadable: dict[str, str],
     sizes: dict[str, int],
+    wanted: FileKind = FileKind.REGULAR,
 ) -> None:
     """A checkpoint file is listed once its manifest reads back (its size taken first, so an
-    entry is never listed without one)."""
+    entry is never listed without one); on object storage, once its commit object does."""
     kind = storage.kind(name)
-    if kind is not FileKind.REGULAR:
+    if kind is not wanted:
         unreadable[name] = f"not a regular file ({kind.value})"
         return
     try:
@@ -279,6 +280,9 @@ def _scan_sharded(
     kind = storage.kind(name)
     if kind is not FileKind.DIRECTORY:
         unreadable[name] = f"not a directory ({kind.value})"
+        return
+    if isinstance(storage, RemoteStorage):  # its commit object's record, no manifest read
+        _scan_file(storage, name, entries, unreadable, sizes, kind)
         return
     path = storage.path(name) / MANIFEST_NAME
     try:

@@ -15,7 +15,9 @@
 # its writer's streams noted as they wrote and fsynced them (pitstop.shell.sharded.dcpwrite); a file
 # without a note is fsynced and read back instead. A verification compares size (before
 # reading a byte) and CRC-32 against the layout, and names the file that fails. Every file
-# read is opened as untrusted input (regular files only, symlinks not followed).
+# read is opened as untrusted input (regular files only, symlinks not followed). On object
+# storage there is no rename: the manifest is written into the staging folder and the
+# checkpoint is committed by one conditional PUT (pitstop.shell.store.shardobjects).
 # How: CRC-32 pieces on pitstop.shell.format.checksums' pool, joined with crc32_combine.
 
 """Sharded checkpoint directories: file tables, verify, write the manifest, publish, delete."""
@@ -53,7 +55,9 @@ from pitstop.shell.format.checksums import (
     default_threads,
 )
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import delete_sharded, publish_file
+from pitstop.shell.store.shardobjects import publish_objects
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
@@ -205,6 +209,9 @@ def publish_sharded(
     """
     path = storage.path(name)
     step = f"write the manifest of the new {path}"
+    if isinstance(storage, ObjectStorage):  # no rename: one conditional commit (shardobjects)
+        publish_objects(storage, temp, name, replaced=replaced, manifest=manifest)
+        return
     try:
         if manifest is not None:
             manifest(storage.path(temp))  # its own errors are SaveErrors naming the manifest
