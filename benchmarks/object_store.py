@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from pitstop.shell.format.untrusted import open_untrusted
 from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 
 MIB = 1 << 20
@@ -82,7 +83,9 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
                 times["resume"].append(_timed(ckpt.resume))
 
         save()
-        file = pitstop.verify(url)  # the checkpoint's bytes, fetched: what obstore moves
+        with open_untrusted(pitstop.verify(url)) as fetched:  # the bytes obstore moves
+            file = Path(tempfile.mkdtemp(prefix="pitstop-s3-bench-")) / "checkpoint"
+            file.write_bytes(fetched.read())
         key = f"bench-ref-{uuid.uuid4().hex[:8]}"
         total = file.stat().st_size
         starts = list(range(0, total, RANGE))
@@ -100,6 +103,7 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
         for read in (resume, get) if repeat % 2 == 0 else (get, resume):
             read()
         file.unlink()
+        file.parent.rmdir()
     return times
 
 

@@ -24,6 +24,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import (
     ResumeChoice,
     choose_resume,
+    gone_while_read,
     is_sharded_path,
     scan,
     vanished,
@@ -75,13 +76,13 @@ def list_directory(
                     verify_any(local)
                     checked[entry.name] = None
                 except (CheckpointCorrupt, OSError) as exc:
-                    if vanished(local):
+                    if gone_while_read(storage, local, exc):
                         gone.add(entry.name)
                         continue
                     failures[entry.name] = checked[entry.name] = str(exc)
                 finally:
-                    if remote:  # a fetched copy: checked, not kept
-                        local.unlink(missing_ok=True)
+                    if isinstance(storage, RemoteStorage):  # fetched: checked, not kept
+                        storage.release()
     entries = [entry for entry in found.catalog if entry.name not in gone]
 
     def resume_choice() -> ResumeChoice:  # what a resume would use, from the checks just made

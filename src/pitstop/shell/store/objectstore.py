@@ -9,11 +9,11 @@
 # latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
 # writer that lost its lease cannot move them. A listing names committed checkpoints only (the
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
-# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs to a
-# local file, which the file format's checking pass then reads — nothing live is touched before
-# every blob's CRC-32 matched. Every client error becomes an OSError naming the URL; a missing
-# bucket and refused credentials say so. A remote tier's upload names the local file that
-# holds the checkpoint (upload_from), so its publish uploads that file, never a copy of it.
+# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs into
+# memory, every blob's CRC-32 checked as it arrives (pitstop.shell.store.objectread) — nothing
+# live is touched before every one matched. Every client error becomes an OSError naming the
+# URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
+# file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
@@ -26,7 +26,6 @@ import errno
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -47,10 +46,10 @@ from pitstop.core.objects import (
     decode_commit,
     encode_commit,
     parse_url,
-    range_reads,
 )
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.objectread import download, let_go
 from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
@@ -58,7 +57,6 @@ __all__ = ["ObjectStorage", "StoreError", "reader_cache"]
 
 _T = TypeVar("_T")
 _SMALL = 1 << 20  # the largest pointer, commit or lease object read
-_CHUNK = 8 << 20  # one ranged GET
 
 
 class ObjectStorage:
@@ -330,42 +328,20 @@ class ObjectStorage:
         return self.commit(name).entry
 
     def fetch(self, name: str) -> Path:
-        """Download checkpoint ``name`` to the cache by ranged, parallel GETs; its local path
-        (checked by the reader that opens it). ``CheckpointCorrupt`` when its data is missing
-        or not the size its commit records."""
-        commit = self.commit(name)
-        url, key = self.location.url(name), self.location.key(commit.data)
-        meta = self.head(commit.data)
-        if meta is None:
-            raise CheckpointCorrupt(f"{url}: its data object {commit.data} is missing")
-        if int(meta["size"]) != commit.size:
-            raise CheckpointCorrupt(
-                f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
-            )
-        target = self._local.path(name)
-        partial = self._local.path(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{name}")
-        self.cache.mkdir(parents=True, exist_ok=True)
-        ranges = range_reads(commit.size, _CHUNK)
-        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
-        try:
-            with open(partial, "wb") as out:
-                for at in range(0, len(ranges), 16):  # 16 requests at a time, in parallel
-                    batch = (starts[at : at + 16], ends[at : at + 16])
+        """Read checkpoint ``name`` into memory by ranged, parallel GETs, every blob's CRC-32
+        checked as it arrives (pitstop.shell.store.objectread); its local path in the cache,
+        where every reader opens it until :meth:`release`. ``CheckpointCorrupt`` naming the
+        URL when it does not verify (its data missing or not the size its commit records)."""
+        return download(self, name, self._local.path(name))
 
-                    def get(o: Any, batch: tuple[list[int], list[int]] = batch) -> list[Any]:
-                        return list(o.get_ranges(self.client, key, starts=batch[0], ends=batch[1]))
-
-                    for piece in self.call("read", commit.data, get):
-                        out.write(memoryview(piece))
-            os.replace(partial, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                partial.unlink()
-            raise
-        return target
+    def release(self) -> None:
+        """Free the checkpoint the last fetch holds in memory (tensors loaded from it keep
+        their own memory)."""
+        let_go(self.cache)
 
     def close(self) -> None:
-        """Remove the local cache, if this object made it."""
+        """Free the fetched checkpoint; remove the local cache, if this object made it."""
+        self.release()
         if self._own_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
 
@@ -376,8 +352,7 @@ class ObjectStorage:
         try:
             yield path
         finally:
-            with contextlib.suppress(OSError):
-                path.unlink()
+            self.release()
 
 
 _READER_CACHE: list[Path] = []

@@ -39,6 +39,7 @@ from pitstop.core.plan import SavePlan, plan_arrival
 from pitstop.core.pointers import Tier, tiered_resume_order
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
 from pitstop.shell.store.objectstore import ObjectStorage
@@ -278,16 +279,19 @@ class TieredDirectory(CheckpointDirectory):
 
     def adopt(self) -> None:
         """The run resumed: both tiers' checkpoints are its own; a remote checkpoint it resumed
-        from is copied into the local directory (with its seq: the next save follows it)."""
+        from is copied into the local directory (with its seq: the next save follows it) by the
+        one atomic writer, then the memory it was read into is freed."""
         super().adopt()
-        self.remote.adopt()
         arrived, self._arrived = self._arrived, None
-        if arrived is None:
-            return
-        entry, path = arrived
+        try:
+            if arrived is not None:
+                self._copy_in(*arrived)
+        finally:
+            self.remote.adopt()  # frees the remote checkpoint read into memory
 
+    def _copy_in(self, entry: CheckpointEntry, path: Path) -> None:
         def copy(file: Any, entry: CheckpointEntry, sync: Callable[[], None]) -> None:
-            with open(path, "rb") as source:
+            with open_untrusted(path) as source:  # the copy the resume read (into memory)
                 shutil.copyfileobj(source, file, 8 << 20)
 
         try:
