@@ -86,11 +86,12 @@ def checked(path: str | os.PathLike[str]) -> bool:
 
 
 def release(path: str | os.PathLike[str]) -> None:
-    """Close the memory file held at ``path``, if any (tensors mapped from it keep theirs)."""
+    """Close the memory file held at ``path``, if any (tensors mapped from it keep theirs).
+    The close, which frees its memory (about 0.1 s for 512 MiB), runs on a thread of its own."""
     with _HELD_LOCK:
         found = _HELD.pop(os.fspath(path), None)
     if found is not None:
-        os.close(found[0])
+        threading.Thread(target=os.close, args=(found[0],), name="pitstop-free").start()
 
 
 def _open_held(path: Path) -> int | None:

@@ -17,9 +17,11 @@
 # there is no memfd (not Linux) a temp file of the cache is written and renamed instead.
 # Memory: the checkpoint's size (the memory file, until its reader is done: the storage holds
 # one at a time per cache, released by the next fetch, by the storage's release() after a
-# resume, or by close()) plus at most WORKERS * RANGE bytes of responses in flight.
-# How: a thread pool of WORKERS; obstore's get_range releases the GIL, os.pwrite and the
-# CRC-32 (pitstop.shell.format.checksums) too.
+# resume, or by close()) plus at most WORKERS * RANGE bytes of responses in flight (in the
+# whole process: its downloads share one pool).
+# How: one thread pool of WORKERS per process; obstore's get_range releases the GIL, os.pwrite
+# and the CRC-32 (pitstop.shell.format.checksums) too. A read that fails cancels its queued
+# GETs and waits for the running ones before its memory file is closed.
 
 """Downloading a checkpoint from object storage into memory, checked as it arrives."""
 
@@ -70,6 +72,16 @@ TAIL: Final = 1 << 20
 
 _HELD: dict[Path, Path] = {}  # cache directory -> the checkpoint held in memory for it
 _HELD_LOCK = threading.Lock()
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []  # the process's GET threads, made once
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The WORKERS threads every download of this process shares (started once: a thread's
+    start costs more than a GET on loopback)."""
+    with _HELD_LOCK:
+        if not _POOL:
+            _POOL.append(concurrent.futures.ThreadPoolExecutor(WORKERS, "pitstop-get"))
+        return _POOL[0]
 
 
 def let_go(cache: Path) -> None:
@@ -180,13 +192,15 @@ class _Download:
             view = self.put(self.get(*span), span[0])
             return check.piece(view, span[0])
 
-        pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="pitstop-get")
+        futures = [_pool().submit(arrive, r) for r in ranges]
         try:
-            for done in concurrent.futures.as_completed([pool.submit(arrive, r) for r in ranges]):
+            for done in concurrent.futures.as_completed(futures):
                 check.note(done.result())
             check.finish()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        finally:  # none queued starts, and none running still writes, once this returns
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
 
 
 class _Check:
