@@ -106,19 +106,20 @@ def download(objects: ObjectStorage, name: str, target: Path) -> Path:
         raise CheckpointCorrupt(
             f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
         )
+    if commit.size < HEADER_SIZE + FOOTER_SIZE:
+        raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
     let_go(target.parent)
     memory = hasattr(os, "memfd_create")
     if memory:
         fd = os.memfd_create(f"pitstop-{name}", os.MFD_CLOEXEC)
         where = target
+        hold(where, fd)  # owned there from now on; opened by the manifest's check
     else:  # no anonymous memory file here: a temp file of the cache, renamed when checked
         target.parent.mkdir(parents=True, exist_ok=True)
         where = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{name}")
         fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, commit.size)
-        if memory:
-            hold(where, fd)  # owned there from now on; opened by the manifest's check
         _Download(objects, commit.data, fd, url).run(where, commit.size)
     except BaseException:
         if memory:
@@ -161,7 +162,7 @@ class _Download:
 
     def run(self, where: Path, size: int) -> None:
         """Read and check the whole object into the memory file held at ``where``."""
-        tail = max(HEADER_SIZE, size - TAIL) if size >= HEADER_SIZE + FOOTER_SIZE else 0
+        tail = max(HEADER_SIZE, size - TAIL)
         client, key = self.objects.client, self.key
         header, end = self.objects.call(
             "read",
