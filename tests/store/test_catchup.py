@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import pitstop
 from pitstop.core.naming import checkpoint_name
@@ -25,15 +26,20 @@ from pitstop.shell.store.objectstore import ObjectStorage
 from s3server import CHILD_TIMEOUT_S
 from tinyrun import trained
 
-# Saves steps 1..3 to a tiered directory whose remote tier refuses its credentials (every
-# upload fails and is kept for the next call), then kills itself with SIGKILL.
+# Saves steps 1..3 to a tiered directory, then kills itself with SIGKILL: "failed" — its remote
+# tier refuses its credentials (every upload fails and is kept for the next call); "queued" —
+# the checkpoints carry 4 MiB of ballast (an upload takes a fraction of a second on the test
+# server) and it is killed as soon as the third save returns, its uploads still queued.
 CHILD = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, sys.argv[3])
+    import torch
     import pitstop
     from tinyrun import trained, train_step
     model, optimizer = trained()
+    if sys.argv[4] == "queued":
+        model.register_buffer("ballast", torch.randn(1 << 20))
     ckpt = pitstop.Checkpointer(
         sys.argv[1], model=model, state={"optimizer": optimizer}, remote=sys.argv[2],
         policy=pitstop.Policy(keep_last=None),
@@ -43,10 +49,11 @@ CHILD = textwrap.dedent(
         train_step(model, optimizer)
         progress = progress.advance()
         ckpt.save(progress)
-        try:
-            ckpt.wait()
-        except pitstop.SaveError:
-            pass  # its upload failed (raised once, here); the local checkpoint stays
+        if sys.argv[4] == "failed":
+            try:
+                ckpt.wait()
+            except pitstop.SaveError:
+                pass  # its upload failed (raised once, here); the local checkpoint stays
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
@@ -60,12 +67,14 @@ def remote_steps(url: str) -> list[int]:
         storage.close()
 
 
-def killed_run(local: Path, url: str, env: dict[str, str]) -> None:
-    """Run CHILD with refused credentials; it dies by SIGKILL with steps 1..3 only local."""
+def killed_run(local: Path, url: str, env: dict[str, str], how: str = "failed") -> None:
+    """Run CHILD (``how``: its uploads "failed" or still "queued"); it dies by SIGKILL with
+    steps 1..3 in the local directory, step 3 at least not uploaded."""
     tests = str(Path(__file__).resolve().parent.parent)
+    refused = {"AWS_SECRET_ACCESS_KEY": "wrong-secret"} if how == "failed" else {}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(local), url, tests],
-        env={**os.environ, **env, "AWS_SECRET_ACCESS_KEY": "wrong-secret"},
+        [sys.executable, "-c", CHILD, str(local), url, tests, how],
+        env={**os.environ, **env, **refused},
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
@@ -73,11 +82,16 @@ def killed_run(local: Path, url: str, env: dict[str, str]) -> None:
     )
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert sorted(p.name for p in local.glob("step_*")) == [checkpoint_name(s) for s in (1, 2, 3)]
+    assert 3 not in remote_steps(url)
 
 
-def reopened(local: Path, url: str, remote_policy: pitstop.Policy) -> list[int]:
+def reopened(
+    local: Path, url: str, remote_policy: pitstop.Policy, how: str = "failed"
+) -> list[int]:
     """Reopen the directory, resume, wait for the uploads: the remote tier's steps."""
     model, optimizer = trained(seed=3)
+    if how == "queued":
+        model.register_buffer("ballast", torch.zeros(1 << 20))
     with pitstop.Checkpointer(
         local,
         model=model,
@@ -94,12 +108,12 @@ def reopened(local: Path, url: str, remote_policy: pitstop.Policy) -> list[int]:
     return steps
 
 
+@pytest.mark.parametrize("how", ["failed", "queued"])
 def test_the_next_run_uploads_what_a_killed_run_did_not(
-    local_tmp: Path, s3_url: str, s3_env: dict[str, str]
+    local_tmp: Path, s3_url: str, s3_env: dict[str, str], how: str
 ) -> None:
-    killed_run(local_tmp, s3_url, s3_env)
-    assert remote_steps(s3_url) == []
-    assert reopened(local_tmp, s3_url, pitstop.Policy(keep_last=None)) == [1, 2, 3]
+    killed_run(local_tmp, s3_url, s3_env, how)
+    assert reopened(local_tmp, s3_url, pitstop.Policy(keep_last=None), how) == [1, 2, 3]
 
 
 def test_catching_up_never_uploads_what_the_remote_retention_retires(
