@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from pathlib import Path
 
 import obstore
@@ -111,3 +112,21 @@ def test_ranges_that_cut_blobs_and_a_manifest_past_the_tail_read_exactly(
     ckpt.close()
     assert step == 3
     assert same(now, history[2])
+
+
+def test_without_memory_files_a_checked_temp_file_is_read_and_none_is_left(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where there is no memfd (not Linux): a temp file of the cache, renamed once checked; a
+    damaged checkpoint leaves no temp file behind."""
+    history = saved(s3_url)
+    damage(s3_url, 3, "blob")
+    monkeypatch.delattr(os, "memfd_create")
+    step, now, ckpt = resumed(s3_url)
+    try:
+        assert step == 2
+        assert same(now, history[1])
+        left = sorted(p.name for p in Path(ckpt.directory).iterdir())
+        assert [n for n in left if n.startswith(".tmp-")] == []  # the damaged one's is gone
+    finally:
+        ckpt.close()
