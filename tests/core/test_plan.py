@@ -5,7 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.plan import plan_arrival, plan_save, plan_subject, rollback_removals
+from pitstop.core.plan import (
+    plan_arrival,
+    plan_catch_up,
+    plan_save,
+    plan_subject,
+    rollback_removals,
+)
 from pitstop.core.pointers import recompute_best, recompute_final
 from pitstop.core.records import (
     NO_CHECKPOINT,
@@ -253,3 +259,43 @@ def test_the_remote_tiers_keep_every_outlives_the_local_keep_last() -> None:
         entry = CheckpointEntry(progress=Progress(step=step), seq=seq, reason=SaveReason.INTERVAL)
         catalog = plan_arrival(catalog, entry, thin).catalog_after
     assert [e.step for e in catalog] == [1000, 2000, 3000]
+
+
+@given(st.data(), catalogs(max_size=10), policies)
+def test_a_remote_tier_catches_up_on_what_it_lacks_and_would_keep(
+    data: st.DataObject, local: Catalog, policy: Policy
+) -> None:
+    # The remote tier holds some of the local checkpoints (the uploads that succeeded, less
+    # what its own retention retired); catching up uploads, oldest first, each local one it
+    # lacks unless its retention would retire it at once — none of them is retired by its own
+    # arrival, every one left out would be retired, and a second catch-up has nothing to do.
+    held = data.draw(
+        st.lists(st.sampled_from(local.entries), unique=True) if local else st.just([])
+    )
+    remote = Catalog(entries=tuple(held))
+    chosen = plan_catch_up(local, remote, policy)
+    missing = [e for e in local if e.name not in remote]
+    assert set(chosen) <= set(missing)
+    assert [e.seq for e in chosen] == sorted(e.seq for e in chosen)
+    catalog = remote
+    for entry in chosen:
+        plan = plan_arrival(catalog, entry, policy)
+        assert entry.name not in plan.retention.delete  # never retired at once
+        catalog = plan.catalog_after
+    merged = remote
+    for entry in missing:
+        merged = merged.with_entry(entry)
+    everything = plan_arrival(merged, merged.newest(), policy) if merged else None
+    for entry in missing:
+        if entry not in chosen:
+            assert everything is not None
+            assert entry.name in everything.retention.delete
+    assert plan_catch_up(local, catalog, policy) == ()
+
+
+def test_catching_up_skips_what_the_remote_holds_a_newer_save_of() -> None:
+    old = CheckpointEntry(progress=Progress(step=5), seq=3, reason=SaveReason.INTERVAL)
+    new = CheckpointEntry(progress=Progress(step=5), seq=9, reason=SaveReason.INTERVAL)
+    keep = Policy(keep_last=None)
+    assert plan_catch_up(Catalog(entries=(old,)), Catalog(entries=(new,)), keep) == ()
+    assert plan_catch_up(Catalog(entries=(new,)), Catalog(entries=(old,)), keep) == (new,)

@@ -20,6 +20,7 @@ import pytest
 import pitstop
 from pitstop.core.naming import checkpoint_name
 from pitstop.errors import ConfigError, SaveError
+from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage
 from s3server import run_python
@@ -41,8 +42,8 @@ def remote_bytes(url: str, step: int) -> bytes:
     """The bytes of the remote checkpoint of ``step``, downloaded."""
     storage = ObjectStorage(url)
     try:
-        with storage.fetched(checkpoint_name(step)) as path:
-            return path.read_bytes()
+        with storage.fetched(checkpoint_name(step)) as path, open_untrusted(path) as file:
+            return file.read()
     finally:
         storage.close()
 

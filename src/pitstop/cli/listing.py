@@ -26,6 +26,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import (
     ResumeChoice,
     choose_resume,
+    gone_while_read,
     is_sharded_path,
     scan,
     vanished,
@@ -79,7 +80,7 @@ def list_directory(
                     verify_any(local)
                     checked[entry.name] = None
                 except (CheckpointCorrupt, OSError) as exc:
-                    if vanished(local):
+                    if gone_while_read(storage, local, exc):
                         gone.add(entry.name)
                         continue
                     part = None if remote else _partial(local)  # a node's part: not corrupt
@@ -87,10 +88,10 @@ def list_directory(
                         partial_here.add(entry.name)
                     failures[entry.name] = checked[entry.name] = part or str(exc)
                 finally:
-                    if remote and local.is_dir():  # a sharded one's fetched folder
-                        shutil.rmtree(local, ignore_errors=True)
-                    elif remote:  # a fetched copy: checked, not kept
-                        local.unlink(missing_ok=True)
+                    if isinstance(storage, RemoteStorage) and local.is_dir():  # a sharded one's
+                        shutil.rmtree(local, ignore_errors=True)  # fetched folder
+                    elif isinstance(storage, RemoteStorage):  # fetched: checked, not kept
+                        storage.release()
     entries = [entry for entry in found.catalog if entry.name not in gone]
 
     def resume_choice() -> ResumeChoice:  # what a resume would use, from the checks just made

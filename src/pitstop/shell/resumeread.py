@@ -29,6 +29,7 @@ from pitstop.core.pointers import drop_behind
 from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.shell.format.fileread import KeyPath, load
+from pitstop.shell.format.untrusted import checked
 from pitstop.shell.state.capture import LiveState
 from pitstop.shell.store.directory import is_sharded_path
 
@@ -87,6 +88,8 @@ class ResumeRead:
             self._tree = load(path / MANIFEST_NAME, verify="file")
             if shards:
                 verify_sharded(path, read_layout(path)[0])
+        elif checked(path):  # read into memory from object storage, every byte checked on arrival
+            self._tree = load(path, verify=False, place=self.place)
         else:
             self._tree = load(path, verify="file", place=self.place, drop_placed=self._drop)
         self._path = path

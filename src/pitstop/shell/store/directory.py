@@ -77,6 +77,7 @@ from pitstop.shell.store.scanning import (
     ResumeChoice,
     Scan,
     choose_resume,
+    gone_while_read,
     is_sharded_path,
     named_by_pointers,
     read_latest_json,
@@ -99,6 +100,7 @@ __all__ = [
     "ResumeChoice",
     "Scan",
     "choose_resume",
+    "gone_while_read",
     "is_sharded_path",
     "read_latest_json",
     "scan",
@@ -181,8 +183,11 @@ class CheckpointDirectory:
         self.catalog, self.pointers = found.catalog, found.pointers
 
     def adopt(self) -> None:
-        """The run resumed (or asked to): the checkpoints found at open are its own to replace."""
+        """The run resumed (or asked to): the checkpoints found at open are its own to replace;
+        an object store frees the checkpoint the resume read into memory."""
         self._foreign = (NO_CHECKPOINT, 0)
+        if isinstance(self.storage, RemoteStorage):
+            self.storage.release()
 
     def check(self, plan: SavePlan) -> None:
         """Raise :class:`~pitstop.errors.SaveError` if ``plan`` may not be carried out.

@@ -9,14 +9,14 @@
 # latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
 # writer that lost its lease cannot move them. A listing names committed checkpoints only (the
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
-# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs to a
-# local file, which the file format's checking pass then reads — nothing live is touched before
-# every blob's CRC-32 matched. Every client error becomes an OSError naming the URL; a missing
-# bucket and refused credentials say so. A remote tier's upload names the local file that
-# holds the checkpoint (upload_from), so its publish uploads that file, never a copy of it. A
-# sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
-# are fetched into a local folder (fetch_files); its upload and commit are
-# pitstop.shell.store.shardobjects'.
+# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs into
+# memory, every blob's CRC-32 checked as it arrives (pitstop.shell.store.objectread) — nothing
+# live is touched before every one matched. Every client error becomes an OSError naming the
+# URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
+# file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
+# A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
+# are fetched into a local folder by the same ranged GETs (fetch_files: checked by the sharded
+# reader against the manifest); its upload and commit are pitstop.shell.store.shardobjects'.
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
@@ -29,7 +29,6 @@ import errno
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -53,10 +52,10 @@ from pitstop.core.objects import (
     deletion_order,
     encode_commit,
     parse_url,
-    range_reads,
 )
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.objectread import download, download_file, let_go
 from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
@@ -64,7 +63,6 @@ __all__ = ["ObjectStorage", "StoreError", "reader_cache", "token_of"]
 
 _T = TypeVar("_T")
 _SMALL = 1 << 20  # the largest pointer, commit or lease object read
-_CHUNK = 8 << 20  # one ranged GET
 
 
 class ObjectStorage:
@@ -339,14 +337,14 @@ class ObjectStorage:
         return self.commit(name).entry
 
     def fetch(self, name: str) -> Path:
-        """Download checkpoint ``name`` to the cache by ranged, parallel GETs; its local path
-        (checked by the reader that opens it). ``CheckpointCorrupt`` when its data is missing
-        or not the size its commit records. A sharded checkpoint: its folder, every file fetched."""
+        """Read checkpoint ``name`` into memory by ranged, parallel GETs, every blob's CRC-32
+        checked as it arrives (pitstop.shell.store.objectread); its local path in the cache,
+        where every reader opens it until :meth:`release`. ``CheckpointCorrupt`` naming the
+        URL when it does not verify (its data missing or not the size its commit records). A
+        sharded checkpoint: its local folder, every file fetched (:meth:`fetch_files`)."""
         if _is_sharded(name):
             return self.fetch_files(name)
-        commit = self.commit(name)
-        self.download(name, commit.data, commit.size, self._local.path(name))
-        return self._local.path(name)
+        return download(self, name, self._local.path(name))
 
     def fetch_files(self, name: str, files: Collection[str] | None = None) -> Path:
         """The committed sharded checkpoint ``name``'s local folder (the cache's ``name``),
@@ -358,42 +356,17 @@ class ObjectStorage:
             if wanted not in listed:
                 raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {wanted}")
             target = self._local.path(name) / wanted
-            self.download(name, f"{commit.data}/{wanted}", listed[wanted].size, target)
+            download_file(self, name, f"{commit.data}/{wanted}", listed[wanted].size, target)
         return self._local.path(name)
 
-    def download(self, name: str, data: str, size: int, target: Path) -> None:
-        """Download the data object ``data`` of checkpoint ``name`` to ``target`` by ranged,
-        parallel GETs; ``CheckpointCorrupt`` when it is missing or not ``size`` bytes."""
-        url, key = self.location.url(name), self.location.key(data)
-        meta = self.head(data)
-        if meta is None:
-            raise CheckpointCorrupt(f"{url}: its data object {data} is missing")
-        if int(meta["size"]) != size:
-            raise CheckpointCorrupt(
-                f"{url}: its data object {data} holds {meta['size']} bytes, its commit says {size}"
-            )
-        partial = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{target.name}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        ranges = range_reads(size, _CHUNK)
-        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
-        try:
-            with open(partial, "wb") as out:
-                for at in range(0, len(ranges), 16):  # 16 requests at a time, in parallel
-                    batch = (starts[at : at + 16], ends[at : at + 16])
-
-                    def get(o: Any, batch: tuple[list[int], list[int]] = batch) -> list[Any]:
-                        return list(o.get_ranges(self.client, key, starts=batch[0], ends=batch[1]))
-
-                    for piece in self.call("read", data, get):
-                        out.write(memoryview(piece))
-            os.replace(partial, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                partial.unlink()
-            raise
+    def release(self) -> None:
+        """Free the checkpoint the last fetch holds in memory (tensors loaded from it keep
+        their own memory)."""
+        let_go(self.cache)
 
     def close(self) -> None:
-        """Remove the local cache, if this object made it."""
+        """Free the fetched checkpoint; remove the local cache, if this object made it."""
+        self.release()
         if self._own_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
 
@@ -406,8 +379,8 @@ class ObjectStorage:
         finally:
             if path.is_dir():  # a sharded checkpoint's folder
                 shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            else:
+                self.release()
 
 
 _READER_CACHE: list[Path] = []

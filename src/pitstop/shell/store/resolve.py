@@ -40,6 +40,7 @@ from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, P
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format import fileformat
+from pitstop.shell.format.untrusted import held
 from pitstop.shell.store.directory import (
     CheckpointDirectory,
     choose_resume,
@@ -110,7 +111,7 @@ def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerNam
     Raises :class:`~pitstop.errors.CheckpointNotFound` when the argument names nothing.
     """
     path = Path(checkpoint)
-    if is_sharded_checkpoint(path):
+    if held(path) or is_sharded_checkpoint(path):  # (held: read into memory from s3://)
         return path, None
     if path.name in POINTER_NAMES and path.is_symlink() and path.parent.is_dir():
         return path.parent, PointerName(path.name)  # even one whose target is a directory

@@ -52,6 +52,7 @@ from pitstop.core.records import (
 from pitstop.core.sharded import MANIFEST_NAME, files_from_wire
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
+from pitstop.shell.format.untrusted import held
 from pitstop.shell.store.storage import FileKind, RemoteStorage, Storage, fetch
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "ResumeChoice",
     "Scan",
     "choose_resume",
+    "gone_while_read",
     "is_sharded_path",
     "named_by_pointers",
     "read_latest_json",
@@ -95,6 +97,8 @@ class Scan:
 def vanished(path: Path) -> bool:
     """Whether nothing is at ``path`` any more (not following a symlink): what a read that
     failed is told by — a checkpoint deleted while it was read is gone, not corrupt."""
+    if held(path):  # a checkpoint read into memory
+        return False
     try:
         os.lstat(path)
     except FileNotFoundError:
@@ -102,6 +106,15 @@ def vanished(path: Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def gone_while_read(storage: Storage, path: Path, error: BaseException) -> bool:
+    """Whether a read of ``path`` that raised ``error`` failed because the checkpoint is gone
+    (deleted meanwhile), not corrupt: nothing is at ``path`` any more — or, on an object
+    store, its objects are not (another writer's retention deleted them)."""
+    if isinstance(storage, RemoteStorage):
+        return isinstance(error, FileNotFoundError)
+    return vanished(path)
 
 
 def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
@@ -347,7 +360,7 @@ def choose_resume(
             path = fetch(storage, name)  # an object store's: downloaded, then checked
             verify(path)
         except (CheckpointCorrupt, OSError) as exc:
-            if vanished(path):
+            if gone_while_read(storage, path, exc):
                 gone.add(name)
                 continue
             skipped[name] = str(exc)

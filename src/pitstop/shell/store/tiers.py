@@ -16,6 +16,9 @@
 # tiers' catalogs until a candidate verifies — a remote one is downloaded into the cache first —
 # and a remote checkpoint it restored is copied into the local directory once the resume has
 # succeeded (adopt), with its own seq, so the next save continues after it in both tiers.
+# After that resume the remote tier catches up, on the upload thread before any later save:
+# the local checkpoints it lacks (an upload failed, or was queued when the process was killed)
+# are uploaded, oldest first, less those its retention would retire at once (plan_catch_up).
 # How: a RemoteTier (the prefix's CheckpointDirectory, a queue, a thread and a condition
 # variable) and TieredDirectory, a CheckpointDirectory that hands each publish to it.
 
@@ -35,10 +38,18 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from pitstop.core.naming import temp_name
-from pitstop.core.plan import SavePlan, plan_arrival
+from pitstop.core.plan import SavePlan, plan_arrival, plan_catch_up
 from pitstop.core.pointers import Tier, resume_order, tiered_resume_order
-from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Catalog,
+    CheckpointEntry,
+    NoCheckpoint,
+    PointerName,
+    Policy,
+)
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
@@ -83,6 +94,7 @@ class RemoteTier:
         self._errors: list[BaseException] = []  # failures not raised yet, oldest first
         self._thread: threading.Thread | None = None
         self._staged = 0
+        self._catching: tuple[Catalog, Callable[[str], Path]] | None = None  # a catch-up to do
 
     # --- the loop's side --------------------------------------------------------------------
 
@@ -90,13 +102,7 @@ class RemoteTier:
         """Queue the upload of ``entry``, just published at ``path`` (never raises: a failure is
         kept for the next call, the local checkpoint stays)."""
         try:
-            self._staged += 1
-            staged = self.cache / f"staged-{self._staged}-{entry.name}"
-            self.cache.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, staged)  # the same filesystem: no copy
-            except OSError:
-                shutil.copyfile(path, staged)
+            staged = self._link(entry, path)
             with self._cond:
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -107,6 +113,32 @@ class RemoteTier:
                 self._cond.notify_all()
         except Exception as exc:
             self._failed(entry, exc)
+
+    def _link(self, entry: CheckpointEntry, path: Path) -> Path:
+        """``path`` staged in the cache (a hard link: the same filesystem, no copy)."""
+        self._staged += 1
+        staged = self.cache / f"staged-{self._staged}-{entry.name}"
+        self.cache.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, staged)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            shutil.copyfile(path, staged)
+        return staged
+
+    def catch_up(self, local: Catalog, where: Callable[[str], Path]) -> None:
+        """Upload, in the background and before any save queued later, the checkpoints of
+        ``local`` (at ``where(name)``) the remote tier lacks and keeps (the core's
+        plan_catch_up): an upload that failed, or was queued when a process was killed."""
+        with self._cond:
+            self._catching = (local, where)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._work, name="pitstop-upload", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
 
     def settle(self, *, block: bool) -> None:
         """``block``: wait until every queued upload is done; then raise the failure of one that
@@ -124,7 +156,7 @@ class RemoteTier:
     def _pending(self) -> bool:
         """Whether an upload is queued or under way (on a thread still running: under _cond)."""
         alive = self._thread is not None and self._thread.is_alive()
-        return alive and (bool(self._queue) or self._busy)
+        return alive and (bool(self._queue) or self._busy or self._catching is not None)
 
     def opened(self) -> CheckpointDirectory:
         """The remote prefix's directory, opened (its lease taken, scanned) on first use.
@@ -169,12 +201,17 @@ class RemoteTier:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and self._catching is None and not self._closed:
                     self._cond.wait()
-                if not self._queue:
+                catching, self._catching = self._catching, None
+                if catching is None and not self._queue:
                     return
-                entry, staged = self._queue.popleft()
                 self._busy = True
+            if catching is not None:
+                self._catch_up(*catching)
+                continue
+            with self._cond:
+                entry, staged = self._queue.popleft()
             try:
                 self._upload(entry, staged)
             except Exception as exc:
@@ -185,6 +222,35 @@ class RemoteTier:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _catch_up(self, local: Catalog, where: Callable[[str], Path]) -> None:
+        """The upload thread: upload what plan_catch_up says, oldest first."""
+        todo: tuple[CheckpointEntry, ...] = ()
+        try:
+            directory = self.opened()
+            todo = plan_catch_up(local, directory.catalog, directory.policy)
+        except Exception as exc:  # the remote tier cannot be reached: raised at the next call
+            error = SaveError(f"catching up the remote tier {self.url} failed: {exc}")
+            error.__cause__ = exc
+            log.error("%s", error)
+            with self._cond:
+                self._errors.append(error)
+        for entry in todo:
+            try:
+                staged = self._link(entry, where(entry.name))
+            except FileNotFoundError:
+                continue  # retired locally meanwhile
+            try:
+                log.info("catching up: %s was not uploaded to %s", entry.name, self.url)
+                self._upload(entry, staged)
+            except Exception as exc:
+                self._failed(entry, exc)
+            finally:
+                with contextlib.suppress(OSError):
+                    staged.unlink()
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
 
     def _upload(self, entry: CheckpointEntry, staged: Path) -> None:
         directory = self.opened()
@@ -297,7 +363,7 @@ class TieredDirectory(CheckpointDirectory):
         with self.remote.objects.fetched(name) as fetched:
 
             def copy(file: BinaryIO) -> None:
-                with open(fetched, "rb") as source:
+                with open_untrusted(fetched) as source:  # read into memory, checked
                     shutil.copyfileobj(source, file, 8 << 20)
 
             write_atomically(path, copy)
@@ -306,16 +372,20 @@ class TieredDirectory(CheckpointDirectory):
 
     def adopt(self) -> None:
         """The run resumed: both tiers' checkpoints are its own; a remote checkpoint it resumed
-        from is copied into the local directory (with its seq: the next save follows it)."""
+        from is copied into the local directory (with its seq: the next save follows it) by the
+        one atomic writer, then the memory it was read into is freed."""
         super().adopt()
-        self.remote.adopt()
         arrived, self._arrived = self._arrived, None
-        if arrived is None:
-            return
-        entry, path = arrived
+        try:
+            if arrived is not None:
+                self._copy_in(*arrived)
+        finally:
+            self.remote.adopt()  # frees the remote checkpoint read into memory
+        self.remote.catch_up(self.catalog, self.storage.path)
 
+    def _copy_in(self, entry: CheckpointEntry, path: Path) -> None:
         def copy(file: Any, entry: CheckpointEntry, sync: Callable[[], None]) -> None:
-            with open(path, "rb") as source:
+            with open_untrusted(path) as source:  # the copy the resume read (into memory)
                 shutil.copyfileobj(source, file, 8 << 20)
 
         try:
