@@ -43,6 +43,7 @@ from pitstop.shell.ranks.peers import probe_groups
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file, send_file
 from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
 
@@ -71,6 +72,11 @@ def open_directories(
             )
         if isinstance(directory, TieredDirectory):  # one upload per checkpoint: rank 0's
             directory.uploads = ranks.leader
+    if groups.shared and ranks.many:  # every rank reads what rank 0 fetched: a file, not memory
+        remote = directory.remote.objects if isinstance(directory, TieredDirectory) else None
+        for objects in (directory.storage, remote):
+            if isinstance(objects, ObjectStorage):
+                objects.in_memory = False
     if groups.shared:
         ranks.lead(lambda: _open(directory))  # only rank 0 locks and reads the directory
     else:

@@ -92,11 +92,13 @@ def let_go(cache: Path) -> None:
         release(path)
 
 
-def download(objects: ObjectStorage, name: str, target: Path) -> Path:
+def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = True) -> Path:
     """Read checkpoint ``name`` of ``objects`` into memory held at ``target`` (its local path
     in the cache), every byte checked as it arrives; ``target``. Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL (a missing or short data object,
-    a bad manifest, a blob failing its CRC-32, a padding byte not zero) with nothing held."""
+    a bad manifest, a blob failing its CRC-32, a padding byte not zero) with nothing held.
+    ``memory=False``: into a file of the cache, for other processes to read (ranks that share
+    the directory read rank 0's download), checked the same way as it arrives."""
     commit = objects.commit(name)
     url = objects.location.url(name)
     meta = objects.head(commit.data)
@@ -109,7 +111,7 @@ def download(objects: ObjectStorage, name: str, target: Path) -> Path:
     if commit.size < HEADER_SIZE + FOOTER_SIZE:
         raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
     let_go(target.parent)
-    memory = hasattr(os, "memfd_create")
+    memory = memory and hasattr(os, "memfd_create")
     if memory:
         fd = os.memfd_create(f"pitstop-{name}", os.MFD_CLOEXEC)
         where = target

@@ -85,6 +85,9 @@ class ObjectStorage:
         self._own_cache = cache is None
         self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
         self._local = LocalStorage(self.cache, mode=0o600)
+        self.in_memory = True
+        """A fetched checkpoint file is held in memory (False: in a file of the cache, where
+        the other ranks sharing the directory read it)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
         self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
         self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
@@ -344,7 +347,7 @@ class ObjectStorage:
         sharded checkpoint: its local folder, every file fetched (:meth:`fetch_files`)."""
         if _is_sharded(name):
             return self.fetch_files(name)
-        return download(self, name, self._local.path(name))
+        return download(self, name, self._local.path(name), memory=self.in_memory)
 
     def fetch_files(self, name: str, files: Collection[str] | None = None) -> Path:
         """The committed sharded checkpoint ``name``'s local folder (the cache's ``name``),

@@ -381,7 +381,8 @@ class TieredDirectory(CheckpointDirectory):
                 self._copy_in(*arrived)
         finally:
             self.remote.adopt()  # frees the remote checkpoint read into memory
-        self.remote.catch_up(self.catalog, self.storage.path)
+        if self.uploads:  # the one uploader's (rank 0's, on nodes that share no directory)
+            self.remote.catch_up(self.catalog, self.storage.path)
 
     def _copy_in(self, entry: CheckpointEntry, path: Path) -> None:
         def copy(file: Any, entry: CheckpointEntry, sync: Callable[[], None]) -> None:
