@@ -7,7 +7,8 @@ reaches every rank through the inherited environment). Checked: rank 0 alone upl
 checkpoint, and no upload fails; a node whose directory is gone while the other node's copy of
 the newest checkpoint is damaged (or gone too) takes it from the remote tier, and the resume is
 bitwise the straight run's; two ranks sharing a directory that was deleted resume bitwise from
-the remote tier, on every rank. Each wait is bounded; every process and the server are ended
+the remote tier, on every rank; two ranks saving straight to an ``s3://`` prefix pause on a
+SIGTERM and resume bitwise. Each wait is bounded; every process and the server are ended
 when a test ends, passing or not.
 """
 
@@ -192,3 +193,26 @@ def test_ranks_sharing_a_deleted_directory_resume_bitwise_from_the_remote_tier(
     no_failed_upload("".join(finished.outputs.values()))
     assert_continues_exactly(straight, first, outputs(tmp_path / "second"))
     assert local_steps(directory) == [STOP_AT, 6, 9, 10][-3:]
+
+
+def test_two_ranks_on_an_s3_prefix_pause_and_resume_bitwise(
+    tmp_path: Path, url: str, straight: list[dict[str, Any]]
+) -> None:
+    """No local directory at all: both ranks' Checkpointer on ``url``; rank 1 reads the
+    checkpoint rank 0 fetched (a file of rank 0's cache, not memory only rank 0 can see)."""
+
+    def job(out: str, *options: str) -> Job:
+        args = ("--dir", url, "--out", tmp_path / out, "--target", str(TARGET))
+        return Job(SCRIPT, *args, *options, env={"TMPDIR": str(tmp_path)}, timeout=TIMEOUT)
+
+    hold = ("--hold-at", str(STOP_AT), "--hold-rank", "1", "--report")
+    with job("first", *hold) as running:
+        running.wait_for(1, f"step {STOP_AT}")
+        running.signal(1, signal.SIGTERM)
+        running.wait().check()
+    assert remote_steps(url) == [3, STOP_AT]
+    with job("second") as running:
+        running.wait().check()
+    assert_continues_exactly(straight, outputs(tmp_path / "first"), outputs(tmp_path / "second"))
+    assert remote_steps(url) == [STOP_AT, 6, 9, 10][-3:]
+    assert not list(tmp_path.glob("pitstop-s3-*")), "every rank's cache is removed at close"
