@@ -213,15 +213,21 @@ class RemoteTier:
             with self._cond:
                 entry, staged = self._queue.popleft()
             try:
-                self._upload(entry, staged)
-            except Exception as exc:
-                self._failed(entry, exc)
+                self._send(entry, staged)
             finally:
-                with contextlib.suppress(OSError):
-                    staged.unlink()
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _send(self, entry: CheckpointEntry, staged: Path) -> None:
+        """Upload one staged checkpoint (a failure kept for the next call); its link removed."""
+        try:
+            self._upload(entry, staged)
+        except Exception as exc:
+            self._failed(entry, exc)
+        finally:
+            with contextlib.suppress(OSError):
+                staged.unlink()
 
     def _catch_up(self, local: Catalog, where: Callable[[str], Path]) -> None:
         """The upload thread: upload what plan_catch_up says, oldest first."""
@@ -240,14 +246,8 @@ class RemoteTier:
                 staged = self._link(entry, where(entry.name))
             except FileNotFoundError:
                 continue  # retired locally meanwhile
-            try:
-                log.info("catching up: %s was not uploaded to %s", entry.name, self.url)
-                self._upload(entry, staged)
-            except Exception as exc:
-                self._failed(entry, exc)
-            finally:
-                with contextlib.suppress(OSError):
-                    staged.unlink()
+            log.info("catching up: %s was not uploaded to %s", entry.name, self.url)
+            self._send(entry, staged)
         with self._cond:
             self._busy = False
             self._cond.notify_all()
