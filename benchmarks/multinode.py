@@ -16,7 +16,8 @@ share this machine's disk and CPUs (a real second node brings its own).
 * *resume, local*: a fresh ``Checkpointer(...).resume()`` on both ranks, each node holding its
   copy (each writer verifies and loads its own);
 * *resume, catch-up*: the same after node 1's copy was deleted: rank 0 verifies its copy, sends
-  it to node 1 over the gloo group (8 MiB messages, CRC-32), node 1 publishes and verifies it;
+  it to node 1 over the gloo group (8 MiB messages, double-buffered, CRC-32), node 1 verifies it
+  and publishes it;
 * *floor*: node 1 writing the same number of bytes to a file and fsyncing it — what any
   catch-up that keeps a durable copy pays at least.
 

@@ -14,8 +14,10 @@
 # and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
 # loaded in the same pass), and the first candidate that verifies in at least one directory is
 # chosen. A directory whose copy is missing or does not verify receives the copy of a directory
-# that has it (the core's catch_up), over torch.distributed, into a temp file published atomically
-# (the store's atomic writer), and verifies it again before any rank reads it. With a remote tier
+# that has it (the core's catch_up), over torch.distributed, into a temp file that is verified
+# (every byte, loaded in the same pass: the resume's read) before the store's atomic writer
+# publishes it — a copy that changed on its way, or on its sender's disk, is never published.
+# With a remote tier
 # (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
 # node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
 # order (last among equals), and a checkpoint no directory holds whole is downloaded from the
@@ -202,8 +204,8 @@ def _move(
             if ranks.rank == move.source:
                 send_file(ranks, move.target, path)
             elif ranks.rank == move.target:
-                receive_file(ranks, move.source, path)
-                reading.verify(path)  # the copy received, every byte: and loaded for the read
+                # the copy received, every byte, before it is published: and loaded for the read
+                receive_file(ranks, move.source, path, partial(reading.verify, known_as=path))
                 directory.rescan()
         except Exception as exc:
             failed = failed or exc

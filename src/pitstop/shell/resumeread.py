@@ -74,8 +74,10 @@ class ResumeRead:
         index = rest[1]
         return self._devices.get((name, index)) if isinstance(index, int) else None
 
-    def verify(self, path: Path, *, shards: bool = True) -> None:
+    def verify(self, path: Path, *, shards: bool = True, known_as: Path | None = None) -> None:
         """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt.
+        ``known_as``: the path :meth:`load` will ask for (a temp file checked before it is
+        published there: the tree loaded from it stays valid once it is renamed).
 
         A sharded checkpoint directory: its manifest is checked whole and its replicated
         tree loaded, and with ``shards`` every DCP file it lists is checked too (a resume's
@@ -92,7 +94,7 @@ class ResumeRead:
             self._tree = load(path, verify=False, place=self.place)
         else:
             self._tree = load(path, verify="file", place=self.place, drop_placed=self._drop)
-        self._path = path
+        self._path = known_as or path
 
     def load(self, path: Path) -> Any:
         """The tree of ``path``: as :meth:`verify` loaded it, or (on another rank) unchecked."""

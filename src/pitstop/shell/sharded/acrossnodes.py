@@ -74,9 +74,12 @@ class _Discard:
         """Drop ``data``."""
 
 
-def receive_file(ranks: Ranks, source: int, path: Path) -> None:
-    """Receive ``source``'s copy into ``path``, published atomically; drained even when the
-    temp file cannot be made, so that the sender is not left waiting."""
+def receive_file(
+    ranks: Ranks, source: int, path: Path, check: Callable[[Path], object] | None = None
+) -> None:
+    """Receive ``source``'s copy into ``path``, published atomically (once ``check`` of the
+    temp file, if given, passed); drained even when the temp file cannot be made, so that the
+    sender is not left waiting."""
     began = False
 
     def write(file: BinaryIO) -> None:
@@ -85,7 +88,7 @@ def receive_file(ranks: Ranks, source: int, path: Path) -> None:
         receive(ranks, source, file, str(path))
 
     try:
-        write_atomically(path, write)
+        write_atomically(path, write, check=check)
     except BaseException:
         if not began:
             receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
