@@ -56,7 +56,7 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("background", ["true", "overlap"])
+@pytest.mark.parametrize("background", ["true", pytest.param("overlap", marks=pytest.mark.slow)])
 def test_a_background_save_pauses_and_resumes_exactly_in_a_fresh_process(
     s3_url: str, s3_env: dict[str, str], background: str
 ) -> None:

@@ -108,7 +108,7 @@ def reopened(
     return steps
 
 
-@pytest.mark.parametrize("how", ["failed", "queued"])
+@pytest.mark.parametrize("how", ["failed", pytest.param("queued", marks=pytest.mark.slow)])
 def test_the_next_run_uploads_what_a_killed_run_did_not(
     local_tmp: Path, s3_url: str, s3_env: dict[str, str], how: str
 ) -> None:

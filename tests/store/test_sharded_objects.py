@@ -179,7 +179,7 @@ def test_a_rank_whose_upload_fails_fails_the_save_on_every_rank_and_nothing_is_c
     assert _names_env(url, env) == [sharded_name(2), sharded_name(6)]  # step 4: never committed
 
 
-@pytest.mark.parametrize("mode", ["--async", "--overlap"])
+@pytest.mark.parametrize("mode", [pytest.param("--async", marks=pytest.mark.slow), "--overlap"])
 def test_background_sharded_saves_on_s3_publish_what_a_resume_restores_bitwise(
     straight: Run, s3_server: S3Server, tmp_path: Path, mode: str
 ) -> None:
