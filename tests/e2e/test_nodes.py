@@ -174,6 +174,7 @@ def test_a_wiped_node_gets_the_peers_copy_and_resumes_bitwise(
     assert_same_copies(run)
 
 
+@pytest.mark.slow  # the default run: tests/e2e/test_peer_copy.py, test_nodes_sharded.py
 def test_a_corrupt_copy_on_one_node_is_fetched_again_from_the_peer(
     tmp_path: Path, straight: list[dict[str, Any]]
 ) -> None:
