@@ -58,7 +58,7 @@ def assert_resumes_exactly(tmp_path: Path, stop_at: int, *options: str) -> None:
 
 
 # Step 9 is mid-epoch (epoch 1, batch 3) for the map-style data.
-@pytest.mark.parametrize("kind", ["map", "stream"])
+@pytest.mark.parametrize("kind", [pytest.param("map", marks=pytest.mark.slow), "stream"])
 def test_random_data_in_workers_resumes_exactly(tmp_path: Path, kind: str) -> None:
     assert_resumes_exactly(tmp_path, 9, "--kind", kind)
 

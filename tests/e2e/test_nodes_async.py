@@ -117,7 +117,7 @@ def test_background_saves_on_each_node_and_a_sigterm_resume_bitwise(
 @pytest.mark.parametrize(
     ("every", "at", "raised_at", "copies"),
     [
-        (2, 4, "step 6", [[2], [2, 4]]),  # at the next save, before any copy of it is written
+        pytest.param(2, 4, "step 6", [[2], [2, 4]], marks=pytest.mark.slow),  # the next save
         pytest.param(3, 10, "step 10", [[3, 6, 9], [6, 9, 10]], marks=pytest.mark.slow),  # wait
     ],
     ids=["next save", "finish's wait"],

@@ -229,6 +229,7 @@ def test_a_wiped_node_loses_its_ranks_shards_and_the_resume_names_them(
     assert not list(run.node(wiped).glob(f"step_*/__{lost}_0.distcp"))
 
 
+@pytest.mark.slow  # the default run: the wiped node (tests/core/test_shardcover_nodes.py: the rule)
 @pytest.mark.parametrize("lost", ONE_RANK)
 def test_a_corrupt_shard_on_one_node_falls_back_to_the_previous_checkpoint(
     stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]], lost: int

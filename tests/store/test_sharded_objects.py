@@ -179,7 +179,8 @@ def test_a_rank_whose_upload_fails_fails_the_save_on_every_rank_and_nothing_is_c
     assert _names_env(url, env) == [sharded_name(2), sharded_name(6)]  # step 4: never committed
 
 
-@pytest.mark.parametrize("mode", [pytest.param("--async", marks=pytest.mark.slow), "--overlap"])
+@pytest.mark.slow  # the default run: tests/store/test_async_s3.py (single-file, in the background)
+@pytest.mark.parametrize("mode", ["--async", "--overlap"])
 def test_background_sharded_saves_on_s3_publish_what_a_resume_restores_bitwise(
     straight: Run, s3_server: S3Server, tmp_path: Path, mode: str
 ) -> None:
@@ -297,6 +298,7 @@ def test_readers_and_the_cli_take_an_s3_sharded_checkpoint(
     assert cli(["verify", f"{url}/{sharded_name(4)}"]) == 0
 
 
+@pytest.mark.slow
 def test_export_load_weights_and_prune_take_an_s3_sharded_prefix(
     straight: Run, s3_server: S3Server, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
