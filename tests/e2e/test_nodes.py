@@ -195,6 +195,7 @@ def test_a_corrupt_copy_on_one_node_is_fetched_again_from_the_peer(
     assert_continues_exactly(straight, first, run.outputs("second"))  # from STOP_AT, not 3
 
 
+@pytest.mark.slow  # kill -9 across ranks by default: test_multirank.py, test_sharded_objects.py
 def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
     tmp_path: Path, straight: list[dict[str, Any]]
 ) -> None:
@@ -225,7 +226,12 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
 @pytest.mark.parametrize(
     ("script", "options", "named"),
     [
-        ("sharded_train.py", ("--async",), "saved in the background (async_save)"),
+        pytest.param(
+            "sharded_train.py",
+            ("--async",),
+            "saved in the background (async_save)",
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["sharded async_save"],
 )

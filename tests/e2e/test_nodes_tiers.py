@@ -168,6 +168,7 @@ def test_a_node_without_the_checkpoint_and_no_peer_holding_it_resumes_from_the_r
     assert remote_steps(url) == [STOP_AT, 6, 9, 10][-3:]
 
 
+@pytest.mark.slow  # several ranks reading rank 0's fetch by default: the s3:// prefix test below
 def test_ranks_sharing_a_deleted_directory_resume_bitwise_from_the_remote_tier(
     tmp_path: Path, url: str, straight: list[dict[str, Any]]
 ) -> None:
