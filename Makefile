@@ -32,11 +32,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# The test files run side by side, one worker per core and one more: most multi-process tests
-# wait on their children and servers (at most 4; TEST_WORKERS=0 runs them in this process). A
-# file stays on one worker: its module fixtures are computed once.
+# The test files run side by side, one worker per core (at most 4; TEST_WORKERS=0 runs them in
+# this process). A file stays on one worker: its module fixtures are computed once.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; f = getattr(os, 'sched_getaffinity', None); \
-	print(min(4, (len(f(0)) if f else os.cpu_count() or 1) + 1))")
+	print(min(4, len(f(0)) if f else os.cpu_count() or 1))")
 
 unit: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
