@@ -20,11 +20,10 @@ from pitstop.core.objects import (
     orphans,
     parse_data_name,
     parse_url,
-    profile_settings,
     range_reads,
     renew_after,
-    retry_settings,
 )
+from pitstop.core.s3config import profile_settings, retry_settings
 from pitstop.errors import ConfigError
 from strategies import small_steps
 
