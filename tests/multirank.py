@@ -48,6 +48,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+import zygote
 from teejoin import TeeJoiner
 
 __all__ = [
@@ -273,7 +274,9 @@ class Job:
         self._open_streams: dict[int, int] = {}  # process key -> its pipes not yet at their end
         self._codes: dict[int, int] = {}  # process key -> exit code
         self._exited: dict[int, float] = {}  # process key -> time.monotonic() at its exit
-        self._procs: dict[int, subprocess.Popen[str]] = {}  # rank (or LAUNCHER) -> process
+        self._procs: dict[
+            int, subprocess.Popen[str] | zygote.ZygoteProcess
+        ] = {}  # rank (or LAUNCHER) -> process
         self._threads: list[threading.Thread] = []
         self._worker_pids: dict[int, int] = {}
         self._killed: set[int] = set()
@@ -384,7 +387,11 @@ class Job:
         ]
 
     def _launch(self, key: int, command: list[str], env: dict[str, str]) -> None:
-        proc = self._popen(command, env, split=key == LAUNCHER)
+        proc: subprocess.Popen[str] | zygote.ZygoteProcess | None = None
+        if key != LAUNCHER:  # a rank's script: forked by the zygote where it can
+            proc = zygote.spawn(command[1:], env, self._cwd, split=False)
+        if proc is None:
+            proc = self._popen(command, env, split=key == LAUNCHER)
         self._procs[key] = proc
         streams = [proc.stdout] + ([proc.stderr] if key == LAUNCHER else [])
         self._open_streams[key] = len(streams)
@@ -427,7 +434,7 @@ class Job:
                     self._eof.update(self._lines if key == LAUNCHER else (key,))
                 self._cond.notify_all()
 
-    def _reap(self, key: int, proc: subprocess.Popen[str]) -> None:
+    def _reap(self, key: int, proc: subprocess.Popen[str] | zygote.ZygoteProcess) -> None:
         code = proc.wait()
         with self._cond:
             self._codes[key] = code

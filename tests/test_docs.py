@@ -45,15 +45,13 @@ Processes
     Every python block and every command runs in a process of its own, in its own process
     group, which the test ends: it is killed, with everything it started, after 120 s or when it
     is done. ``pitstop ...``, ``python -c ...`` and ``python SCRIPT ...`` commands and the python
-    blocks run in processes forked from a *zygote* that has imported torch and pitstop once
-    (importing torch costs about 2 s per process; this file runs some 40 of them). A forked job
-    starts from that freshly imported state, with default signal handlers, stdin from
-    /dev/null and umask 022, runs its code as the ``__main__`` module, and ends as an interpreter
-    exit does (non-daemon threads joined, atexit handlers run, ``__main__`` torn down so that open
-    files are flushed; other modules are not torn down, which saves half a second a job). A
-    ``pitstop`` command runs ``pitstop.cli.main()`` with ``sys.argv`` set, which is what the
-    console script does. Every other command runs under ``bash``, with the
-    venv's ``bin`` first on PATH. ``PITSTOP_DOC_TEST_NO_ZYGOTE=1`` runs everything as plain
+    blocks run in processes forked from the tests' *zygote* (tests/zygote.py: it has imported
+    torch and pitstop once; importing torch costs about 2 s per process, and this file runs some
+    40 of them). A forked job starts from that freshly imported state, with default signal
+    handlers, stdin from /dev/null and umask 022, runs as ``python -m pitstop ...``, ``python
+    SCRIPT`` or (a block, ``python -c``) a script of its code would, and ends as an interpreter
+    exit does, but for tearing down every module. Every other command runs under ``bash``, with
+    the venv's ``bin`` first on PATH. ``PITSTOP_DOC_TEST_NO_ZYGOTE=1`` runs everything as plain
     subprocesses instead (slow, the same results).
 """
 
@@ -61,22 +59,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
-import select
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
+
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -270,137 +267,13 @@ def output_matches(expected: list[str], actual: list[str]) -> bool:
 
 # --- running things -------------------------------------------------------------------------
 
-ZYGOTE = r"""
-import atexit, gc, json, os, signal, sys, threading, time, traceback, types, warnings
-
-# torch._dynamo: every torch.optim.Optimizer() imports it (1.3 s); none of these starts a thread
-# that a fork could break (numpy's OpenBLAS pool handles fork itself).
-for name in (
-    "numpy", "yaml", "rich", "torch", "torch._dynamo", "torch.utils.data", "torch.optim.swa_utils",
-    "pitstop", "pitstop.shell.manager", "pitstop.cli", "pitstop.cli.listing", "pitstop.train.run",
-):
-    try:
-        __import__(name)
-    except Exception:  # the job reports it
-        pass
-reply = sys.stdout.fileno()
-
-
-def fork():
-    with warnings.catch_warnings():  # Python 3.12+ warns in the parent: numpy has a thread
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return os.fork()
-
-
-def run(job):
-    os.chdir(job["cwd"])
-    os.environ.clear()
-    os.environ.update(job["env"])
-    os.umask(0o022)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for name in ("SIGTERM", "SIGCHLD", "SIGHUP", "SIGQUIT"):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    err = out
-    if job["stderr"] != job["stdout"]:
-        err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    for fd in {null, out, err}:
-        os.close(fd)
-    sys.argv = list(job["argv"])
-    code = 0
-    main = None
-    try:
-        if job["kind"] == "cli":
-            from pitstop.cli import main as pitstop_main
-
-            code = pitstop_main()
-        else:
-            main = types.ModuleType("__main__")
-            main.__builtins__ = __builtins__
-            source, filename = job["code"], job["filename"]
-            if job["kind"] == "script":
-                filename = os.path.abspath(sys.argv[0])
-                with open(filename, encoding="utf-8") as file:
-                    source = file.read()
-                main.__file__ = filename
-                sys.path[0] = os.path.dirname(filename)
-            sys.modules["__main__"] = main
-            exec(compile(source, filename, "exec"), main.__dict__)
-    except SystemExit as exc:
-        code = exc.code
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    # What an interpreter exit does, in its order, but for tearing down every module (torch
-    # takes half a second): non-daemon threads joined, atexit handlers run, then __main__
-    # cleared and garbage collected (so open files are flushed and closed), streams flushed.
-    try:
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        if main is not None:
-            main.__dict__.clear()
-        gc.collect()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        traceback.print_exc()
-        code = code or 1
-    os._exit(code)
-
-
-def supervise(job):
-    os.setpgid(0, 0)
-    pid = fork()
-    if pid == 0:
-        run(job)
-    deadline = time.monotonic() + job["timeout"]
-    status = None
-    while time.monotonic() < deadline:
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            status = os.waitstatus_to_exitcode(wait_status)
-            break
-        time.sleep(0.005)
-    os.write(reply, (json.dumps({"id": job["id"], "rc": status}) + "\n").encode())
-    os.killpg(0, signal.SIGKILL)  # the job's own children, and this supervisor
-    os._exit(0)
-
-
-live = set()
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = fork()
-    if pid == 0:
-        supervise(job)
-    live.add(pid)
-    while live:
-        done, _ = os.waitpid(-1, os.WNOHANG)
-        if not done:
-            break
-        live.discard(done)
-for pid in live:  # the test is gone: end everything it left
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-os._exit(0)
-"""
-
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TERMINAL_VARS}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr interleave as written
     env["PYTHONIOENCODING"] = "utf-8"
+    env["OMP_NUM_THREADS"] = "1"  # as the zygote's: a job's output does not depend on it
     return env
 
 
@@ -410,30 +283,10 @@ class Runner:
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
         self.count = 0
-        self.zygote: subprocess.Popen[bytes] | None = None
-        if os.environ.get("PITSTOP_DOC_TEST_NO_ZYGOTE") != "1" and hasattr(os, "fork"):
-            self.zygote = subprocess.Popen(
-                [sys.executable, "-c", ZYGOTE],
-                cwd=scratch,
-                env=_env(),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
-
-    def close(self) -> None:
-        if self.zygote is not None:
-            assert self.zygote.stdin is not None
-            assert self.zygote.stdout is not None
-            self.zygote.stdin.close()  # the zygote ends what is left, then exits
-            try:
-                self.zygote.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.zygote.kill()
-                self.zygote.wait()
-            self.zygote.stdout.close()
+        self.fork = os.environ.get("PITSTOP_DOC_TEST_NO_ZYGOTE") != "1"
 
     def run(
-        self, kind: str, argv: list[str], cwd: Path, *, code: str = "", filename: str = ""
+        self, kind: str, argv: list[str], cwd: Path, *, code: str = ""
     ) -> tuple[int | None, str, str]:
         """Run a job; return its exit status (None: timed out), stdout and stderr.
 
@@ -443,45 +296,6 @@ class Runner:
         self.count += 1
         out = self.scratch / f"{self.count}.out"
         err = out if kind in ("cli", "bash") else self.scratch / f"{self.count}.err"
-        if kind == "bash" or self.zygote is None:
-            rc = self._subprocess(kind, argv, cwd, code, filename, out, err)
-        else:
-            rc = self._forked(kind, argv, cwd, code, filename, out, err)
-        text_err = err.read_text(encoding="utf-8") if err != out else ""
-        return rc, out.read_text(encoding="utf-8"), text_err
-
-    def _forked(
-        self, kind: str, argv: list[str], cwd: Path, code: str, filename: str, out: Path, err: Path
-    ) -> int | None:
-        assert self.zygote is not None
-        assert self.zygote.stdin is not None
-        assert self.zygote.stdout is not None
-        job = {
-            "id": self.count,
-            "kind": kind,
-            "argv": argv,
-            "code": code,
-            "filename": filename,
-            "cwd": str(cwd),
-            "env": _env(),
-            "stdout": str(out),
-            "stderr": str(err),
-            "timeout": TIMEOUT_S,
-        }
-        self.zygote.stdin.write((json.dumps(job) + "\n").encode())
-        self.zygote.stdin.flush()
-        ready, _, _ = select.select([self.zygote.stdout], [], [], TIMEOUT_S + 30)
-        assert ready, "the zygote did not answer"
-        line = self.zygote.stdout.readline()
-        assert line, f"the zygote exited (status {self.zygote.poll()})"
-        answer = json.loads(line)
-        assert answer["id"] == self.count
-        rc: int | None = answer["rc"]
-        return rc
-
-    def _subprocess(
-        self, kind: str, argv: list[str], cwd: Path, code: str, filename: str, out: Path, err: Path
-    ) -> int | None:
         if kind == "bash":
             command = ["bash", "-c", f"umask 022\n{argv[0]}"]
         elif kind == "cli":
@@ -492,20 +306,32 @@ class Runner:
             script = self.scratch / f"{self.count}.py"
             script.write_text(code, encoding="utf-8")
             command = [sys.executable, str(script), *argv[1:]]
+        rc = self._process(command, cwd, out, err, forked=self.fork and kind != "bash")
+        text_err = err.read_text(encoding="utf-8") if err != out else ""
+        return rc, out.read_text(encoding="utf-8"), text_err
+
+    def _process(
+        self, command: list[str], cwd: Path, out: Path, err: Path, *, forked: bool
+    ) -> int | None:
+        """``command`` to its end (``None`` past ``TIMEOUT_S``); then it and whatever it
+        started are killed. Forked from the tests' zygote where it can be."""
         with contextlib.ExitStack() as files:
             stdout = files.enter_context(out.open("wb"))
-            stderr: IO[bytes] | int = subprocess.STDOUT
-            if err != out:
-                stderr = files.enter_context(err.open("wb"))
-            process = subprocess.Popen(
-                command,
-                cwd=cwd,
-                env=_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,
-            )
+            stderr = stdout if err == out else files.enter_context(err.open("wb"))
+            process: subprocess.Popen[bytes] | zygote.ZygoteProcess | None = None
+            if forked:
+                fds = (stdout.fileno(), stderr.fileno())
+                process = zygote.spawn(command[1:], _env(), cwd, fds=fds, umask=0o022)
+            if process is None:
+                process = subprocess.Popen(
+                    command,
+                    cwd=cwd,
+                    env=_env(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stdout if err == out else stderr,
+                    start_new_session=True,
+                )
             try:
                 return process.wait(timeout=TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -513,7 +339,7 @@ class Runner:
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)  # it and whatever it started
-                process.wait()
+                process.wait(timeout=TIMEOUT_S)
 
 
 _SHELL_SYNTAX = re.compile(r"[$`*?\[\]{}~();<>|&=]")
@@ -573,7 +399,7 @@ class PageRun:
         if step.kind == "python":
             code = "".join(self.preludes) + step.text
             # Line numbers in a traceback: those of the code as run, preludes first.
-            return self.runner.run("code", [step.id], self.directory, code=code, filename=step.id)
+            return self.runner.run("code", [step.id], self.directory, code=code)
         results = []
         previous: int | None = 0
         for command in step.commands:
@@ -581,15 +407,13 @@ class PageRun:
                 results.append(CommandResult(command.command, command.expected, f"{previous}", 0))
                 continue
             kind, argv, code = command_job(command.command)
-            previous, output, _ = self.runner.run(
-                kind, argv, self.directory, code=code, filename="-c"
-            )
+            previous, output, _ = self.runner.run(kind, argv, self.directory, code=code)
             results.append(CommandResult(command.command, command.expected, output, previous))
         return results
 
 
 @pytest.fixture(scope="module")
-def page_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def page_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     runner = Runner(tmp_path_factory.mktemp("doc-test-jobs"))
     runs: dict[str, PageRun] = {}
 
@@ -599,10 +423,7 @@ def page_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             runs[page] = PageRun(page, tmp_path_factory.mktemp(name), runner)
         return runs[page]
 
-    try:
-        yield get
-    finally:
-        runner.close()
+    return get
 
 
 def _show(lines: list[str] | str) -> str:

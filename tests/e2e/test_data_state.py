@@ -11,13 +11,13 @@ rank's loader state is its own, and each rank resumes its own shard exactly.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import zygote
 from multirank import Job
 from pitstop.shell.format import fileformat
 from trees import assert_same
@@ -30,13 +30,10 @@ TARGET = 14  # map-style: 6 batches per epoch, so the run spans 3 epochs
 
 def run(directory: Path, out: Path, *extra: str) -> dict[str, Any]:
     """Run the loop to completion in a new process; return what it wrote."""
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded: dict[str, Any] = fileformat.load(out)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+import zygote
 from pitstop.shell.format import fileformat
 from trees import assert_same
 
@@ -28,13 +29,10 @@ TARGET = 12  # optimizer updates; 5 per epoch with accumulation 2, so the run sp
 
 def run(directory: Path, out: Path, *extra: str) -> dict[str, Any]:
     """Run the training loop to completion in a new process; return what it wrote."""
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded: dict[str, Any] = fileformat.load(out)

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+import zygote
 from pitstop.core.records import CheckpointEntry
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import scan
@@ -32,16 +33,8 @@ def pitstop_argv(*args: str | os.PathLike[str]) -> list[str]:
 
 
 def cli(*args: str | os.PathLike[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``pitstop ARGS`` to completion in a new process."""
-    return subprocess.run(
-        pitstop_argv(*args),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-        env=ENV,
-        cwd=cwd,
-    )
+    """Run ``pitstop ARGS`` to completion in a new process (forked from the tests' zygote)."""
+    return zygote.run(pitstop_argv(*args), env=ENV, cwd=cwd, timeout=TIMEOUT)
 
 
 def train(config: Path, output_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
