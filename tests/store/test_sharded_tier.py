@@ -113,3 +113,18 @@ def test_an_upload_the_remote_refuses_keeps_the_local_checkpoint_and_finish_rais
     assert "the local checkpoint is kept" in message
     pitstop.verify(local / sharded_name(2))  # published locally, whole
     assert remote_steps(url) == []
+
+
+@pytest.mark.slow  # by default: the refused upload above, and tests/store/test_catchup.py
+def test_the_next_run_uploads_the_sharded_checkpoint_a_refused_upload_left_local_only(
+    s3_env: dict[str, str], s3_url: str, tmp_path: Path
+) -> None:
+    local = tmp_path / "checkpoints"
+    refused = ("--every", "2", "--target", "2", "--fresh", "--remote-secret", "not-the-secret")
+    assert run(local, s3_url, tmp_path / "a", s3_env, *refused, ranks=1).codes == {0: 3}
+    assert remote_steps(s3_url) == []
+    args = ("--every", "2", "--target", "4", "--remote-every", "2")
+    resumed = run(local, s3_url, tmp_path / "b", s3_env, *args, ranks=1).check()
+    assert "resumed 2" in resumed.lines(0), resumed.describe()
+    assert remote_steps(s3_url) == [2, 4]  # step 2 caught up after the resume, then step 4
+    assert tiers(resumed) == [[2, ["local", "remote"]], [4, ["local", "remote"]]]

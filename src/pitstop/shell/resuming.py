@@ -241,7 +241,7 @@ def _candidates(
     (or its remote tier) holds any checkpoint at all."""
     path = directory.storage.path
     if isinstance(directory, TieredDirectory):  # both tiers, a remote candidate made local
-        both = directory.sharded_order(pointer)
+        both = directory.tiered_order(pointer)
         return [(path(n), entry_to_wire(e), remote) for n, e, remote in both], bool(both)
     best = directory.policy.best
     found = scan(directory.storage, best)

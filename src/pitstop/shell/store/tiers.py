@@ -21,7 +21,7 @@
 # are uploaded, oldest first, less those its retention would retire at once (plan_catch_up).
 # A sharded checkpoint (a directory) is staged by hard links to its files and committed as one
 # on s3:// is (pitstop.shell.store.shardobjects: every file, then the one commit object); a
-# sharded resume (rank 0, pitstop.shell.resuming) tries sharded_order over both tiers, and a
+# sharded resume (rank 0, pitstop.shell.resuming) tries tiered_order over both tiers, and a
 # remote candidate is first downloaded into this directory (bring_sharded: checked, then
 # published by the rename), so every rank reads it as a local one; the pointers follow at adopt.
 # How: a RemoteTier (the prefix's CheckpointDirectory, a queue, a thread and a condition
@@ -337,50 +337,33 @@ class TieredDirectory(CheckpointDirectory):
     ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
         """The checkpoint a resume from ``pointer`` restores, from either tier (the core's
         tiered_resume_order), verified; ``(None, NO_CHECKPOINT)``: neither holds one."""
-        best = self.policy.best
-        local = scan(self.storage, best)
-        remote = self.remote.opened()
-        found = scan(remote.storage, best)
-        tiers = {
-            Tier.LOCAL: (self.storage, local.catalog),
-            Tier.REMOTE: (remote.storage, found.catalog),
-        }
-        order = tiered_resume_order(
-            (local.catalog, local.pointers), (found.catalog, found.pointers), pointer, best
-        )
-        for tier, name in order:
-            storage, catalog = tiers[tier]
+        for name, entry, remote in self.tiered_order(pointer):
+            storage = self.remote.directory.storage if remote else self.storage
             try:
                 path = fetch(storage, name)  # the remote tier's: downloaded, then checked
                 verify(path)
             except (CheckpointCorrupt, OSError) as exc:
-                where = f" (the remote tier {self.remote.url})" if tier is Tier.REMOTE else ""
+                where = f" (the remote tier {self.remote.url})" if remote else ""
                 log.warning("resume skips a checkpoint that does not verify%s: %s", where, exc)
                 continue
-            entry = catalog.get(name)
-            assert entry is not NO_CHECKPOINT
-            if tier is Tier.REMOTE:
+            if remote:
                 log.info("resume takes %s from the remote tier %s", name, self.remote.url)
                 self._arrived = (entry, path)
             return path, entry
         return None, NO_CHECKPOINT
 
-    def sharded_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry, bool]]:
-        """Rank 0, a sharded run's resume: the candidates of both tiers for ``pointer`` (the
-        core's tiered_resume_order), each name with its entry and whether it is the remote
-        tier's (:meth:`bring_sharded` makes it local first)."""
+    def tiered_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry, bool]]:
+        """The candidates of both tiers for ``pointer`` (the core's tiered_resume_order), each
+        name with its entry and whether it is the remote tier's (a sharded run's resume:
+        :meth:`bring_sharded` makes it local first). Opens the remote tier."""
         best = self.policy.best
         local = scan(self.storage, best)
         found = scan(self.remote.opened().storage, best)
         order = tiered_resume_order(
             (local.catalog, local.pointers), (found.catalog, found.pointers), pointer, best
         )
-        listed = []
-        for tier, name in order:
-            entry = (found if tier is Tier.REMOTE else local).catalog.get(name)
-            assert entry is not NO_CHECKPOINT
-            listed.append((name, entry, tier is Tier.REMOTE))
-        return listed
+        listed = [(n, (found if t is Tier.REMOTE else local).catalog.get(n), t) for t, n in order]
+        return [(n, e, t is Tier.REMOTE) for n, e, t in listed if isinstance(e, CheckpointEntry)]
 
     def bring_sharded(self, name: str) -> Path:
         """Rank 0: copy the remote tier's sharded checkpoint ``name`` into this directory —
