@@ -57,7 +57,8 @@ as they were before.
 <the files, as JSON>``.
 ``--remote URL [--remote-keep-last K] [--remote-every E] [--remote-secret S]``: a remote tier
 at URL retired by ``Policy(keep_last=K, keep_every=E)`` (S: a wrong secret for its client);
-after close, rank 0 prints ``tiers <[[step, tiers], ...] as JSON>``. ``--stop-at N``: after
+after close, rank 0 prints ``tiers <[[step, tiers], ...] as JSON>``, and the output file
+holds the RNG state too (``rng``). ``--stop-at N``: after
 the step-N save every rank sends itself SIGTERM (a StopRequest is installed), the ranks agree
 to stop and ``finish(stop=...)`` pauses the run (``stopped N``). ``--out-resumed``: right
 after the resume each rank writes ``<OUT>.resumed.rank<R>.pitstop`` (the state restored, its
@@ -425,7 +426,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     out = snapshot(model, optimizer, ema)
     out["schedule"] = {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"}
     out["resumed"] = resumed
-    out["rng"] = torch.get_rng_state()
+    if args.remote is not None:  # compared with a resumed run's --out-resumed
+        out["rng"] = torch.get_rng_state()
     out["draws"] = torch.rand(4)
     return out
 

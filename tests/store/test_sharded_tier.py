@@ -97,6 +97,7 @@ def test_a_paused_run_whose_local_directory_is_gone_resumes_bitwise_from_the_rem
     pitstop.verify(local / sharded_name(6))
 
 
+@pytest.mark.slow  # by default: tests/store/test_tiers.py's refused upload (the same thread)
 def test_an_upload_the_remote_refuses_keeps_the_local_checkpoint_and_finish_raises_it(
     s3_env: dict[str, str], s3_url: str, tmp_path: Path
 ) -> None:
