@@ -196,14 +196,18 @@ def stage_links(source: Path, staged: Path) -> None:
         raise
 
 
-def download_sharded(storage: ObjectStorage, name: str, root: Path) -> None:
+def download_sharded(
+    storage: ObjectStorage,
+    name: str,
+    root: Path,
+    file_table: Callable[[Path, list[str], int], Iterable[ShardFile]],
+) -> None:
     """Download the committed sharded checkpoint ``name`` into the new local folder ``root``,
     ready to be published by a rename: every file by the checked download (its size), then
-    fsynced and its CRC-32 compared with the commit's, then the folder fsynced. Raises
+    fsynced and its CRC-32 compared with the commit's (``file_table``: sharddir's, which
+    fsyncs and checksums files), then the folder fsynced. Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file, ``OSError`` or
     :class:`~pitstop.errors.SaveError` (a file that could not be fsynced); ``root`` goes then."""
-    from pitstop.shell.store.sharddir import file_table  # it publishes through this module
-
     commit = storage.commit(name)
     expected = {f.name: f for f in commit.files}
     root.mkdir(parents=True)
@@ -211,7 +215,7 @@ def download_sharded(storage: ObjectStorage, name: str, root: Path) -> None:
         for file in commit.files:
             target = root / file.name
             download_file(storage, name, f"{commit.data}/{file.name}", file.size, target)
-        for found in file_table(root, list(expected), rank=0):
+        for found in file_table(root, list(expected), 0):
             problem = file_problem(expected[found.name], found.size, found.crc32)
             if problem is not None:
                 raise CheckpointCorrupt(f"{storage.location.url(name)}: {problem}")

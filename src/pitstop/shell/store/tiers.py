@@ -61,7 +61,7 @@ from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
 from pitstop.shell.store.objectstore import ObjectStorage, token_of
-from pitstop.shell.store.sharddir import publish_sharded
+from pitstop.shell.store.sharddir import file_table, publish_sharded
 from pitstop.shell.store.shardobjects import download_sharded, stage_links
 from pitstop.shell.store.storage import FileKind, Storage, fetch
 
@@ -375,7 +375,7 @@ class TieredDirectory(CheckpointDirectory):
         entry = self.remote.opened().catalog.get(name)
         assert entry is not NO_CHECKPOINT
         temp = self.sharded_temp(entry)
-        download_sharded(self.remote.objects, name, self.storage.path(temp))
+        download_sharded(self.remote.objects, name, self.storage.path(temp), file_table)
         there = self.storage.kind(name) is not FileKind.MISSING
         aside = aside_name(name, token_of(temp, name)) if there else None
         publish_sharded(self.storage, temp, name, aside=aside)
