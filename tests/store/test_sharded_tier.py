@@ -39,6 +39,7 @@ pytestmark = pytest.mark.skipif(
 
 SCRIPT = Path(__file__).parents[1] / "e2e" / "sharded_train.py"
 TIMEOUT_S = 300.0
+SLOW = pytest.mark.slow  # by default: the synchronous case
 TIERED = ("--every", "1", "--keep-last", "2", "--remote-keep-last", "1", "--remote-every", "2")
 
 
@@ -72,12 +73,15 @@ def tiers(finished: Finished) -> list[list[Any]]:
     return list(json.loads(line.removeprefix("tiers ")))
 
 
+@pytest.mark.parametrize(
+    "mode", [pytest.param((), id="sync"), pytest.param(("--async",), id="async", marks=SLOW)]
+)
 def test_a_paused_run_whose_local_directory_is_gone_resumes_bitwise_from_the_remote_tier(
-    s3_env: dict[str, str], s3_url: str, tmp_path: Path
+    s3_env: dict[str, str], s3_url: str, tmp_path: Path, mode: tuple[str, ...]
 ) -> None:
-    env, url = s3_env, s3_url
+    env, url, tiered = s3_env, s3_url, (*TIERED, *mode)
     local = tmp_path / "checkpoints"
-    paused = run(local, url, tmp_path / "a", env, *TIERED, "--target", "6", "--stop-at", "4")
+    paused = run(local, url, tmp_path / "a", env, *tiered, "--target", "6", "--stop-at", "4")
     paused.check()
     assert all("stopped 4" in paused.lines(r) for r in range(2)), paused.describe()
     assert local_steps(local) == [sharded_name(3), sharded_name(4)]
@@ -85,7 +89,7 @@ def test_a_paused_run_whose_local_directory_is_gone_resumes_bitwise_from_the_rem
     assert tiers(paused) == [[2, ["remote"]], [3, ["local"]], [4, ["local", "remote"]]]
     shutil.rmtree(local)  # the node's disk is gone
 
-    resumed = run(local, url, tmp_path / "b", env, *TIERED, "--target", "6", "--out-resumed")
+    resumed = run(local, url, tmp_path / "b", env, *tiered, "--target", "6", "--out-resumed")
     resumed.check()
     for rank in range(2):
         assert "resumed 4" in resumed.lines(rank), resumed.describe()
