@@ -91,6 +91,8 @@ def test_a_paused_run_whose_local_directory_is_gone_resumes_bitwise_from_the_rem
 
     resumed = run(local, url, tmp_path / "b", env, *tiered, "--target", "6", "--out-resumed")
     resumed.check()
+    warned = [x for x in resumed.lines(0) if "WARNING" in x]  # the copy in and its pointers
+    assert not warned, resumed.describe()
     for rank in range(2):
         assert "resumed 4" in resumed.lines(rank), resumed.describe()
         saved = fileformat.load(tmp_path / f"a.rank{rank}.pitstop")

@@ -53,7 +53,6 @@ from pitstop.errors import (
     CheckpointNotFound,
     IncompatibleCheckpoint,
     ResumeWarning,
-    SaveError,
 )
 from pitstop.shell.format import fileformat
 from pitstop.shell.nodes import choose_across
@@ -250,17 +249,6 @@ def _candidates(
     return wires, bool(found.catalog)
 
 
-def _brought(directory: CheckpointDirectory, name: str) -> str | None:
-    """Rank 0: the remote tier's sharded checkpoint ``name`` copied into ``directory``, or
-    why it could not be (then it is skipped)."""
-    assert isinstance(directory, TieredDirectory)
-    try:
-        directory.bring_sharded(name)
-    except (CheckpointCorrupt, OSError, SaveError) as exc:
-        return f"{name} from the remote tier {directory.remote.url}: {exc}"
-    return None
-
-
 def _plan(path: Path, live: LiveState, ranks: Ranks) -> ShardedPlan:
     """This rank's plan of the sharded checkpoint ``path``."""
     from pitstop.shell.sharded.engine import plan_read
@@ -363,7 +351,8 @@ def _choose_sharded(
     remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire, tiered in candidates:
         if tiered:  # the remote tier's: rank 0 copies it into the directory first
-            problem = ranks.lead(partial(_brought, directory, path.name))
+            assert isinstance(directory, TieredDirectory)
+            problem = ranks.lead(partial(directory.bring_sharded, path.name))
             if problem is not None:
                 if ranks.leader:
                     log.warning("resume skips a checkpoint that does not verify: %s", problem)

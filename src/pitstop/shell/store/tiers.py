@@ -365,24 +365,25 @@ class TieredDirectory(CheckpointDirectory):
         listed = [(n, (found if t is Tier.REMOTE else local).catalog.get(n), t) for t, n in order]
         return [(n, e, t is Tier.REMOTE) for n, e, t in listed if isinstance(e, CheckpointEntry)]
 
-    def bring_sharded(self, name: str) -> Path:
+    def bring_sharded(self, name: str) -> str | None:
         """Rank 0: copy the remote tier's sharded checkpoint ``name`` into this directory —
         downloaded into a temp folder and checked (every file's size and CRC-32, fsynced),
-        then published by the rename (replacing a local one of its name) — and return its
-        path; its pointers move once the resume succeeded (:meth:`adopt`). Raises
-        ``CheckpointCorrupt``, ``OSError`` or ``SaveError`` naming what failed; nothing is
-        left."""
+        then published by the rename (replacing a local one of its name); its pointers move
+        once the resume succeeded (:meth:`adopt`). ``None``, or what failed (nothing left)."""
         entry = self.remote.opened().catalog.get(name)
         assert entry is not NO_CHECKPOINT
         temp = self.sharded_temp(entry)
-        download_sharded(self.remote.objects, name, self.storage.path(temp), file_table)
-        there = self.storage.kind(name) is not FileKind.MISSING
-        aside = aside_name(name, token_of(temp, name)) if there else None
-        publish_sharded(self.storage, temp, name, aside=aside)
+        try:
+            download_sharded(self.remote.objects, name, self.storage.path(temp), file_table)
+            there = self.storage.kind(name) is not FileKind.MISSING
+            aside = aside_name(name, token_of(temp, name)) if there else None
+            publish_sharded(self.storage, temp, name, aside=aside)
+        except (CheckpointCorrupt, OSError, SaveError) as exc:
+            return f"{name} from the remote tier {self.remote.url}: {exc}"
         self.rescan()
         self._arrived = (entry, self.storage.path(name))
         log.info("resume takes %s from the remote tier %s", name, self.remote.url)
-        return self.storage.path(name)
+        return None
 
     def remote_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry]]:
         """The remote tier's resume order for ``pointer``, each name with its entry: listed
