@@ -7,8 +7,11 @@ one and every second step). Checked: each sharded checkpoint is published locall
 by rank 0 as one commit over its files, and retired there by the remote policy; the records say
 which tiers hold each step; a run paused by SIGTERM whose local directory is then deleted
 resumes, in fresh processes, bitwise from the remote tier (the checkpoint copied into the local
-directory first), and its later checkpoints are uploaded and retired as before; an upload the
-remote refuses keeps the local checkpoint, and finish() raises it.
+directory first), and its later checkpoints are uploaded and retired as before (with
+``async_save=True`` too, under -m slow). Under -m slow: an upload the remote refuses keeps the
+local checkpoint and finish() raises it, and the next run uploads it after its resume; a
+remote checkpoint with a flipped byte is never copied in (checked against its commit first) and
+the resume takes the one before.
 """
 
 from __future__ import annotations
@@ -135,3 +138,36 @@ def test_the_next_run_uploads_the_sharded_checkpoint_a_refused_upload_left_local
     assert "resumed 2" in resumed.lines(0), resumed.describe()
     assert remote_steps(s3_url) == [2, 4]  # step 2 caught up after the resume, then step 4
     assert tiers(resumed) == [[2, ["local", "remote"]], [4, ["local", "remote"]]]
+
+
+@pytest.mark.slow  # by default: test_sharded_objects.py's flipped byte (the reader's check)
+def test_a_damaged_remote_checkpoint_is_never_copied_in_and_the_resume_takes_the_one_before(
+    s3_env: dict[str, str], s3_url: str, tmp_path: Path
+) -> None:
+    local = tmp_path / "checkpoints"
+    args = ("--every", "1", "--keep-last", "1", "--remote-keep-last", "3", "--target", "3")
+    assert run(local, s3_url, tmp_path / "a", s3_env, *args, ranks=1).check()
+    assert remote_steps(s3_url) == [1, 2, 3]
+    shutil.rmtree(local)
+    flip(s3_url, sharded_name(3), "__0_0.distcp")
+    args = (*args[:-1], "2")  # resume, train nothing
+    resumed = run(local, s3_url, tmp_path / "b", s3_env, *args, ranks=1).check()
+    assert "resumed 2" in resumed.lines(0), resumed.describe()
+    skipped = [x for x in resumed.lines(0) if "skips" in x]
+    assert len(skipped) == 1, resumed.describe()
+    assert sharded_name(3) in skipped[0]
+    assert "fails its checksum" in skipped[0]
+    assert f"from the remote tier {s3_url}" in skipped[0]  # checked before it was copied in
+    assert local_steps(local) == [sharded_name(2)]
+
+
+def flip(url: str, name: str, file: str) -> None:
+    """Flip one byte in the middle of ``file`` of the remote sharded checkpoint ``name``."""
+    storage = ObjectStorage(url)
+    try:
+        key = f"{storage.commit(name).data}/{file}"
+        data = bytearray(storage.get(key, limit=1 << 30))
+        data[len(data) // 2] ^= 0x01
+        storage.put(key, bytes(data), "overwrite")
+    finally:
+        storage.close()
