@@ -55,6 +55,14 @@ local shards (the model's, the EMA's), its optimizer (no state), its schedule an
 as they were before.
 ``--note-checks``: each verification of shard files in the resume's choice prints ``checked
 <the files, as JSON>``.
+``--remote URL [--remote-keep-last K] [--remote-every E] [--remote-secret S]``: a remote tier
+at URL retired by ``Policy(keep_last=K, keep_every=E)`` (S: a wrong secret for its client);
+after close, rank 0 prints ``tiers <[[step, tiers], ...] as JSON>``, and the output file
+holds the RNG state too (``rng``). ``--stop-at N``: after
+the step-N save every rank sends itself SIGTERM (a StopRequest is installed), the ranks agree
+to stop and ``finish(stop=...)`` pauses the run (``stopped N``). ``--out-resumed``: right
+after the resume each rank writes ``<OUT>.resumed.rank<R>.pitstop`` (the state restored, its
+RNG state). ``--fresh``: no resume.
 ``--strict-first``: resume with strict=True first and print the error it raises, then resume
 with strict=False (the run is untouched by the refused one).
 
@@ -328,6 +336,17 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
     if args.fail_start_at is not None and rank == args.fail_rank:
         fail_start(args.fail_start_at, rank)
     policy = pitstop.Policy(every_steps=args.every, keep_last=args.keep_last)
+    tier: dict[str, Any] = {}
+    if args.remote is not None:  # a remote tier, retired by its own policy
+        remote_policy = pitstop.Policy(
+            keep_last=args.remote_keep_last, keep_every=args.remote_every
+        )
+        tier = {"remote": args.remote, "remote_policy": remote_policy}
+        if args.remote_secret is not None:
+            tier["storage_options"] = {"secret_access_key": args.remote_secret}
+    stop = pitstop.StopRequest()
+    if args.stop_at is not None:
+        stop.install()
     ckpt = pitstop.Checkpointer(
         args.dir,
         model=model,
@@ -336,6 +355,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         policy=policy,
         timeout_s=args.pg_timeout,
         async_save="overlap" if args.overlap else args.async_save,
+        **tier,
     )
     if args.strict_first:
         try:
@@ -348,12 +368,18 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         note_checks()
     before = as_before(model, optimizer, schedule, ema)
     try:
-        progress = ckpt.resume(strict=not (args.no_strict or args.strict_first))
+        strict = not (args.no_strict or args.strict_first)
+        progress = pitstop.Progress() if args.fresh else ckpt.resume(strict=strict)
     except pitstop.PitstopError:
         say(untouched(before, as_before(model, optimizer, schedule, ema)))
         raise
     say(f"resumed {progress.step}")
     resumed = progress.step
+    if args.out_resumed:  # the state restored, before any step
+        rng = torch.get_rng_state()
+        restored = snapshot(model, optimizer, ema)
+        restored["schedule"] = {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"}
+        write_result(f"{args.out}.resumed", rank, world, {**restored, "rng": rng})
     saves: list[pitstop.Checkpoint] = []
     while progress.step < args.target:
         model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -379,19 +405,29 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         say(f"step {progress.step}")
         if progress.step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if progress.step == args.stop_at:  # a SIGTERM to every rank: they pause together
+            os.kill(os.getpid(), signal.SIGTERM)
+        if args.stop_at is not None and stop.sync():
+            say(f"stopped {progress.step}")
+            break
         if progress.step == args.drop_at:
             del ckpt, saved, saves
             gc.collect()
             say("dropped")
             return None
-    ckpt.finish(progress)
+    ckpt.finish(progress, stop=stop if stop else None)
+    stop.uninstall()
     for saved in saves:
         say(f"status {saved.step} {saved.status.value}")
     ckpt.close()
     say(f"checkpoints {[c.path.name for c in ckpt.checkpoints()]}")
+    if args.remote is not None:
+        say(f"tiers {json.dumps([[c.step, list(c.tiers)] for c in ckpt.checkpoints()])}")
     out = snapshot(model, optimizer, ema)
     out["schedule"] = {k: v for k, v in schedule.state_dict().items() if k != "lr_lambdas"}
     out["resumed"] = resumed
+    if args.remote is not None:  # compared with a resumed run's --out-resumed
+        out["rng"] = torch.get_rng_state()
     out["draws"] = torch.rand(4)
     return out
 
@@ -421,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tear-at-resume", action="store_true")
     parser.add_argument("--note-checks", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--remote")
+    parser.add_argument("--remote-keep-last", type=int, default=1)
+    parser.add_argument("--remote-every", type=int)
+    parser.add_argument("--remote-secret")
+    parser.add_argument("--stop-at", type=int)
+    parser.add_argument("--out-resumed", action="store_true")
+    parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")

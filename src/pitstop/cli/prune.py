@@ -118,7 +118,7 @@ def run_prune(console: Console, args: argparse.Namespace) -> int:
         delete, why = plan(found, storage)
         show(found, delete, why, done=False)
         return 0
-    directory = checkpoint_directory(args.directory, policy, None, None, False, False)
+    directory = checkpoint_directory(args.directory, policy, None, None, False)
     found = directory.open()  # takes the lock (an s3:// prefix: its lease): never races a writer
     try:
         delete, why = plan(found, directory.storage)

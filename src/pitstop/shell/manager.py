@@ -147,7 +147,7 @@ class Checkpointer:
         self._ranks = Ranks.current(options.timeout_s)
         tier = (remote, remote_policy)  # a remote tier (s3://), and its retention
         self._directory = checkpoint_directory(
-            directory, self.policy, storage, storage_options, not options.overwrite, sharded, tier
+            directory, self.policy, storage, storage_options, not options.overwrite, tier
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ranks.call(f"Checkpointer({str(directory)!r})")

@@ -7,7 +7,8 @@
 # DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
 # before. Sharded state is pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded
 # state saved in the background across directories is refused for now (ConfigError, at
-# construction, on every rank). A background save (async_save) is written by every writer's own
+# construction, on every rank), and so is sharded state with a remote tier. A background save
+# (async_save) is written by every writer's own
 # writer thread; how it ended is agreed at the next call that settles it (pitstop.shell.lifetime).
 # A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every
 # writer lists its directory's resume order, the core merges them (newest first for ``last``),
@@ -71,6 +72,14 @@ def open_directories(
                 f"DTensor) saved in the background (async_save) in directories the ranks do "
                 f"not share is not supported yet: save synchronously (async_save=False), or "
                 f"give every rank one shared directory"
+            )
+        if sharded and isinstance(directory, TieredDirectory):
+            raise ConfigError(
+                f"{directory.path} is a different directory on ranks {list(groups.writers)} "
+                f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state "
+                f"(FSDP2, DTensor) with a remote tier (remote={directory.remote.url!r}) in "
+                f"directories the ranks do not share is not supported yet: give every rank "
+                f"one shared directory, or save to the s3:// URL itself"
             )
         if isinstance(directory, TieredDirectory):  # one upload per checkpoint: rank 0's
             directory.uploads = ranks.leader

@@ -19,7 +19,10 @@
 # On object storage (s3://) each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
 # too) and checks each itself (size, CRC-32) — its copy is its own; the outcome is agreed as
-# above, every rank warns about a candidate skipped, and its folder is removed.
+# above, every rank warns about a candidate skipped, and its folder is removed. With a remote
+# tier (remote=) rank 0 lists both tiers (the local copy of a step first), and a remote
+# candidate is copied into the directory by rank 0 (checked, published by its rename) before the
+# ranks try it as a local one.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -69,6 +72,7 @@ from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, 
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.resolve import find_resume, own_pointer
 from pitstop.shell.store.sharddir import verify_sharded
+from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
@@ -230,13 +234,18 @@ def _replicated(live: LiveState) -> LiveState:
 
 def _candidates(
     directory: CheckpointDirectory, pointer: PointerName
-) -> tuple[list[tuple[Path, tuple[Any, ...] | None]], bool]:
-    """Rank 0: the resume order for ``pointer``, each with its entry as it travels, and
-    whether the directory holds any checkpoint at all."""
+) -> tuple[list[tuple[Path, tuple[Any, ...] | None, bool]], bool]:
+    """Rank 0: the resume order for ``pointer``, each with its entry as it travels and
+    whether it is a remote tier's (made local before it is tried), and whether the directory
+    (or its remote tier) holds any checkpoint at all."""
+    path = directory.storage.path
+    if isinstance(directory, TieredDirectory):  # both tiers, a remote candidate made local
+        both = directory.tiered_order(pointer)
+        return [(path(n), entry_to_wire(e), remote) for n, e, remote in both], bool(both)
     best = directory.policy.best
     found = scan(directory.storage, best)
     order = resume_order(found.catalog, found.pointers, pointer, best)
-    wires = [(directory.storage.path(n), entry_to_wire(found.catalog.get(n))) for n in order]
+    wires = [(path(n), entry_to_wire(found.catalog.get(n)), False) for n in order]
     return wires, bool(found.catalog)
 
 
@@ -340,7 +349,14 @@ def _choose_sharded(
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
-    for path, wire in candidates:
+    for path, wire, tiered in candidates:
+        if tiered:  # the remote tier's: rank 0 copies it into the directory first
+            assert isinstance(directory, TieredDirectory)
+            problem = ranks.lead(partial(directory.bring_sharded, path.name))
+            if problem is not None:
+                if ranks.leader:
+                    log.warning("resume skips a checkpoint that does not verify: %s", problem)
+                continue
         if remote is not None:  # this rank's own copy: the manifest first
             path, planned = _fetched(remote, path.name, live, ranks)
         else:

@@ -140,7 +140,9 @@ class CheckpointDirectory:
         self._foreign: tuple[CheckpointEntry | NoCheckpoint, int] = (NO_CHECKPOINT, 0)
         self._had_latest = True  # whether latest.json is on disk (a rollback leaves it so)
         self._told_carried = False
-        self._pending_sharded: tuple[str, ShardedLayout, object, Mapping[str, object]] | None = None
+        self._pending_sharded: (
+            tuple[str, ShardedLayout | None, object, Mapping[str, object]] | None
+        ) = None
         self._carried: SavePlan | None = None  # the last plan published, pointers and all
         self.catalog = Catalog()
         self.pointers = Pointers()
@@ -338,19 +340,20 @@ class CheckpointDirectory:
         self,
         plan: SavePlan,
         entry: CheckpointEntry,
-        layout: ShardedLayout,
+        layout: ShardedLayout | None,
         tree: object,
         meta: Mapping[str, object],
         *,
         temp: str,
-    ) -> None:
+    ) -> list[str]:
         """Rank 0: the shards of ``entry`` are written into ``temp`` (:meth:`sharded_temp`):
-        write the manifest (``layout``, the replicated ``tree``, ``meta``) last, rename the
-        directory into place, fsync the parent; then carry ``plan`` out as for a file."""
+        write the manifest (``layout``, the replicated ``tree``, ``meta``; ``layout`` None: it
+        is in ``temp`` already, a copy from another tier) last, rename the directory into
+        place, fsync the parent; then carry ``plan`` out as for a file. What it deleted."""
         started = time.perf_counter()
         self._pending_sharded = (temp, layout, tree, {**meta, **entry_meta(entry)})
         try:
-            self.execute(plan, lambda file, entry, sync: None)
+            deleted = self.execute(plan, lambda file, entry, sync: None)
         finally:
             self._pending_sharded = None
         log.info(
@@ -359,6 +362,7 @@ class CheckpointDirectory:
             entry.reason.value,
             time.perf_counter() - started,
         )
+        return deleted
 
     def _publish_directory(self, plan: SavePlan, entry: CheckpointEntry) -> None:
         pending = self._pending_sharded
@@ -369,9 +373,11 @@ class CheckpointDirectory:
         remote = isinstance(self.storage, RemoteStorage)  # there: its commit is swapped instead
         if plan.replaces and not remote and self.storage.kind(entry.name) is FileKind.DIRECTORY:
             aside = aside_name(entry.name, self._token())
-        manifest = partial(
-            sharddir.write_manifest, layout=layout, meta=meta, tree=tree, token=self._token()
-        )
+        manifest = None
+        if layout is not None:
+            manifest = partial(
+                sharddir.write_manifest, layout=layout, meta=meta, tree=tree, token=self._token()
+            )
         publish_sharded(
             self.storage,
             temp,

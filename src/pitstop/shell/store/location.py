@@ -7,8 +7,8 @@
 # naming the extra;
 # ``storage_options`` go to the S3 client and nowhere else. A local directory with ``remote=``
 # (an ``s3://`` URL) is a TieredDirectory: local publish first, upload in the background, the
-# remote tier's own retention (``remote_policy``, by default the local one's); a remote tier takes
-# no sharded state (yet), and is not itself a remote location.
+# remote tier's own retention (``remote_policy``, by default the local one's), for a file or a
+# sharded checkpoint alike; a remote tier is not itself a remote location.
 # How: builds the CheckpointDirectory; nothing is touched until its open().
 
 """Opening a checkpoint location: a local directory or ``s3://bucket/prefix``."""
@@ -37,12 +37,11 @@ def checkpoint_directory(
     storage: Storage | None,
     storage_options: Mapping[str, Any] | None,
     protect: bool,
-    sharded: bool,
     tier: tuple[object, object] = (None, None),
 ) -> CheckpointDirectory:
     """The CheckpointDirectory of ``directory``, not yet opened (``protect``: refuse to save
-    over the checkpoints found until a resume; ``sharded``: the run holds sharded state;
-    ``tier``: ``(remote, remote_policy)``, the ``s3://`` URL of a remote tier and its retention).
+    over the checkpoints found until a resume; ``tier``: ``(remote, remote_policy)``, the
+    ``s3://`` URL of a remote tier and its retention).
 
     Raises :class:`~pitstop.errors.ConfigError` for an ``s3://`` location with a ``storage``,
     or without the S3 client; for ``storage_options`` on a local one without
@@ -50,9 +49,7 @@ def checkpoint_directory(
     """
     remote, remote_policy = tier
     if remote is not None or remote_policy is not None:
-        return _tiered(
-            directory, policy, storage, storage_options, protect, sharded, remote, remote_policy
-        )
+        return _tiered(directory, policy, storage, storage_options, protect, remote, remote_policy)
     if not is_object_url(directory):
         if storage_options is not None:
             raise ConfigError(
@@ -84,7 +81,6 @@ def _tiered(
     storage: Storage | None,
     storage_options: Mapping[str, Any] | None,
     protect: bool,
-    sharded: bool,
     remote: object,
     remote_policy: object,
 ) -> CheckpointDirectory:
@@ -102,11 +98,6 @@ def _tiered(
         raise ConfigError(
             f"{where}: remote_policy must be a pitstop.Policy (its keep_last and keep_every "
             f"retire the remote checkpoints), got {type(remote_policy).__name__}"
-        )
-    if sharded:
-        raise ConfigError(
-            f"{where}: sharded checkpoints (DTensor, FSDP2) have no remote tier yet; "
-            "leave remote= out"
         )
     from pitstop.shell.store.tiers import TieredDirectory
 

@@ -14,6 +14,12 @@
 # commit's files, or only those named (a resume's rank: the manifest, then what its read plan
 # needs), are downloaded to a local folder, each checked against its commit's size; the CRC-32s
 # are checked by the reader (pitstop.shell.store.sharddir.verify_sharded) before DCP reads.
+# A remote tier (pitstop.shell.store.tiers) stages a sharded checkpoint published in its local
+# directory by hard links (stage_links; the local retention may delete it meanwhile) and
+# commits it as rank 0 commits one (every file not listed yet is uploaded, then the commit); a
+# resume that takes one from the remote tier downloads every file into a local temp folder
+# (download_sharded: the checked download, then each file fsynced and its CRC-32 compared with
+# the commit's, the folder fsynced), which the local directory then publishes by its rename.
 # How: an ObjectStorage's requests; the staging folders are local files of this process.
 
 """Sharded checkpoints on ``s3://``: upload each rank's shards, commit them."""
@@ -21,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -34,14 +41,21 @@ from pitstop.core.objects import (
     encode_commit,
     sharded_commit,
 )
-from pitstop.core.sharded import MANIFEST_NAME, ShardFile, files_from_wire
-from pitstop.errors import SaveError
+from pitstop.core.sharded import MANIFEST_NAME, ShardFile, file_problem, files_from_wire
+from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32
+from pitstop.shell.store.objectread import download_file
 from pitstop.shell.store.objectstore import ObjectStorage, token_of
-from pitstop.shell.store.storage import FileKind
+from pitstop.shell.store.storage import FileKind, LocalStorage
 
-__all__ = ["commit_sharded", "publish_objects", "upload_shards"]
+__all__ = [
+    "commit_sharded",
+    "download_sharded",
+    "publish_objects",
+    "stage_links",
+    "upload_shards",
+]
 
 
 def _final(temp: str) -> str:
@@ -158,3 +172,54 @@ def _commit(storage: ObjectStorage, commit: Commit) -> None:
         for obj in deletion_order(old)[1:]:
             with contextlib.suppress(OSError):
                 storage.delete(obj)
+
+
+def stage_links(source: Path, staged: Path) -> None:
+    """Stage the sharded checkpoint published at ``source`` (a local directory) at ``staged``
+    for its upload: every file hard-linked (copied where no link can be made), so the local
+    retention may delete ``source`` meanwhile. ``FileNotFoundError``, nothing staged, when
+    ``source`` (or its manifest) is gone."""
+    staged.mkdir(parents=True)
+    try:
+        names = sorted(e.name for e in os.scandir(source) if e.is_file(follow_symlinks=False))
+        if MANIFEST_NAME not in names:
+            raise FileNotFoundError(f"{source / MANIFEST_NAME} is gone")
+        for name in names:
+            try:
+                os.link(source / name, staged / name)
+            except FileNotFoundError:
+                raise
+            except OSError:
+                shutil.copyfile(source / name, staged / name)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+def download_sharded(
+    storage: ObjectStorage,
+    name: str,
+    root: Path,
+    file_table: Callable[[Path, list[str], int], Iterable[ShardFile]],
+) -> None:
+    """Download the committed sharded checkpoint ``name`` into the new local folder ``root``,
+    ready to be published by a rename: every file by the checked download (its size), then
+    fsynced and its CRC-32 compared with the commit's (``file_table``: sharddir's, which
+    fsyncs and checksums files), then the folder fsynced. Raises
+    :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file, ``OSError`` or
+    :class:`~pitstop.errors.SaveError` (a file that could not be fsynced); ``root`` goes then."""
+    commit = storage.commit(name)
+    expected = {f.name: f for f in commit.files}
+    root.mkdir(parents=True)
+    try:
+        for file in commit.files:
+            target = root / file.name
+            download_file(storage, name, f"{commit.data}/{file.name}", file.size, target)
+        for found in file_table(root, list(expected), 0):
+            problem = file_problem(expected[found.name], found.size, found.crc32)
+            if problem is not None:
+                raise CheckpointCorrupt(f"{storage.location.url(name)}: {problem}")
+        LocalStorage(root).sync_directory()
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise

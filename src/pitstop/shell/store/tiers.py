@@ -19,6 +19,11 @@
 # After that resume the remote tier catches up, on the upload thread before any later save:
 # the local checkpoints it lacks (an upload failed, or was queued when the process was killed)
 # are uploaded, oldest first, less those its retention would retire at once (plan_catch_up).
+# A sharded checkpoint (a directory) is staged by hard links to its files and committed as one
+# on s3:// is (pitstop.shell.store.shardobjects: every file, then the one commit object); a
+# sharded resume (rank 0, pitstop.shell.resuming) tries tiered_order over both tiers, and a
+# remote candidate is first downloaded into this directory (bring_sharded: checked, then
+# published by the rename), so every rank reads it as a local one; the pointers follow at adopt.
 # How: a RemoteTier (the prefix's CheckpointDirectory, a queue, a thread and a condition
 # variable) and TieredDirectory, a CheckpointDirectory that hands each publish to it.
 
@@ -37,7 +42,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pitstop.core.naming import temp_name
+import attrs
+
+from pitstop.core.naming import aside_name, temp_name
 from pitstop.core.plan import SavePlan, plan_arrival, plan_catch_up
 from pitstop.core.pointers import Tier, resume_order, tiered_resume_order
 from pitstop.core.records import (
@@ -53,8 +60,10 @@ from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
-from pitstop.shell.store.objectstore import ObjectStorage
-from pitstop.shell.store.storage import Storage, fetch
+from pitstop.shell.store.objectstore import ObjectStorage, token_of
+from pitstop.shell.store.sharddir import file_table, publish_sharded
+from pitstop.shell.store.shardobjects import download_sharded, stage_links
+from pitstop.shell.store.storage import FileKind, Storage, fetch
 
 __all__ = ["RemoteTier", "TieredDirectory"]
 
@@ -119,6 +128,9 @@ class RemoteTier:
         self._staged += 1
         staged = self.cache / f"staged-{self._staged}-{entry.name}"
         self.cache.mkdir(parents=True, exist_ok=True)
+        if entry.sharded:  # a directory: its files, each hard-linked
+            stage_links(path, staged)
+            return staged
         try:
             os.link(path, staged)
         except FileNotFoundError:
@@ -226,6 +238,8 @@ class RemoteTier:
         except Exception as exc:
             self._failed(entry, exc)
         finally:
+            if staged.is_dir():  # a sharded checkpoint's (its commit removes it too)
+                shutil.rmtree(staged, ignore_errors=True)
             with contextlib.suppress(OSError):
                 staged.unlink()
 
@@ -255,11 +269,16 @@ class RemoteTier:
     def _upload(self, entry: CheckpointEntry, staged: Path) -> None:
         directory = self.opened()
         plan = plan_arrival(directory.catalog, entry, directory.policy)
-        self.objects.upload_from(entry.name, staged)
-        try:
-            deleted = directory.execute(plan, lambda file, entry, sync: None)
-        finally:
-            self.objects.upload_from(entry.name, None)
+        if entry.sharded:  # its files, then the one commit (shardobjects.publish_objects)
+            temp = directory.sharded_temp(entry)
+            os.replace(staged, self.objects.path(temp))
+            deleted = directory.publish_sharded(plan, entry, None, None, {}, temp=temp)
+        else:
+            self.objects.upload_from(entry.name, staged)
+            try:
+                deleted = directory.execute(plan, lambda file, entry, sync: None)
+            finally:
+                self.objects.upload_from(entry.name, None)
         retired = f"; retired {', '.join(deleted)}" if deleted else ""
         log.info("uploaded %s to the remote tier %s%s", entry.name, self.url, retired)
 
@@ -318,33 +337,53 @@ class TieredDirectory(CheckpointDirectory):
     ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
         """The checkpoint a resume from ``pointer`` restores, from either tier (the core's
         tiered_resume_order), verified; ``(None, NO_CHECKPOINT)``: neither holds one."""
-        best = self.policy.best
-        local = scan(self.storage, best)
-        remote = self.remote.opened()
-        found = scan(remote.storage, best)
-        tiers = {
-            Tier.LOCAL: (self.storage, local.catalog),
-            Tier.REMOTE: (remote.storage, found.catalog),
-        }
-        order = tiered_resume_order(
-            (local.catalog, local.pointers), (found.catalog, found.pointers), pointer, best
-        )
-        for tier, name in order:
-            storage, catalog = tiers[tier]
+        for name, entry, remote in self.tiered_order(pointer):
+            storage = self.remote.directory.storage if remote else self.storage
             try:
                 path = fetch(storage, name)  # the remote tier's: downloaded, then checked
                 verify(path)
             except (CheckpointCorrupt, OSError) as exc:
-                where = f" (the remote tier {self.remote.url})" if tier is Tier.REMOTE else ""
+                where = f" (the remote tier {self.remote.url})" if remote else ""
                 log.warning("resume skips a checkpoint that does not verify%s: %s", where, exc)
                 continue
-            entry = catalog.get(name)
-            assert entry is not NO_CHECKPOINT
-            if tier is Tier.REMOTE:
+            if remote:
                 log.info("resume takes %s from the remote tier %s", name, self.remote.url)
                 self._arrived = (entry, path)
             return path, entry
         return None, NO_CHECKPOINT
+
+    def tiered_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry, bool]]:
+        """The candidates of both tiers for ``pointer`` (the core's tiered_resume_order), each
+        name with its entry and whether it is the remote tier's (a sharded run's resume:
+        :meth:`bring_sharded` makes it local first). Opens the remote tier."""
+        best = self.policy.best
+        local = scan(self.storage, best)
+        found = scan(self.remote.opened().storage, best)
+        order = tiered_resume_order(
+            (local.catalog, local.pointers), (found.catalog, found.pointers), pointer, best
+        )
+        listed = [(n, (found if t is Tier.REMOTE else local).catalog.get(n), t) for t, n in order]
+        return [(n, e, t is Tier.REMOTE) for n, e, t in listed if isinstance(e, CheckpointEntry)]
+
+    def bring_sharded(self, name: str) -> str | None:
+        """Rank 0: copy the remote tier's sharded checkpoint ``name`` into this directory —
+        downloaded into a temp folder and checked (every file's size and CRC-32, fsynced),
+        then published by the rename (replacing a local one of its name); its pointers move
+        once the resume succeeded (:meth:`adopt`). ``None``, or what failed (nothing left)."""
+        entry = self.remote.opened().catalog.get(name)
+        assert entry is not NO_CHECKPOINT
+        temp = self.sharded_temp(entry)
+        try:
+            download_sharded(self.remote.objects, name, self.storage.path(temp), file_table)
+            there = self.storage.kind(name) is not FileKind.MISSING
+            aside = aside_name(name, token_of(temp, name)) if there else None
+            publish_sharded(self.storage, temp, name, aside=aside)
+        except (CheckpointCorrupt, OSError, SaveError) as exc:
+            return f"{name} from the remote tier {self.remote.url}: {exc}"
+        self.rescan()
+        self._arrived = (entry, self.storage.path(name))
+        log.info("resume takes %s from the remote tier %s", name, self.remote.url)
+        return None
 
     def remote_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry]]:
         """The remote tier's resume order for ``pointer``, each name with its entry: listed
@@ -389,8 +428,11 @@ class TieredDirectory(CheckpointDirectory):
             with open_untrusted(path) as source:  # the copy the resume read (into memory)
                 shutil.copyfileobj(source, file, 8 << 20)
 
+        plan = plan_arrival(self.catalog, entry, self.policy)
+        if entry.sharded:  # in this directory already (bring_sharded): its pointers move
+            plan = attrs.evolve(plan, entry=NO_CHECKPOINT)
         try:
-            super().execute(plan_arrival(self.catalog, entry, self.policy), copy)
+            super().execute(plan, copy)
         except (SaveError, OSError) as exc:
             log.warning(
                 "could not copy %s from the remote tier into %s: %s", entry.name, self.path, exc
