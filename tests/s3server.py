@@ -25,6 +25,8 @@ from pathlib import Path
 
 import attrs
 
+import zygote
+
 ACCESS_KEY = "pitstop-test-key"
 SECRET_KEY = "pitstop-test-secret-0123456789"
 BUCKET = "pitstop"
@@ -192,14 +194,7 @@ CHILD_TIMEOUT_S = 120
 def run_python(args: list[str], env: dict[str, str]) -> str:
     """Run ``python ARGS`` with ``env`` over this process's environment (bounded in time);
     the last line it printed. Fails the test, with its stderr, when it fails."""
-    done = subprocess.run(
-        [sys.executable, *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-    )
+    done = zygote.run([sys.executable, *args], env={**os.environ, **env}, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     return lines[-1] if lines else ""
