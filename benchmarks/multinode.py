@@ -21,12 +21,23 @@ share this machine's disk and CPUs (a real second node brings its own).
 * *floor*: node 1 writing the same number of bytes to a file and fsyncing it — what any
   catch-up that keeps a durable copy pays at least.
 
+* *parallel floor*: both ranks writing the same bytes durably at once (each its own file),
+  against rank 0 alone — what two writers sharing this machine cost it, with no pitstop at all.
+
 Each figure is the slower rank's time from a barrier to the call's return, the median of
 ``--repeats`` runs after one warm-up; the checkpoint files are dropped from the page cache
 before each resume (``posix_fadvise(DONTNEED)``), so every resume reads from the disk.
+``--dir /dev/shm`` keeps every file in memory (tmpfs: no disk, and no page cache to drop), so
+that what is measured is pitstop's work and the ranks' traffic, not one shared disk.
+
+Per phase (the second table): in the timed 2-node save and catch-up, each rank's time in the
+calls that do the work — writing a copy, verifying (and loading) a copy, sending and receiving
+one over gloo (``transfer``: without the receiver's verify of it, counted as ``verify``) —
+each counted without the phases it calls (medians); ``rounds and the rest`` is the call's time
+outside them: the agreement rounds (and waiting in them for the other rank's phases), planning.
 
     .venv/bin/python benchmarks/multinode.py --size-mib 256 --repeats 5
-    .venv/bin/python benchmarks/multinode.py --size-mib 64 --json rows.json
+    .venv/bin/python benchmarks/multinode.py --size-mib 64 --repeats 5 --dir /dev/shm
 
 Both workers are ended: each has ``--timeout`` for the whole run, then is killed (its process
 group), and the benchmark fails naming it.
@@ -74,6 +85,51 @@ def _write_durably(path: Path, size: int) -> None:
     path.unlink()
 
 
+PHASES = {
+    "pitstop.shell.format.fileformat:write": "write a copy",
+    "pitstop.shell.resumeread:ResumeRead.verify": "verify (+ load) a copy",
+    "pitstop.shell.nodes:send_file": "transfer: send",
+    "pitstop.shell.nodes:receive_file": "transfer: receive + write",
+}
+"""The calls each timed per phase (``module:attribute``) and the phase's name."""
+
+
+class Phases:
+    """Each rank's time in the :data:`PHASES` calls, each without the phases it calls."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.spent: dict[str, float] = {}
+        self._stack: list[list[Any]] = []  # [phase, started, time in inner phases]
+        for where, phase in PHASES.items():
+            module_name, _, attribute = where.partition(":")
+            owner: Any = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            setattr(owner, name, self._timed(getattr(owner, name), phase))
+
+    def _timed(self, call: Any, phase: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append([phase, time.perf_counter(), 0.0])
+            try:
+                return call(*args, **kwargs)
+            finally:
+                _, started, inner = self._stack.pop()
+                took = time.perf_counter() - started
+                self.spent[phase] = self.spent.get(phase, 0.0) + took - inner
+                if self._stack:
+                    self._stack[-1][2] += took
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The time per phase since the last take."""
+        spent, self.spent = self.spent, {}
+        return spent
+
+
 def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out: Path) -> None:
     """One rank: every measurement, in step with the other rank; rank 0 writes the rows."""
     import torch
@@ -83,6 +139,8 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
     import pitstop
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    phases = Phases()
+    split: dict[str, list[dict[str, float]]] = {"2 nodes": [], "catch-up": []}
     torch.manual_seed(0)
     per = max(1, size_mib * (1 << 20) // 4 // 3 // tensors)  # a third weights, two moments
     model = nn.ParameterList([nn.Parameter(torch.randn(per)) for _ in range(tensors)])
@@ -100,13 +158,23 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
     def checkpointer(directory: Path) -> pitstop.Checkpointer:
         return pitstop.Checkpointer(directory, model=model, state={"optimizer": optimizer})
 
-    def timed(directory: Path, call: str) -> float:
+    def timed(directory: Path, call: str, case: str) -> float:
         ckpt = checkpointer(directory)
         try:
             dist.barrier()
+            phases.take()
             started = time.perf_counter()
             ckpt.save(progress) if call == "save" else ckpt.resume()
-            return slowest(time.perf_counter() - started)
+            took = time.perf_counter() - started
+            spent = phases.take()
+            spent["rounds and the rest"] = took - sum(spent.values())
+            both: list[Any] = [None, None]
+            dist.all_gather_object(both, spent)
+            if case in split:
+                split[case].append(
+                    {f"{k}|{r}": v for r, d in enumerate(both) for k, v in d.items()}
+                )
+            return slowest(took)
         finally:
             ckpt.close()
 
@@ -117,7 +185,7 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
     times: dict[str, list[float]] = {"1 node": [], "2 nodes": []}
     for run in range(repeats + 1):  # the layouts take turns; run 0 is the warm-up
         for layout in times:
-            seconds = timed(save_dir(layout, run), "save")
+            seconds = timed(save_dir(layout, run), "save", layout if run else "")
             if run:
                 times[layout].append(seconds)
             dist.barrier()
@@ -140,7 +208,7 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
             if directory.exists():
                 _evict(directory)
             dist.barrier()
-            seconds = timed(directory, "resume")
+            seconds = timed(directory, "resume", case if run else "")
             if run:
                 times[case].append(seconds)
     rows += _medians("resume", times)
@@ -152,6 +220,28 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
             _write_durably(root / "node1" / "floor", size)
         floors.append(slowest(time.perf_counter() - started if rank == 1 else 0.0))
     rows.append({"call": "floor", "case": "write", "median_s": statistics.median(floors)})
+    pairs: dict[str, list[float]] = {"one": [], "both": []}  # one writer, then two at once
+    for _ in range(repeats):
+        for case, writes in (("one", rank == 0), ("both", True)):
+            dist.barrier()
+            started = time.perf_counter()
+            if writes:
+                _write_durably(root / f"node{rank}" / "floor", size)
+            pairs[case].append(slowest(time.perf_counter() - started))
+    rows += _medians("parallel floor", pairs)
+    for case, runs in split.items():
+        for key in sorted({k for r in runs for k in r}):
+            phase, rank_of = key.split("|")
+            median = statistics.median(r.get(key, 0.0) for r in runs)
+            rows.append(
+                {
+                    "call": "phase",
+                    "case": case,
+                    "phase": phase,
+                    "rank": int(rank_of),
+                    "median_s": median,
+                }
+            )
     if rank == 0:
         for row in rows:
             row["bytes"] = size
@@ -211,6 +301,23 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"| {call} | {base:.3f} | {other:.3f} | {other / base:.2f}x | ≤ {TARGETS[call]}x |")
     floor = next(r["median_s"] for r in rows if r["call"] == "floor")
     print(f"floor of the catch-up: node 1 writing the same bytes and fsyncing them: {floor:.3f} s")
+    one, both = (r["median_s"] for r in rows if r["call"] == "parallel floor")
+    print(
+        f"parallel floor: one rank writing them {one:.3f} s, both at once {both:.3f} s: "
+        f"{both / one:.2f}x"
+    )
+    print("\nper phase, median s (rank 0 / rank 1)")
+    print("| phase | 2-node save | catch-up |")
+    print("|---|---|---|")
+    phased = [r for r in rows if r["call"] == "phase"]
+    for phase in dict.fromkeys(r["phase"] for r in phased):
+        cells = []
+        for case in ("2 nodes", "catch-up"):
+            got = {
+                r["rank"]: r["median_s"] for r in phased if (r["phase"], r["case"]) == (phase, case)
+            }
+            cells.append(" / ".join(f"{got.get(k, 0.0):.3f}" for k in (0, 1)))
+        print(f"| {phase} | {cells[0]} | {cells[1]} |")
 
 
 def main(argv: list[str] | None = None) -> int:

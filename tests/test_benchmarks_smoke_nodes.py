@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/multinode.py at a tiny size: it runs, ends its workers and prints
-both rows (the figures themselves are for docs/performance.md, never asserted)."""
+both rows and the per-phase table (the figures themselves are for docs/performance.md, never
+asserted)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,20 @@ def test_multinode_prints_save_and_catch_up_rows_and_ends_its_workers(
     for call in ("save", "resume"):
         assert re.search(rf"^\| {call} \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out, re.M), out
     rows = json.loads(out_json.read_text())
-    assert [(r["call"], r["case"]) for r in rows] == [
+    assert [(r["call"], r["case"]) for r in rows if r["call"] != "phase"] == [
         ("save", "1 node"),
         ("save", "2 nodes"),
         ("resume", "local"),
         ("resume", "catch-up"),
         ("floor", "write"),
+        ("parallel floor", "one"),
+        ("parallel floor", "both"),
     ]
-    assert all(r["median_s"] > 0 and r["bytes"] > 1 << 20 for r in rows), rows
+    phases = {(r["case"], r["phase"], r["rank"]) for r in rows if r["call"] == "phase"}
+    assert ("2 nodes", "write a copy", 1) in phases, phases  # node 1's writer writes its copy
+    assert ("catch-up", "transfer: send", 0) in phases, phases
+    assert ("catch-up", "transfer: receive + write", 1) in phases, phases
+    assert all(r["median_s"] >= 0 and r["bytes"] > 1 << 20 for r in rows), rows
     assert "floor of the catch-up" in out, out
+    assert re.search(r"^\| transfer: send \| [\d.]+ / [\d.]+ \| [\d.]+ / [\d.]+ \|", out, re.M), out
     assert list(tmp_path.iterdir()) == [out_json]  # the nodes' files are removed

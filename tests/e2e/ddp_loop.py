@@ -19,6 +19,7 @@ WORLD_SIZE it runs as one plain process, no process group and no DDP.
     python ddp_loop.py --dir D --target 10 --out OUT [--report] [--every 3]
         [--async-save off|on|overlap] [--hold-at N --hold-rank R] [--fail-write-at N]
         [--hang-write-at N] [--no-resume-strict] [--no-ema] [--no-meter]
+        [--resume-from SOURCE] [--try-resume-from SOURCE]
 
 Test hooks (the write faults on rank 0, or ``--fault-rank R``, a writer of another node's
 directory; the Checkpointer itself is never patched):
@@ -28,6 +29,9 @@ arrived (race-free, through signal.set_wakeup_fd), so a SIGTERM a test sends aft
 ``--fail-write-at N``: the checkpoint write of step N raises OSError(ENOSPC).
 ``--hang-write-at N``: the checkpoint write of step N writes half a file, prints
 ``writing N`` and blocks, for a test to kill -9 it mid-save.
+``--resume-from SOURCE``: ``resume(SOURCE)`` instead of ``resume()`` (``last``).
+``--try-resume-from SOURCE``: first a resume from SOURCE that must fail: it prints
+``resume error <Type> <message as JSON>`` (a resume that succeeds exits 4).
 A PitstopError from a Checkpointer call prints ``error <Type> <message as JSON>`` and exits 3.
 """
 
@@ -156,6 +160,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hold-rank", type=int, default=1)
     parser.add_argument("--fail-write-at", type=int, default=None)
     parser.add_argument("--hang-write-at", type=int, default=None)
+    parser.add_argument("--resume-from", default="last")
+    parser.add_argument("--try-resume-from", default=None)
     parser.add_argument("--fault-rank", type=int, default=0, help="the rank whose write faults")
     parser.add_argument("--remote", default=None, help="Checkpointer(remote=...): a remote tier")
     parser.add_argument("--resume-strict", action=argparse.BooleanOptionalAction, default=True)
@@ -261,7 +267,14 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
             async_save=MODES[args.async_save],
             **extra,
         )
-        progress = ckpt.resume(strict=args.resume_strict)
+        if args.try_resume_from is not None:
+            try:
+                ckpt.resume(args.try_resume_from)
+            except pitstop.PitstopError as exc:
+                print(f"resume error {type(exc).__name__} {json.dumps(str(exc))}", flush=True)
+            else:
+                raise SystemExit(EXIT_TEST_HOOK)
+        progress = ckpt.resume(args.resume_from, strict=args.resume_strict)
         report(args.report, f"resumed {progress.step}")
         resumed = {
             "progress": [progress.step, progress.epoch, progress.batch_in_epoch],

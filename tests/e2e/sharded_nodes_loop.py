@@ -6,11 +6,13 @@ steps ``maybe_save`` is called with the loop's StopRequest; a SIGTERM stops ever
 same step, saved with the stop's reason.
 
     python sharded_nodes_loop.py --dir D --target T --out OUT [--every 2] [--keep-last 3]
-        [--hold-at N --hold-rank R]
+        [--hold-at N --hold-rank R] [--hang-manifest-at N --hang-rank R]
 
 ``--hold-at N --hold-rank R``: after printing ``step N`` rank R waits until a signal has
 reached it (so that the test's SIGTERM lands at that step). Each rank prints ``resumed <step>``
-and ``step <n>``; a PitstopError prints ``error <Type> <message as JSON>`` and exits 3. Each
+and ``step <n>``; ``--hang-manifest-at N``: rank R's (``--hang-rank``, default 0) manifest write of
+the step-N save prints ``writing N`` and waits to be killed (its node's shards of step N stay in
+their temp directory); a PitstopError prints ``error <Type> <message as JSON>`` and exits 3. Each
 rank writes ``<OUT>.rank<R>.pitstop``: local shards and full tensors of the model, optimizer and
 EMA, the schedule, the step it resumed from, the stop reason and draws from its RNG after.
 """
@@ -22,24 +24,47 @@ import datetime
 import json
 import logging
 import os
+import select
 import signal
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from ddp_loop import _wait_for_a_signal  # a held rank's bounded wait for its signal
+from ddp_loop import (
+    EXIT_TEST_HOOK,
+    HOLD_LIMIT_S,
+    _wait_for_a_signal,  # a held rank's bounded wait for its signal
+)
 from sharded_loop import exit_before_teardown, say, snapshot, write_result
 from sharded_train import build
 
 import pitstop
+from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
+
+
+def hang_in_manifest(step: int) -> None:
+    """This rank's manifest write of ``step`` says ``writing <step>`` and waits to be killed."""
+    real = sharddir.write_manifest
+
+    def write_manifest(directory: Any, layout: Any, meta: Any, *args: Any, **kw: Any) -> None:
+        if meta["progress"]["step"] == step:
+            say(f"writing {step}")
+            select.select([os.pipe()[0]], [], [], HOLD_LIMIT_S)  # until the test kills it
+            say("hang: nobody killed this rank")
+            os._exit(EXIT_TEST_HOOK)
+        real(directory, layout, meta, *args, **kw)
+
+    sharddir.write_manifest = write_manifest  # type: ignore[assignment]
 
 
 def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     model, optimizer, schedule, ema = build(True)
     torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
+    if args.hang_manifest_at is not None and rank == args.hang_rank:
+        hang_in_manifest(args.hang_manifest_at)
     holding = args.hold_at is not None and rank == args.hold_rank
     wakeup = -1
     if holding:
@@ -92,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-last", type=int, default=3)
     parser.add_argument("--hold-at", type=int)
     parser.add_argument("--hold-rank", type=int, default=1)
+    parser.add_argument("--hang-manifest-at", type=int)
+    parser.add_argument("--hang-rank", type=int, default=0)
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)

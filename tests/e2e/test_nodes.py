@@ -5,7 +5,8 @@ The checkpoint path is the same on every rank and a different directory on each 
 DDP script is tests/e2e/ddp_loop.py (2 ranks, one per node). Checked: every node's directory
 holds a complete copy of every checkpoint; a SIGTERM to one node's rank stops both and the
 resume is bitwise the straight run; a node whose directory was wiped, or holds a corrupt copy,
-gets the peer's copy before the resume; a node killed mid-save leaves a job that resumes from
+gets the peer's copy before the resume (of ``last``, or of an explicit path: a path on no node
+is one error on every rank naming it); a node killed mid-save leaves a job that resumes from
 the newest checkpoint complete somewhere. Each wait is bounded and every process is killed
 when a test ends, passing or not.
 """
@@ -160,14 +161,36 @@ def test_each_node_keeps_a_whole_copy_and_a_sigterm_on_one_node_resumes_bitwise(
     assert_same_copies(run)
 
 
-@pytest.mark.parametrize("wiped", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("wiped", "source"),
+    [
+        (0, "path"),
+        pytest.param(1, "path", marks=pytest.mark.slow),
+        pytest.param(0, "last", marks=pytest.mark.slow),
+        pytest.param(1, "last", marks=pytest.mark.slow),
+    ],
+)
 def test_a_wiped_node_gets_the_peers_copy_and_resumes_bitwise(
-    tmp_path: Path, straight: list[dict[str, Any]], wiped: int
+    tmp_path: Path, straight: list[dict[str, Any]], wiped: int, source: str
 ) -> None:
     run = Run(tmp_path)
     first = run.train_and_stop("first", rank=0)
     shutil.rmtree(run.node(wiped))  # a new machine: nothing of the run on its disk
-    second = run.train("second")
+    if source == "last":
+        second = run.train("second")
+    else:  # resume(path): the path is on one node only; first a path on none
+        explicit = run.mount / "ckpt" / f"step_{STOP_AT:012d}.pitstop"
+        nowhere = run.mount / "elsewhere" / "step_000000000002.pitstop"
+        options = ("--resume-from", str(explicit), "--try-resume-from", str(nowhere))
+        with run.nodes("second", "--target", str(TARGET), *options) as nodes:
+            finished = [node.check() for node in nodes.wait(TIMEOUT)]
+        for node in finished:  # the same error on every rank, naming the path and each node
+            said = [line for line in node.lines(0) if line.startswith("resume error ")]
+            assert len(said) == 1, node.describe()
+            assert said[0].startswith("resume error CheckpointNotFound"), said
+            for named in (str(nowhere), "no node holds", "rank 0's node", "rank 1's node"):
+                assert named in said[0], said
+        second = run.outputs("second")  # the wiped node's rank read the copy it was sent
     assert_continues_exactly(straight, first, second)
     # The wiped node got the checkpoint it resumed from, then saved the rest itself.
     assert steps(run.node(wiped)) == [STOP_AT, 6, 9, 10][-3:]

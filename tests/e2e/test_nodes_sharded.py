@@ -10,8 +10,10 @@ directory wiped, the shards its rank wrote are lost everywhere and the resume is
 naming the steps and the missing files; a corrupt shard on one node makes the resume fall back
 to the previous checkpoint, with a warning naming the step and the file (rank 1's node by
 default, rank 0's under ``-m slow``); a corrupt manifest on one node is fetched from the
-other (``-m slow``). The stopped run is made once and copied for each test. Every wait is
-bounded; every process is killed when a test ends, passing or not.
+other (``-m slow``); a node killed mid-save (its writer in the manifest write) leaves a job that
+resumes bitwise from the newest checkpoint complete across the nodes (``-m slow``). The stopped
+run is made once and copied for each test. Every wait is bounded; every process is killed when a
+test ends, passing or not.
 """
 
 from __future__ import annotations
@@ -82,9 +84,9 @@ class Run:
     def outputs(self, out: str) -> list[dict[str, Any]]:
         return [fileformat.load(self.root / f"{out}.rank{r}.pitstop") for r in range(2)]
 
-    def train(self, out: str) -> tuple[list[dict[str, Any]], str]:
+    def train(self, out: str, *options: str) -> tuple[list[dict[str, Any]], str]:
         """Run to TARGET; every rank's result and what every node printed."""
-        with self.nodes(out) as nodes:
+        with self.nodes(out, *options) as nodes:
             finished = [node.check() for node in nodes.wait(TIMEOUT)]
         return self.outputs(out), "".join(node.outputs[0] for node in finished)
 
@@ -260,3 +262,35 @@ def test_a_corrupt_manifest_on_one_node_is_fetched_from_the_other(
     assert re.search(rf"in rank 1's directory: .*{name(STOP_AT)}", said), said
     assert f"rank 1's directory lacks manifest.pitstop of {name(STOP_AT)}" in said, said
     assert_continues_exactly(straight, second, STOP_AT)  # the newest, not the one before
+
+
+def published(directory: Path) -> list[int]:
+    """The steps of the sharded checkpoints published in ``directory`` (a manifest inside)."""
+    found = directory.glob("step_*/manifest.pitstop")
+    return sorted(int(p.parent.name.removeprefix("step_")) for p in found)
+
+
+@pytest.mark.slow  # kill -9 across ranks by default: test_multirank.py, test_sharded_objects.py
+def test_a_node_killed_mid_save_resumes_from_the_newest_checkpoint_complete_across_the_nodes(
+    tmp_path: Path, straight: list[dict[str, Any]]
+) -> None:
+    run, hang_at = Run(tmp_path), 5
+    with run.nodes("first", "--every", "1", "--hang-manifest-at", str(hang_at)) as nodes:
+        nodes[0].wait_for(0, "resumed 0")
+        nodes[1].wait_for(0, "resumed 0")
+        index = nodes.node_of(0)  # rank 0's manifest write of step 5 waits: its shards unpublished
+        nodes[index].wait_for(0, f"writing {hang_at}")
+        nodes.kill(index)
+    # Leaving the block killed the other node too, wherever it was: its copy of step 5 (its
+    # rank's shards and a manifest) may be published, but rank 0's shards of it are on no disk.
+    other = 1 - index
+    assert published(run.node(index))[-1] == hang_at - 1
+    newest = published(run.node(other))[-1]
+    assert newest in (hang_at - 1, hang_at)
+    assert list(run.node(index).glob(f".tmp-*{name(hang_at)}")), "the killed save's temp"
+    second, said = run.train("second", "--every", "1")
+    if newest == hang_at:
+        assert f"resume skips step {hang_at} ({name(hang_at)})" in said, said
+    assert_continues_exactly(straight, second, hang_at - 1)
+    assert published(run.node(0)) == published(run.node(1)) == [TARGET - 2, TARGET - 1, TARGET]
+    assert not list(run.node(index).glob(".tmp-*")), "the next open removed the killed temp"

@@ -23,8 +23,13 @@
 # node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
 # order (last among equals), and a checkpoint no directory holds whole is downloaded from the
 # remote tier by each writer that lacks it (no lease: reading only), published, verified; a writer
-# whose download failed then gets a peer's copy. A resume from an explicit path reads that path on
-# every rank, as with one directory.
+# whose download failed then gets a peer's copy. A resume from an explicit path (a file, not a
+# pointer of the directory) is looked for by every writer on its own node (resolved as it is
+# given, verified every byte, loaded in the same pass); the first writer whose copy verifies is
+# the holder, and every writer whose node lacks that file, or holds a copy that does not verify,
+# receives the holder's copy at the same path (its folder made if missing), over the same
+# checked transfer. On no node: one CheckpointNotFound on every rank naming the path and what each
+# node found.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each), so one rank's failure is raised on every rank.
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -47,10 +53,11 @@ from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file, send_file
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.resolve import find_resume
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
 
-__all__ = ["choose_across", "open_directories"]
+__all__ = ["choose_across", "choose_path_across", "open_directories"]
 
 log = logging.getLogger("pitstop")
 
@@ -155,6 +162,57 @@ def choose_across(
     return None, None
 
 
+def choose_path_across(
+    directory: CheckpointDirectory,
+    source: str | os.PathLike[str],
+    reading: ResumeRead,
+    ranks: Ranks,
+    groups: DirectoryGroups,
+) -> tuple[Path, tuple[Any, ...] | None]:
+    """Every rank: the checkpoint file ``source`` names (an explicit path, no fallback) and its
+    entry (as it travels), on every node once this returns: a node without a valid copy at that
+    path receives one from a node that has it. Raises
+    :class:`~pitstop.errors.CheckpointNotFound` on every rank when no node holds it valid."""
+    writes = groups.writes(ranks.rank)
+    found = ranks.all_gather_each(partial(_found, directory, source, reading) if writes else _no)
+    holders = [w for w in groups.writers if found[w][1] is not None]
+    if not holders:
+        said = "; ".join(f"rank {w}'s node: {found[w][0]}" for w in groups.writers)
+        raise CheckpointNotFound(
+            f"resume({str(source)!r}): no node holds a valid checkpoint there ({said}); the "
+            "ranks share no checkpoint directory, so the path must exist on at least one node "
+            "(any node lacking it receives a copy)"
+        )
+    path, wire = Path(found[holders[0]][0]), found[holders[0]][1]
+    valid = [found[w][1] is not None and found[w][0] == str(path) for w in groups.writers]
+    transfers = catch_up(groups, valid)
+    assert transfers is not None  # one writer holds it
+    if ranks.leader:
+        for move in transfers:
+            log.info(
+                "resume: rank %d's node lacks %s: rank %d sends it", move.target, path, move.source
+            )
+    ranks.each(partial(_move, transfers, path, reading, ranks, directory))
+    return path, wire
+
+
+def _no() -> tuple[str, None]:
+    return "", None
+
+
+def _found(
+    directory: CheckpointDirectory, source: str | os.PathLike[str], reading: ResumeRead
+) -> tuple[str, tuple[Any, ...] | None]:
+    """A writer's look for ``source`` on its node: the file and its entry (as it travels), the
+    file verified and loaded for the read; else what is wrong and ``None``."""
+    try:
+        path, entry = find_resume(directory, source, verify=reading.verify)
+    except (CheckpointCorrupt, CheckpointNotFound, OSError) as exc:
+        return str(exc) or type(exc).__name__, None
+    assert path is not None  # an explicit path: found, or raised
+    return str(path), entry_to_wire(entry)
+
+
 def _remote_listed(tiered: TieredDirectory, pointer: PointerName) -> list[tuple[str, Any]]:
     """Rank 0: the remote tier's resume order, each name with its entry as it travels."""
     return [(name, entry_to_wire(entry)) for name, entry in tiered.remote_order(pointer)]
@@ -213,6 +271,8 @@ def _move(
             if ranks.rank == move.source:
                 send_file(ranks, move.target, path)
             elif ranks.rank == move.target:
+                with contextlib.suppress(OSError):  # an explicit path's folder: else drained
+                    path.parent.mkdir(parents=True, exist_ok=True)
                 # the copy received, every byte, before it is published: and loaded for the read
                 receive_file(ranks, move.source, path, partial(reading.verify, known_as=path))
                 directory.rescan()

@@ -43,6 +43,7 @@ import attrs
 from torch import nn
 
 from pitstop.core.compat import Difference, judge
+from pitstop.core.objects import is_object_url
 from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
@@ -55,7 +56,7 @@ from pitstop.errors import (
     ResumeWarning,
 )
 from pitstop.shell.format import fileformat
-from pitstop.shell.nodes import choose_across
+from pitstop.shell.nodes import choose_across, choose_path_across
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import choose_sharded_across
@@ -119,6 +120,9 @@ def resume_from(
         elif across and pointer is not None:
             assert groups is not None
             path, wire = choose_across(directory, pointer, reading, ranks, groups)
+        elif across and not sharded and not is_object_url(source):  # an explicit file path
+            assert groups is not None
+            path, wire = choose_path_across(directory, source, reading, ranks, groups)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
         entry = entry_from_wire(wire)
