@@ -91,6 +91,11 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
     if threads != 1:
         _send(sock, {"refused": f"the zygote has {threads} threads after its imports"})
         return None
+    try:  # how the zygote learns of each child's exit: Linux 5.3 or newer
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as exc:
+        _send(sock, {"refused": f"no pidfd: {exc}"})
+        return None
     _send(sock, {"ready": os.getpid()})
     children: dict[int, int] = {}  # pidfd -> pid
     buffer = b""

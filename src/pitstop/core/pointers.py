@@ -294,10 +294,11 @@ def tiered_resume_order(
 
 
 def _same(one: CheckpointEntry | NoCheckpoint, other: CheckpointEntry | NoCheckpoint) -> bool:
-    """Whether two tiers' entries are copies of one checkpoint (same name, step and seq)."""
+    """Whether two tiers' entries are copies of one checkpoint: equal entries (name, step, seq,
+    metrics ...); another timeline's checkpoint under the same name and seq is not one."""
     if one is NO_CHECKPOINT or other is NO_CHECKPOINT:
         return False
-    return (one.name, one.seq) == (other.name, other.seq)
+    return one == other
 
 
 def drop_behind(world_size: int) -> bool:
