@@ -4,9 +4,10 @@ A :class:`Nodes` job starts ``nodes`` torchrun agents (``--nnodes N --nproc-per-
 rendezvous on 127.0.0.1 at a free port), each as ``unshare --mount --propagation private sh -c
 'mount --bind NODE_DIR MOUNT && exec torchrun ...'``: the same path (``mount``) is a different
 directory (``node_dirs[i]``) on every node, as two machines with local disks would see it, and
-no rank sees another node's files. Each node is a :class:`multirank.Job` (torchrun's ``--tee``
-lines are the node's local ranks), so waits are bounded and leaving the ``with`` block kills
-every process of every node, passing or failing. Needs root (the mount) and Linux.
+no rank sees another node's files (nor its temp files, with ``env={"TMPDIR": str(mount)}``).
+Each node is a :class:`multirank.Job` (torchrun's ``--tee`` lines are the node's local ranks), so
+waits are bounded and leaving the ``with`` block kills every process of every node, passing or
+failing. Needs root (the mount) and Linux.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,9 @@ class NodeJob(Job):
         per_node: int,
         endpoint: int,
         timeout: float,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(script, *args, ranks=per_node, torchrun=True, timeout=timeout)
+        super().__init__(script, *args, ranks=per_node, torchrun=True, env=env, timeout=timeout)
         self.node_dir, self.mount = node_dir, mount
         self.nodes, self.endpoint = nodes, endpoint
 
@@ -121,6 +123,7 @@ class Nodes:
         mount: Path,
         per_node: int = 1,
         timeout: float = DEFAULT_TIMEOUT,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         endpoint = free_port()
         mount.mkdir(parents=True, exist_ok=True)
@@ -136,6 +139,7 @@ class Nodes:
                 per_node=per_node,
                 endpoint=endpoint,
                 timeout=timeout,
+                env=env,
             )
             for directory in node_dirs
         ]

@@ -217,3 +217,47 @@ def test_two_ranks_on_an_s3_prefix_pause_and_resume_bitwise(
     assert_continues_exactly(straight, outputs(tmp_path / "first"), outputs(tmp_path / "second"))
     assert remote_steps(url) == [STOP_AT, 6, 9, 10][-3:]
     assert not list(tmp_path.glob("pitstop-s3-*")), "every rank's cache is removed at close"
+
+
+@needs_nodes
+@pytest.mark.parametrize(
+    "paused", ["on one machine", pytest.param("on nodes", marks=pytest.mark.slow)]
+)
+def test_two_nodes_resume_bitwise_straight_from_an_s3_prefix(
+    tmp_path: Path, url: str, straight: list[dict[str, Any]], paused: str
+) -> None:
+    """No local directory, and no temp directory shared: each node's ranks have their caches
+    in the node's own directory (TMPDIR), so the rank on the other node than rank 0 reads the
+    checkpoint it fetched itself, never rank 0's cache. The run paused by a SIGTERM ran on one
+    machine (by default: one node job less) or on the two nodes too."""
+    mount, node_dirs = tmp_path / "mnt", [tmp_path / "node0", tmp_path / "node1"]
+    env = {"TMPDIR": str(mount)}
+
+    def nodes(out: str, *options: str) -> Nodes:
+        args = ("--dir", url, "--out", tmp_path / out, "--target", str(TARGET), *options)
+        return Nodes(SCRIPT, *args, node_dirs=node_dirs, mount=mount, env=env, timeout=TIMEOUT)
+
+    hold = ("--hold-at", str(STOP_AT), "--hold-rank", "1", "--report")
+    if paused == "on nodes":
+        with nodes("first", *hold) as running:
+            running[0].wait_for(0, "resumed 0")
+            running[1].wait_for(0, "resumed 0")
+            index = running.node_of(1)
+            running[index].wait_for(0, f"step {STOP_AT}")
+            running[index].signal(0, signal.SIGTERM)
+            for node in running.wait(TIMEOUT):
+                node.check()
+    else:
+        args = ("--dir", url, "--out", tmp_path / "first", "--target", str(TARGET), *hold)
+        with Job(SCRIPT, *args, env={"TMPDIR": str(tmp_path)}, timeout=TIMEOUT) as job:
+            job.wait_for(1, f"step {STOP_AT}")
+            job.signal(1, signal.SIGTERM)
+            job.wait().check()
+    assert remote_steps(url) == [3, STOP_AT]
+    with nodes("second") as running:  # rank 1 cannot open rank 0's fetch: it fetches its own
+        for node in running.wait(TIMEOUT):
+            node.check()
+    assert_continues_exactly(straight, outputs(tmp_path / "first"), outputs(tmp_path / "second"))
+    assert remote_steps(url) == [STOP_AT, 6, 9, 10][-3:]
+    for node in node_dirs:
+        assert not list(node.glob("pitstop-s3-*")), "every rank's cache is removed at close"

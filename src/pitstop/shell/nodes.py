@@ -3,13 +3,17 @@
 #
 # Rules: at open, the ranks find out which of them share the directory (pitstop.shell.ranks.peers:
 # a probe, agreed; never guessed from host names) — a local directory only: an object store is one
-# place for every rank. Each directory's writer (its group's lowest rank; the core's
-# DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
-# before. Sharded state is pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded
-# state saved in the background across directories is refused for now (ConfigError, at
-# construction, on every rank), and so is sharded state with a remote tier. A background save
-# (async_save) is written by every writer's own
-# writer thread; how it ended is agreed at the next call that settles it (pitstop.shell.lifetime).
+# place for every rank, rank 0 alone its writer (its lease), but what it fetches lands in its cache:
+# the same probe, in the caches' parent, finds which ranks see rank 0's cache (ObjectStorage.
+# readers), and after rank 0's resume choice the first rank of each other group fetches it into
+# its own cache (checked as it arrives) for its group (fetch_for_readers). Each directory's writer
+# (its group's lowest rank; the core's DirectoryGroups) locks, scans and writes its directory;
+# with one group that is rank 0 alone, as before. Sharded state is
+# pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded state saved in the
+# background across directories is refused for now (ConfigError, at construction, on every
+# rank), and so is sharded state with a remote tier. A background save (async_save) is written
+# by every writer's own writer thread; how it ended is agreed at the next call that settles it
+# (pitstop.shell.lifetime).
 # A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every
 # writer lists its directory's resume order, the core merges them (newest first for ``last``),
 # and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
@@ -57,7 +61,7 @@ from pitstop.shell.store.resolve import find_resume
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
 
-__all__ = ["choose_across", "choose_path_across", "open_directories"]
+__all__ = ["choose_across", "choose_path_across", "fetch_for_readers", "open_directories"]
 
 log = logging.getLogger("pitstop")
 
@@ -95,6 +99,10 @@ def open_directories(
         for objects in (directory.storage, remote):
             if isinstance(objects, ObjectStorage):
                 objects.in_memory = False
+        if isinstance(directory.storage, ObjectStorage):  # who sees whose cache: a probe
+            readers = probe_groups(ranks, directory.storage.cache.parent)
+            directory.storage.readers = readers
+            directory.storage.in_memory = len(readers.groups[readers.group_of(ranks.rank)]) == 1
     if groups.shared:
         ranks.lead(lambda: _open(directory))  # only rank 0 locks and reads the directory
     else:
@@ -104,6 +112,30 @@ def open_directories(
             directory.close()
             raise
     return groups
+
+
+def fetch_for_readers(ranks: Ranks, directory: CheckpointDirectory, path: Path) -> Path:
+    """Every rank: where it reads the checkpoint ``path`` that rank 0 chose and fetched into
+    its cache — rank 0's file where the ranks share its cache's machine; else the file its
+    group's first rank fetched into its own cache (checked as it arrives), for its group. A
+    failed fetch is raised on every rank."""
+    storage = directory.storage
+    if not isinstance(storage, ObjectStorage) or storage.readers is None:
+        return path
+    readers, objects = storage.readers, storage
+    if readers.shared:
+        return path
+
+    def fetch() -> str | None:
+        if ranks.leader:
+            return str(path)
+        if not readers.writes(ranks.rank):
+            return None
+        group = list(readers.groups[readers.group_of(ranks.rank)])
+        log.info("resume: rank %d fetches %s for ranks %s", ranks.rank, path.name, group)
+        return str(objects.fetch(path.name))
+
+    return Path(cast(str, ranks.all_gather_each(fetch)[readers.writer(ranks.rank)]))
 
 
 def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its writer

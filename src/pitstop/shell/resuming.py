@@ -56,7 +56,7 @@ from pitstop.errors import (
     ResumeWarning,
 )
 from pitstop.shell.format import fileformat
-from pitstop.shell.nodes import choose_across, choose_path_across
+from pitstop.shell.nodes import choose_across, choose_path_across, fetch_for_readers
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import choose_sharded_across
@@ -125,6 +125,8 @@ def resume_from(
             path, wire = choose_path_across(directory, source, reading, ranks, groups)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
+            if pointer is not None and path is not None:  # s3:// on several nodes: each fetches
+                path = fetch_for_readers(ranks, directory, path)
         entry = entry_from_wire(wire)
         if path is None:
             if ranks.leader:

@@ -11,7 +11,8 @@
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
 # then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs into
 # memory, every blob's CRC-32 checked as it arrives (pitstop.shell.store.objectread) — nothing
-# live is touched before every one matched. Every client error becomes an OSError naming the
+# live is touched before every one matched (in a file of the cache where other ranks read it:
+# in_memory False; which do, readers). Every client error becomes an OSError naming the
 # URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
 # file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
 # A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
@@ -53,6 +54,7 @@ from pitstop.core.objects import (
     encode_commit,
     parse_url,
 )
+from pitstop.core.ranks import DirectoryGroups
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.objectread import download, download_file, let_go
@@ -88,6 +90,9 @@ class ObjectStorage:
         self.in_memory = True
         """A fetched checkpoint file is held in memory (False: in a file of the cache, where
         the other ranks sharing the directory read it)."""
+        self.readers: DirectoryGroups | None = None
+        """Which ranks read which one's fetch (each group's first rank fetches into its own
+        cache; pitstop.shell.nodes); ``None``: each rank reads its own (one rank)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
         self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
         self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
