@@ -13,7 +13,7 @@ sharded the same way, updated after each step (``--no-ema``: none).
         [--no-ema]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
         [--fail-stage-at N] [--fail-start-at N] [--fail-table-at N]
-        [--tear-at-resume --fail-rank R]
+        [--tear-at-resume --fail-rank R] [--refuse-apply-at-resume --fail-rank R]
         [--note-checks]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
@@ -48,8 +48,10 @@ for the step-N save raises OSError (every other rank's DCP write has begun); the
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
 ``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
-read of the resume sets up, before any rank reads (it verified when the checkpoint was chosen:
-a disk failing between the check and the read); when the resume raises, each rank prints
+read of the resume sets up, before any rank reads (the read checks it as it reads it: a disk
+failing before the read). ``--refuse-apply-at-resume --fail-rank R``: rank R's optimizer
+refuses the state the resume read (every check and DCP's read passed), raising
+CheckpointCorrupt. When the resume raises, each rank prints
 ``untouched model <bool> ema <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its
 local shards (the model's, the EMA's), its optimizer (no state), its schedule and its RNG are
 as they were before.
@@ -89,7 +91,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import pitstop
 from pitstop.core.sharded import sharded_name
 from pitstop.shell import resuming, shardsave
-from pitstop.shell.sharded import dcpio, shardwrite
+from pitstop.shell.sharded import dcpio, dcpstate, shardwrite
 from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
@@ -241,24 +243,43 @@ def tear_at_resume(rank: int) -> None:
     (it verified when the checkpoint was chosen), before DCP's first collective of the read:
     so no rank has begun reading it yet."""
     real = dcpio._Reader.set_up_storage_reader
+    torn: list[Path] = []
 
     def set_up_storage_reader(self: Any, *args: Any, **kwargs: Any) -> Any:
         path = Path(self.path) / f"__{rank}_0.distcp"
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        if not torn:  # the first checkpoint read only
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+            torn.append(path)
         return real(self, *args, **kwargs)
 
     dcpio._Reader.set_up_storage_reader = set_up_storage_reader  # type: ignore[method-assign]
 
 
+def refuse_apply_at_resume(rank: int) -> None:
+    """This rank's optimizer refuses the state the resume read, once every check passed."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise pitstop.CheckpointCorrupt(f"optimizer refused its state on rank {rank}")
+
+    dcpstate.set_optimizer_state_dict = refuse  # type: ignore[assignment]
+
+
 def note_checks() -> None:
-    """Each verification of shard files in the resume's choice prints the files it checks."""
+    """Each verification of shard files in the resume's choice prints the files it checks
+    (before DCP's read, or as it reads them)."""
     real = resuming.verify_sharded
+    real_read = resuming._read_checked
 
     def verify_sharded(root: Path, layout: Any, names: Any = None) -> None:
         say(f"checked {json.dumps(sorted(names))}")
         real(root, layout, names)
 
+    def read_checked(plan: Any, checks: Any, ranks: Any) -> Any:
+        say(f"checked {json.dumps(sorted(checks))}")
+        return real_read(plan, checks, ranks)
+
     resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
+    resuming._read_checked = read_checked  # type: ignore[assignment]
 
 
 def local(module: nn.Module | None) -> dict[str, torch.Tensor]:
@@ -344,6 +365,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
             say(f"strict error {json.dumps(str(exc))}")
     if args.tear_at_resume and rank == args.fail_rank:
         tear_at_resume(rank)
+    if args.refuse_apply_at_resume and rank == args.fail_rank:
+        refuse_apply_at_resume(rank)
     if args.note_checks:
         note_checks()
     before = as_before(model, optimizer, schedule, ema)
@@ -419,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-start-at", type=int)
     parser.add_argument("--fail-table-at", type=int)
     parser.add_argument("--tear-at-resume", action="store_true")
+    parser.add_argument("--refuse-apply-at-resume", action="store_true")
     parser.add_argument("--note-checks", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")

@@ -12,10 +12,13 @@
 # world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
 # every rank together: rank 0 sends the resume order, the ranks gather the files their read
 # plans name, each file read is verified once, by one of its readers (pitstop.core.sharded.
-# share_checks), and all move to the next candidate when any rank found a problem; its
-# replicated tree is checked and restored as above, and its layout checked on every rank in
-# the same pass, before DCP reads (resharding) the model and the optimizers. An optimizer
-# that had no state has none again unless the resume restored it (pitstop.shell.state.freshopt).
+# share_checks) — as DCP reads it into staging tensors, every file read once (pitstop.shell.
+# sharded.engine.read_staged) — and all move to the next candidate, whose files are read only
+# then, when any rank found a problem; its replicated tree is checked and restored as above,
+# and its layout checked on every rank in the same pass, before the staged state is applied
+# (where a rank's state does not fit the layout, the files are verified without DCP's read).
+# An optimizer that had no state has none again unless the resume restored it
+# (pitstop.shell.state.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import nn
 
-from pitstop.core.compat import Difference, judge
+from pitstop.core.compat import Difference, Kind, judge
 from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
@@ -92,9 +95,9 @@ def resume_from(
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
-        plan = None
+        plan = staged = None
         if sharded and pointer is not None:
-            path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
+            path, wire, plan, staged = _choose_sharded(directory, pointer, reading, live, ranks)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
         entry = entry_from_wire(wire)
@@ -126,9 +129,18 @@ def resume_from(
             if sharded:  # checked and verified on every rank before DCP touches a tensor
                 from pitstop.shell.sharded.engine import read_sharded
 
-                # every file was verified when the checkpoint was chosen, with this plan
+                # every file was verified when the checkpoint was chosen, with this plan (and
+                # read, into staging tensors, where every rank's state fits its layout)
                 components = sharded_components(live)
-                read_sharded(path, live.model, components, ranks=ranks, chosen=plan, ema=live.ema)
+                read_sharded(
+                    path,
+                    live.model,
+                    components,
+                    ranks=ranks,
+                    chosen=plan,
+                    ema=live.ema,
+                    staged=staged,
+                )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
             raise
@@ -260,33 +272,64 @@ def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str,
         return None
 
 
+def _fits(planned: _Planned) -> bool:
+    """Whether this rank planned the candidate's DCP read (its state fits the layout)."""
+    plan = planned[0]
+    return plan is not None and not any(d.kind is Kind.SHAPE for d in plan.differences)
+
+
 def _problem(
     path: Path,
     reading: ResumeRead,
     planned: _Planned,
     shares: tuple[tuple[str, ...], ...] | None,
     ranks: Ranks,
+    *,
+    streamed: bool,
 ) -> str | None:
     """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
 
-    Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
-    file some rank's DCP read plan names is checked by one of those ranks, in parallel."""
+    Rank 0 checks the manifest whole (and a plain file whole); unless the shard files are
+    checked as DCP reads them (``streamed``), DCP's ``.metadata`` (rank 0) and every file some
+    rank's DCP read plan names, each by one of those ranks, in parallel, are checked here."""
     plan, problem = planned
     if problem is not None:
         return problem
     try:
         if ranks.leader:
             reading.verify(path, shards=False)
-        if plan is not None:
-            from pitstop.shell.sharded.dcpio import DCP_METADATA
-
-            mine = shares[ranks.rank] if shares is not None else plan.files
-            if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
-                mine += tuple(f.name for f in plan.layout.files if f.name == DCP_METADATA)
-            verify_sharded(path, plan.layout, mine)
+        if plan is not None and not streamed:
+            verify_sharded(path, plan.layout, _checks(plan, shares, ranks))
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None
+
+
+def _checks(
+    plan: ShardedPlan, shares: tuple[tuple[str, ...], ...] | None, ranks: Ranks
+) -> tuple[str, ...]:
+    """The files this rank verifies of ``plan``'s checkpoint: its share, and (rank 0) DCP's
+    own metadata, which no rank reads (a DCP tool would)."""
+    from pitstop.shell.sharded.dcpio import DCP_METADATA
+
+    mine = shares[ranks.rank] if shares is not None else plan.files
+    if ranks.leader:
+        mine = (*mine, *(f.name for f in plan.layout.files if f.name == DCP_METADATA))
+    return mine
+
+
+def _read_checked(
+    plan: ShardedPlan, checks: tuple[str, ...], ranks: Ranks
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Every rank: DCP's read of ``plan`` into staging, ``checks`` checked as they stream; the
+    staged state, or what this rank found wrong (``None`` and ``None``: another rank did)."""
+    from pitstop.shell.sharded.dcpio import ReadFailed
+    from pitstop.shell.sharded.engine import read_staged
+
+    try:
+        return read_staged(plan, checks, ranks=ranks), None
+    except ReadFailed as exc:
+        return None, exc.own
 
 
 def _choose_sharded(
@@ -295,22 +338,31 @@ def _choose_sharded(
     reading: ResumeRead,
     live: LiveState,
     ranks: Ranks,
-) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None]:
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, dict[str, Any] | None]:
     """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
-    this rank's plan of it); all ranks move on together, rank 0 warning about each one
-    skipped and why (and where)."""
+    this rank's plan of it, and the state DCP read into staging as it was checked); all ranks
+    move on together, rank 0 warning about each one skipped and why (and where)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     for path, wire in candidates:
         planned = _planned(path, live, ranks)
         files = planned[0].files if planned[0] is not None else ()
-        shares = _shares(planned, ranks.all_gather(files))
-        problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
+        gathered = ranks.all_gather((files, _fits(planned)))
+        shares = _shares(planned, [f for f, _ in gathered])
+        streamed = all(fits for _, fits in gathered)
+        problem = _problem(path, reading, planned, shares, ranks, streamed=streamed)
+        problems = ranks.all_gather(problem)
+        staged = None
+        if streamed and not any(problems) and planned[0] is not None:
+            staged, own = _read_checked(planned[0], _checks(planned[0], shares, ranks), ranks)
+            problems = ranks.all_gather(own)
+            if staged is None and not any(problems):  # DCP failed where no rank says why
+                problems = [f"{path}: DCP could not read it"] * len(problems)
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
-            return path, wire, planned[0]
+            return path, wire, planned[0], staged
         if ranks.leader:  # one line per problem, with the ranks that found it
             for problem, where in found.items():
                 ranks_found = ", ".join(map(str, where))
@@ -321,7 +373,7 @@ def _choose_sharded(
                 )
     if pointer is not PointerName.LAST and any_found:
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
-    return None, None, None
+    return None, None, None, None
 
 
 def _find_portable(

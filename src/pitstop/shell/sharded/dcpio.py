@@ -12,7 +12,12 @@
 # writer on rank 0 takes out before DCP's metadata is made: no round of pitstop's gathers
 # them, and only rank 0 receives them. A failure to make them is that rank's write failure
 # (DCP raises it on every rank; :func:`own_failure` says whose it was). A layout is built only
-# from untransformed files (no DCP extensions).
+# from untransformed files (no DCP extensions). A resume's read checks as it reads: each file
+# this rank verifies (its share: pitstop.core.sharded.share_checks) is read once, start to end
+# (pitstop.core.shardcover.read_spans), every byte CRC-32ed on the way and the regions DCP's
+# plan wants loaded from those same bytes; its size is compared before a byte is read and its
+# CRC-32 after the last, and a mismatch is this rank's read failure, which DCP raises on every
+# rank (the caller reads into staging tensors, so nothing live has been touched by then).
 # How: small subclasses of DCP's FileSystemWriter, FileSystemReader and DefaultLoadPlanner.
 
 """DCP adapters: layout <-> DCP metadata, a writer that notes its files, a safe reader."""
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +34,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -54,18 +62,22 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from pitstop.core.ranks import Outcome
-from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
+from pitstop.core.shardcover import read_spans
+from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue, file_problem
 from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.format.checksums import PIECE, crc32_update
 from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
+from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.ranks.distributed import outcome_of, rebuilt
 from pitstop.shell.sharded.dcpwrite import CrcFileSystem, Note
-from pitstop.shell.store.sharddir import file_table
+from pitstop.shell.store.sharddir import file_table, verify_sharded
 
 __all__ = [
     "DCP_METADATA",
     "NO_DIST_WARNING",
     "FilesNotMade",
     "RankFiles",
+    "ReadFailed",
     "SafePlanner",
     "Writer",
     "layout_of",
@@ -256,30 +268,122 @@ def own_failure(exc: CheckpointException, rank: int, writer: Writer) -> BaseExce
 
 
 class _Reader(FileSystemReader):
-    """DCP's file reader, handed the metadata from pitstop's manifest (``.metadata`` unread)."""
+    """DCP's file reader, handed the metadata from pitstop's manifest (``.metadata`` unread);
+    the files of ``checks`` (by name) it checks as it reads them."""
 
-    def __init__(self, path: Path, metadata: Metadata) -> None:
+    def __init__(
+        self, path: Path, layout: ShardedLayout, checks: Mapping[str, ShardFile] | None = None
+    ) -> None:
         super().__init__(path)
-        self._metadata = metadata
+        self._metadata = metadata_of(layout)
+        self._layout = layout
+        self._checks = dict(checks or {})
+        self.problem: str | None = None
+        """What a check of this rank's found wrong (the first file that failed)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """DCP's ``read_data``, one file at a time, so that an error names the file."""
-        per_file: dict[str, list[ReadItem]] = {}
+        """DCP's ``read_data``, one file at a time, so that an error names the file; a file
+        of ``checks`` read once, start to end, checked as it streams."""
+        per_file: dict[str, list[ReadItem]] = {name: [] for name in self._checks}
         for item in plan.items:
             name = self.storage_data[item.storage_index].relative_path
             per_file.setdefault(name, []).append(item)
         for name, items in per_file.items():
+            expected = self._checks.get(name)
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                if expected is not None:
+                    self._read_checking(expected, items, planner)
+                elif items:
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointCorrupt as exc:
+                self.problem = str(exc)
+                raise _CheckFailed(self.problem) from None
             except Exception as exc:  # DCP gathers it to every rank (it must pickle)
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise CheckpointCorrupt(f"{name} could not be read: {first}") from None
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_checking(
+        self, expected: ShardFile, items: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        """Read ``expected``'s file once, checking its size and CRC-32, loading ``items``."""
+        root = Path(self.path)
+        regions: dict[tuple[int, int], list[ReadItem]] = {}
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            regions.setdefault((info.offset, info.length), []).append(item)
+        spans = read_spans(expected.size, regions)
+        if spans is None:  # regions a stream cannot hand over in one pass: check, then read
+            verify_sharded(root, self._layout, [expected.name])
+            if items:
+                super().read_data(LoadPlan(items), planner).wait()
+            return
+        try:
+            file = open_untrusted(root / expected.name, follow_symlinks=False)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{root}: {file_problem(expected, None, None)}") from None
+        failed: Exception | None = None  # an item that would not load: bytes damaged?
+        with file:
+            size = os.fstat(file.fileno()).st_size
+            crc = 0
+            if size == expected.size:
+                for start, length, wanted in spans:
+                    if not wanted:
+                        crc = _skim(file, length, crc)
+                        continue
+                    data = file.read(length)
+                    crc = crc32_update(data, crc)
+                    if len(data) != length:
+                        break  # the file shrank: its size says so below
+                    for item in regions[start, length] if failed is None else ():
+                        try:
+                            _load_item(item, data, planner)
+                        except Exception as exc:  # the checksum says first whether it is torn
+                            failed = exc
+                size = file.tell()
+        problem = file_problem(expected, size, crc)
+        if problem is not None:
+            raise CheckpointCorrupt(f"{root}: {problem}")
+        if failed is not None:
+            raise failed
+
+
+class _CheckFailed(CheckpointCorrupt):
+    """A file this rank checks failed its check (as DCP gathers it to every rank)."""
+
+
+def _skim(file: Any, length: int, crc: int) -> int:
+    """``crc`` continued over the next ``length`` bytes of ``file``, read and dropped."""
+    while length > 0:
+        piece = file.read(min(length, PIECE))
+        if not piece:
+            break
+        crc = crc32_update(piece, crc)
+        length -= len(piece)
+    return crc
+
+
+def _load_item(item: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+    """What DCP's own read does with one item's bytes ``data`` (untransformed, as pitstop
+    writes them): a value through the planner, a tensor loaded weights-only and copied in."""
+    if item.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(item, io.BytesIO(data))
+        return
+    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    loaded = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != loaded.size():
+        raise CheckpointCorrupt(
+            f"{item.storage_index.fqn}: stored {tuple(loaded.size())}, "
+            f"the plan reads {tuple(target.size())}"
+        )
+    target.copy_(loaded)
+    planner.commit_tensor(item, target)
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -295,17 +399,43 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+class ReadFailed(CheckpointCorrupt):
+    """DCP could not read a sharded checkpoint (raised on every rank); :attr:`own` is what
+    this rank found (``None``: another rank's failure, or its read of a file another rank's
+    check found damaged)."""
+
+    def __init__(self, message: str, own: str | None) -> None:
+        super().__init__(message)
+        self.own = own
+
+
 def load_checked(
-    directory: Path, state: dict[str, Any], layout: ShardedLayout, **kwargs: Any
+    directory: Path,
+    state: dict[str, Any],
+    layout: ShardedLayout,
+    *,
+    checks: Sequence[str] = (),
+    rank: int = 0,
+    **kwargs: Any,
 ) -> None:
     """``dcp.load`` into ``state`` from ``directory``, with metadata from ``layout`` and the
-    safe planner (``kwargs``: ``process_group`` or ``no_dist``). DCP's errors, raised on every
-    rank, become :class:`~pitstop.errors.CheckpointCorrupt`."""
-    reader = _Reader(directory, metadata_of(layout))
+    safe planner (``kwargs``: ``process_group`` or ``no_dist``); the files ``checks`` are
+    checked (size, CRC-32) as they are read, each read once. DCP's errors, raised on every
+    rank, become :class:`ReadFailed` (a :class:`~pitstop.errors.CheckpointCorrupt`);
+    ``rank``: this rank's number in the group, for what it found itself."""
+    try:
+        wanted = {name: layout.file(name) for name in checks}
+    except KeyError as exc:
+        raise CheckpointCorrupt(f"{directory}: the manifest lists no file {exc}") from None
+    reader = _Reader(directory, layout, wanted)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
             load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
     except CheckpointException as exc:  # a BaseException, raised on every rank
-        why = "; ".join(f"rank {rank}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
-        raise CheckpointCorrupt(f"{directory}: DCP could not read it: {why}") from exc
+        why = "; ".join(f"rank {r}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+        message = f"{directory}: DCP could not read it: {why}"
+        checked = any(isinstance(e, _CheckFailed) for e, _ in exc.failures.values())
+        # a file a check found damaged is the cause: another rank's read of it says nothing more
+        own = reader.problem or (message if rank in exc.failures and not checked else None)
+        raise ReadFailed(message, own) from exc

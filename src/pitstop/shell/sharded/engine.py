@@ -15,7 +15,12 @@
 # each rank first keeps a host copy of every tensor it reads into; when the read or the apply that
 # follows fails on any rank (DCP's errors reach every rank, the apply's are agreed), every rank
 # copies its tensors back and hands each optimizer its own state and groups again — and an optimizer
-# that had no state (DCP gives it zeroed state to read into) has none again. DCP's collectives run
+# that had no state (DCP gives it zeroed state to read into) has none again. A resume reads each
+# file once instead (read_staged): DCP reads into fresh staging tensors while each rank checks its
+# share of the files as they stream (pitstop.shell.sharded.dcpio), so a corrupt shard fails the
+# read on every rank with nothing live touched; the apply then copies the model's (and EMA's)
+# tensors in, after a host copy of those alone, and hands each optimizer the staged tensors (its
+# own state and groups are kept by reference, for a failure). DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its own);
 # pitstop's agreement runs on `ranks`, from the calling thread only.
 # How: DCP does the tensor I/O and the resharding; pitstop.shell.store.sharddir the files around it.
@@ -53,6 +58,7 @@ from pitstop.shell.sharded.dcpio import (
 )
 from pitstop.shell.sharded.dcpstate import (
     EMA,
+    EMA_COUNT,
     MODEL,
     Optimizers,
     apply_state,
@@ -93,6 +99,7 @@ __all__ = [
     "publish_sharded",
     "read_layout",
     "read_sharded",
+    "read_staged",
     "verify_sharded",
     "write_manifest",
     "write_sharded",
@@ -191,9 +198,13 @@ def plan_read(
 
 class _Kept:
     """This rank's sharded state before DCP reads into it: a host copy of every tensor of
-    ``state`` (a DTensor's local shard) and each optimizer's own state and groups."""
+    ``state`` (a DTensor's local shard) and each optimizer's own state and groups. ``only``:
+    copy the tensors under these top-level keys alone (what an apply of staged state writes
+    into in place: an optimizer is handed new tensors, its own are kept by reference)."""
 
-    def __init__(self, state: dict[str, Any], optimizers: Optimizers) -> None:
+    def __init__(
+        self, state: dict[str, Any], optimizers: Optimizers, only: Collection[str] | None = None
+    ) -> None:
         self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._optimizers = [(o, o.state, o.param_groups) for o in optimizers.values()]
 
@@ -202,7 +213,8 @@ class _Kept:
                 local = local_shard(value)
                 self._tensors.append((local, local.detach().to("cpu", copy=True)))
 
-        traverse_state_dict(state, keep)
+        copied = state if only is None else {k: v for k, v in state.items() if k in only}
+        traverse_state_dict(copied, keep)
 
     def put_back(self) -> None:
         """Everything as it was when kept."""
@@ -229,6 +241,38 @@ def _chosen(root: Path, plan: ShardedPlan) -> tuple[ShardedLayout, tuple[str, ..
     return plan.layout, fresh_optimizers(plan.meta), plan.state
 
 
+def _staging(value: Any) -> Any:
+    """A copy of the state dict ``value`` with a fresh, uninitialized tensor (a DTensor with
+    the same placements) for each of its tensors; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {key: _staging(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_staging(item) for item in value]
+    return value
+
+
+def read_staged(
+    plan: ShardedPlan, checks: Collection[str], *, ranks: Ranks, group: Any = None
+) -> dict[str, Any]:
+    """Every rank: DCP's read of ``plan``'s checkpoint into fresh tensors shaped like
+    ``plan.state``, the files ``checks`` checked (size, CRC-32) as they are read, each read
+    once; nothing live is touched. Returns the staged state, for :func:`read_sharded`'s
+    ``staged``. Raises :class:`~pitstop.shell.sharded.dcpio.ReadFailed` on every rank when
+    a check or the read fails on any (its ``own``: what this rank found)."""
+    staged: dict[str, Any] = ranks.each(lambda: _staging(plan.state))
+    load_checked(
+        plan.directory,
+        staged,
+        plan.layout,
+        checks=sorted(checks),
+        rank=ranks.rank,
+        process_group=group,
+    )
+    return staged
+
+
 def read_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -238,6 +282,7 @@ def read_sharded(
     group: Any = None,
     chosen: ShardedPlan | None = None,
     ema: nn.Module | None = None,
+    staged: dict[str, Any] | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
     directory, all or nothing (the ``ema`` only when the checkpoint holds one).
@@ -253,9 +298,15 @@ def read_sharded(
     a host copy of this rank's tensors kept while DCP reads. Returns the layout.
     ``chosen``: this rank's :func:`plan_read` of ``directory``, made by a resume that has
     compared it with the run and verified every file of it on every rank already: read with
-    it, without reading the manifest or planning again.
+    it, without reading the manifest or planning again. ``staged``: what :func:`read_staged`
+    read of ``chosen`` (every file checked): applied, DCP reads nothing more.
     """
     root = Path(directory)
+    if staged is not None:
+        if chosen is None:
+            raise ValueError("staged state is applied with the plan it was read with")
+        _apply_staged(root, model, optimizers, ranks, chosen, staged, ema)
+        return chosen.layout
     with FreshOptimizers(optimizers) as fresh:
         if chosen is not None:
             layout, stored_fresh, state = ranks.each(lambda: _chosen(root, chosen))
@@ -275,6 +326,28 @@ def read_sharded(
             raise
         fresh.keep()
     return layout
+
+
+def _apply_staged(
+    root: Path,
+    model: nn.Module,
+    optimizers: Optimizers,
+    ranks: Ranks,
+    chosen: ShardedPlan,
+    staged: dict[str, Any],
+    ema: nn.Module | None,
+) -> None:
+    """Every rank: apply ``staged`` (read with ``chosen``), all or nothing."""
+    with FreshOptimizers(optimizers) as fresh:
+        _, stored_fresh, state = ranks.each(lambda: _chosen(root, chosen))
+        kept = _Kept(state, optimizers, only=(MODEL, EMA, EMA_COUNT))
+        try:
+            live_ema = ema if EMA in staged else None
+            ranks.each(lambda: apply_state(model, optimizers, live_ema, staged, stored_fresh))
+        except BaseException:
+            kept.put_back()
+            raise
+        fresh.keep()
 
 
 def full_state_dict(
