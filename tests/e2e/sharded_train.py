@@ -274,9 +274,9 @@ def note_checks() -> None:
         say(f"checked {json.dumps(sorted(names))}")
         real(root, layout, names)
 
-    def read_checked(plan: Any, checks: Any, ranks: Any) -> Any:
+    def read_checked(plan: Any, checks: Any, *args: Any) -> Any:
         say(f"checked {json.dumps(sorted(checks))}")
-        return real_read(plan, checks, ranks)
+        return real_read(plan, checks, *args)
 
     resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
     resuming._read_checked = read_checked  # type: ignore[assignment]

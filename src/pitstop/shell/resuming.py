@@ -63,7 +63,7 @@ from pitstop.shell.state.freshopt import FreshOptimizers
 from pitstop.shell.state.restore import Restore, differences
 from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
 from pitstop.shell.store.resolve import find_resume, own_pointer
-from pitstop.shell.store.sharddir import verify_sharded
+from pitstop.shell.store.sharddir import prefetch, verify_sharded
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
@@ -105,7 +105,8 @@ def resume_from(
             if ranks.leader:
                 log.info("resume: %s holds no checkpoint; starting fresh", directory.path)
             return None, NO_CHECKPOINT
-        is_directory = ranks.each(partial(is_sharded_path, path))
+        # a chosen plan: a directory, on every rank
+        is_directory = plan is not None or ranks.each(partial(is_sharded_path, path))
         if is_directory != sharded:
             held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
             run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
@@ -284,21 +285,19 @@ def _problem(
     planned: _Planned,
     shares: tuple[tuple[str, ...], ...] | None,
     ranks: Ranks,
-    *,
-    streamed: bool,
 ) -> str | None:
-    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
+    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies), where
+    its files are not checked as DCP reads them (a file checkpoint, a state that does not fit).
 
-    Rank 0 checks the manifest whole (and a plain file whole); unless the shard files are
-    checked as DCP reads them (``streamed``), DCP's ``.metadata`` (rank 0) and every file some
-    rank's DCP read plan names, each by one of those ranks, in parallel, are checked here."""
+    Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
+    file some rank's DCP read plan names is checked by one of those ranks, in parallel."""
     plan, problem = planned
     if problem is not None:
         return problem
     try:
         if ranks.leader:
             reading.verify(path, shards=False)
-        if plan is not None and not streamed:
+        if plan is not None:
             verify_sharded(path, plan.layout, _checks(plan, shares, ranks))
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
@@ -319,17 +318,24 @@ def _checks(
 
 
 def _read_checked(
-    plan: ShardedPlan, checks: tuple[str, ...], ranks: Ranks
+    plan: ShardedPlan,
+    checks: tuple[str, ...],
+    ranks: Ranks,
+    beside: Callable[[], str | None] | None = None,
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """Every rank: DCP's read of ``plan`` into staging, ``checks`` checked as they stream; the
-    staged state, or what this rank found wrong (``None`` and ``None``: another rank did)."""
+    """Every rank: DCP's read of ``plan`` into staging, ``checks`` checked as they stream (and
+    ``beside``, the manifest's read on its thread); the staged state, or what this rank found
+    wrong (``None`` and ``None``: another rank did)."""
     from pitstop.shell.sharded.dcpio import ReadFailed
     from pitstop.shell.sharded.engine import read_staged
 
     try:
-        return read_staged(plan, checks, ranks=ranks), None
+        return read_staged(plan, checks, ranks=ranks, beside=beside), None
     except ReadFailed as exc:
         return None, exc.own
+    finally:
+        if beside is not None:  # ended, whatever stopped the read before it asked
+            beside()
 
 
 def _choose_sharded(
@@ -345,18 +351,27 @@ def _choose_sharded(
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     for path, wire in candidates:
         planned = _planned(path, live, ranks)
+        if planned[0] is not None:  # the disk reads them while the ranks agree and check
+            prefetch(path, planned[0].regions)
         files = planned[0].files if planned[0] is not None else ()
         gathered = ranks.all_gather((files, _fits(planned)))
         shares = _shares(planned, [f for f, _ in gathered])
         streamed = all(fits for _, fits in gathered)
-        problem = _problem(path, reading, planned, shares, ranks, streamed=streamed)
-        problems = ranks.all_gather(problem)
-        staged = None
-        if streamed and not any(problems) and planned[0] is not None:
-            staged, own = _read_checked(planned[0], _checks(planned[0], shares, ranks), ranks)
-            problems = ranks.all_gather(own)
-            if staged is None and not any(problems):  # DCP failed where no rank says why
+        if streamed and shares is not None:  # the rest of the files this rank checks
+            prefetch(path, [(name, 0, 0) for name in shares[ranks.rank]])
+        if streamed and planned[0] is not None:  # every check, and the manifest, in DCP's read
+            beside = reading.read_beside(path)
+            staged, own = _read_checked(
+                planned[0], _checks(planned[0], shares, ranks), ranks, beside
+            )
+            if staged is not None:  # DCP's read succeeded on every rank: no round to agree
+                return path, wire, planned[0], staged
+            problems = ranks.all_gather(own)  # it failed on every rank: whose checks said why
+            if not any(problems):  # DCP failed where no rank says why
                 problems = [f"{path}: DCP could not read it"] * len(problems)
+        else:
+            staged = None
+            problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:

@@ -272,12 +272,17 @@ class _Reader(FileSystemReader):
     the files of ``checks`` (by name) it checks as it reads them."""
 
     def __init__(
-        self, path: Path, layout: ShardedLayout, checks: Mapping[str, ShardFile] | None = None
+        self,
+        path: Path,
+        layout: ShardedLayout,
+        checks: Mapping[str, ShardFile] | None = None,
+        beside: Callable[[], str | None] | None = None,
     ) -> None:
         super().__init__(path)
         self._metadata = metadata_of(layout)
         self._layout = layout
         self._checks = dict(checks or {})
+        self._beside = beside
         self.problem: str | None = None
         """What a check of this rank's found wrong (the first file that failed)."""
 
@@ -304,6 +309,10 @@ class _Reader(FileSystemReader):
             except Exception as exc:  # DCP gathers it to every rank (it must pickle)
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise CheckpointCorrupt(f"{name} could not be read: {first}") from None
+        problem = None if self._beside is None else self._beside()
+        if problem is not None:  # the check made beside the read failed: as a file's would
+            self.problem = problem
+            raise _CheckFailed(problem)
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -409,6 +418,36 @@ class ReadFailed(CheckpointCorrupt):
         self.own = own
 
 
+def _staging(value: Any) -> Any:
+    """A copy of the state dict ``value`` with a fresh, uninitialized tensor (a DTensor with
+    the same placements) for each of its tensors; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {key: _staging(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_staging(item) for item in value]
+    return value
+
+
+class _StagingPlanner(SafePlanner):
+    """The safe planner, reading into :attr:`staged` (fresh tensors shaped like the state it
+    is given, made in DCP's planning step: a rank that cannot make them fails DCP's load on
+    every rank) instead of that state."""
+
+    staged: dict[str, Any] | None = None
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """DCP's set-up, of a staging copy of ``state_dict``."""
+        self.staged = _staging(state_dict)
+        super().set_up_planner(self.staged, metadata, is_coordinator)
+
+
 def load_checked(
     directory: Path,
     state: dict[str, Any],
@@ -416,22 +455,29 @@ def load_checked(
     *,
     checks: Sequence[str] = (),
     rank: int = 0,
+    stage: bool = False,
+    beside: Callable[[], str | None] | None = None,
     **kwargs: Any,
-) -> None:
+) -> dict[str, Any] | None:
     """``dcp.load`` into ``state`` from ``directory``, with metadata from ``layout`` and the
     safe planner (``kwargs``: ``process_group`` or ``no_dist``); the files ``checks`` are
-    checked (size, CRC-32) as they are read, each read once. DCP's errors, raised on every
-    rank, become :class:`ReadFailed` (a :class:`~pitstop.errors.CheckpointCorrupt`);
-    ``rank``: this rank's number in the group, for what it found itself."""
+    checked (size, CRC-32) as they are read, each read once. With ``stage``, ``state`` is
+    left as it is and the state read is returned, in fresh tensors shaped like it.
+    ``beside()``, called once this rank's reads are done, waits for a check made beside
+    them and says what it found wrong, failing the read as a file's check would. DCP's
+    errors, raised on every rank, become :class:`ReadFailed` (a
+    :class:`~pitstop.errors.CheckpointCorrupt`); ``rank``: this rank's number in the group,
+    for what it found itself."""
     try:
         wanted = {name: layout.file(name) for name in checks}
     except KeyError as exc:
         raise CheckpointCorrupt(f"{directory}: the manifest lists no file {exc}") from None
-    reader = _Reader(directory, layout, wanted)
+    reader = _Reader(directory, layout, wanted, beside)
+    planner = _StagingPlanner() if stage else SafePlanner()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
-            load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
+            load(state, storage_reader=reader, planner=planner, **kwargs)
     except CheckpointException as exc:  # a BaseException, raised on every rank
         why = "; ".join(f"rank {r}: {e}" for r, (e, _) in sorted(exc.failures.items()))
         message = f"{directory}: DCP could not read it: {why}"
@@ -439,3 +485,4 @@ def load_checked(
         # a file a check found damaged is the cause: another rank's read of it says nothing more
         own = reader.problem or (message if rank in exc.failures and not checked else None)
         raise ReadFailed(message, own) from exc
+    return planner.staged if isinstance(planner, _StagingPlanner) else None

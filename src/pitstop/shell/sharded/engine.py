@@ -30,7 +30,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,9 @@ from pitstop.core.compat import Difference, Kind, diff_ema
 from pitstop.core.sharded import (
     LiveValue,
     ShardedLayout,
-    files_for,
     fresh_optimizers,
     layout_differences,
+    regions_for,
     share_checks,
 )
 from pitstop.errors import IncompatibleCheckpoint
@@ -119,6 +119,14 @@ def _planned_files(
     directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
 ) -> tuple[str, ...]:
     """Check that ``state`` fits ``layout``; the files DCP's local plan reads on this rank."""
+    return tuple(sorted({file for file, _, _ in _planned_reads(directory, layout, state, rank)}))
+
+
+def _planned_reads(
+    directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
+) -> tuple[tuple[str, int, int], ...]:
+    """Check that ``state`` fits ``layout``; where DCP's local plan reads on this rank:
+    ``(file, start, length)`` each."""
     planner = SafePlanner()
     planner.set_up_planner(state, metadata_of(layout), rank == 0)
     live = {fqn: _live(value) for fqn, value in planner.state_dict.items()}
@@ -126,7 +134,7 @@ def _planned_files(
     if problems:
         raise IncompatibleCheckpoint(f"{directory}: {p}" for p in problems)
     reads = [r.storage_index for r in planner.create_local_plan().items]
-    return files_for(
+    return regions_for(
         layout, [(i.fqn, None if i.offset is None else tuple(i.offset)) for i in reads]
     )
 
@@ -163,6 +171,9 @@ class ShardedPlan:
     differences: tuple[Difference, ...]
     """Every difference between this rank's state and the layout (empty when it fits), an
     EMA on one side only judged as for a file checkpoint."""
+    regions: tuple[tuple[str, int, int], ...] = ()
+    """Where DCP's read plan reads on this rank, ``(file, start, length)`` each (empty when
+    the state does not fit)."""
 
 
 def plan_read(
@@ -179,9 +190,11 @@ def plan_read(
     layout, meta = read_layout(root)
     found = diff_ema(stored=holds_ema(layout), live=ema is not None)
     state: dict[str, Any] = {}
+    regions: tuple[tuple[str, int, int], ...] = ()
     try:
         state = _state(layout, model, optimizers, ema)
-        files = _planned_files(root, layout, state, rank)
+        regions = _planned_reads(root, layout, state, rank)
+        files = tuple(sorted({file for file, _, _ in regions}))
     except IncompatibleCheckpoint as exc:
         found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
         names = [f.name for f in layout.files]
@@ -193,6 +206,7 @@ def plan_read(
         state=state,
         files=files,
         differences=tuple(found),
+        regions=regions,
     )
 
 
@@ -241,35 +255,31 @@ def _chosen(root: Path, plan: ShardedPlan) -> tuple[ShardedLayout, tuple[str, ..
     return plan.layout, fresh_optimizers(plan.meta), plan.state
 
 
-def _staging(value: Any) -> Any:
-    """A copy of the state dict ``value`` with a fresh, uninitialized tensor (a DTensor with
-    the same placements) for each of its tensors; other values as they are."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value)
-    if isinstance(value, dict):
-        return {key: _staging(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_staging(item) for item in value]
-    return value
-
-
 def read_staged(
-    plan: ShardedPlan, checks: Collection[str], *, ranks: Ranks, group: Any = None
+    plan: ShardedPlan,
+    checks: Collection[str],
+    *,
+    ranks: Ranks,
+    group: Any = None,
+    beside: Callable[[], str | None] | None = None,
 ) -> dict[str, Any]:
     """Every rank: DCP's read of ``plan``'s checkpoint into fresh tensors shaped like
     ``plan.state``, the files ``checks`` checked (size, CRC-32) as they are read, each read
     once; nothing live is touched. Returns the staged state, for :func:`read_sharded`'s
     ``staged``. Raises :class:`~pitstop.shell.sharded.dcpio.ReadFailed` on every rank when
-    a check or the read fails on any (its ``own``: what this rank found)."""
-    staged: dict[str, Any] = ranks.each(lambda: _staging(plan.state))
-    load_checked(
+    a check or the read fails on any (its ``own``: what this rank found); ``beside``: a
+    check made beside the read (:func:`~pitstop.shell.sharded.dcpio.load_checked`)."""
+    staged = load_checked(
         plan.directory,
-        staged,
+        plan.state,
         plan.layout,
         checks=sorted(checks),
         rank=ranks.rank,
+        stage=True,
+        beside=beside,
         process_group=group,
     )
+    assert staged is not None  # staged: what it read into
     return staged
 
 
@@ -339,7 +349,7 @@ def _apply_staged(
 ) -> None:
     """Every rank: apply ``staged`` (read with ``chosen``), all or nothing."""
     with FreshOptimizers(optimizers) as fresh:
-        _, stored_fresh, state = ranks.each(lambda: _chosen(root, chosen))
+        _, stored_fresh, state = _chosen(root, chosen)  # it fits: read_staged read it
         kept = _Kept(state, optimizers, only=(MODEL, EMA, EMA_COUNT))
         try:
             live_ema = ema if EMA in staged else None

@@ -58,6 +58,7 @@ from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 __all__ = [
     "clear_leftover",
     "file_table",
+    "prefetch",
     "publish_sharded",
     "read_layout",
     "verify_sharded",
@@ -152,6 +153,26 @@ def verify_sharded(
                 problem = file_problem(expected, size, crc)
             if problem is not None:
                 raise CheckpointCorrupt(f"{root}: {problem}")
+
+
+def prefetch(directory: str | os.PathLike[str], regions: Iterable[tuple[str, int, int]]) -> None:
+    """Ask the OS to start reading ``regions`` of the files of ``directory`` — ``(name,
+    start, length)``, a length of 0 to the end — into the page cache now
+    (``POSIX_FADV_WILLNEED``, where it has it), while the caller does other work before it
+    reads them. Only a hint: a file that cannot be opened is left for the read to name."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    root = Path(directory)
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for name, start, length in regions:
+        wanted.setdefault(name, []).append((start, length))
+    for name, spans in wanted.items():
+        try:
+            with open_untrusted(root / name, follow_symlinks=False) as file:
+                for start, length in spans:
+                    os.posix_fadvise(file.fileno(), start, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, ValueError):
+            continue
 
 
 # --- publishing -------------------------------------------------------------------------------
