@@ -70,7 +70,7 @@ RESUME_PHASES = (  # each wrapped where its caller finds it
     ("pitstop.shell.manager", None, ("scan",)),
     ("pitstop.shell.resuming", None, ("resume_from", "_candidates", "_plan", "_shares")),
     ("pitstop.shell.resuming", None, ("_choose_sharded", "_problem", "_load", "verify_sharded")),
-    ("pitstop.shell.resuming", None, ("_read_checked",)),
+    ("pitstop.shell.resuming", None, ("_read_checked", "prefetch", "_planned")),
     ("pitstop.shell.resuming", None, ("differences",)),
     ("pitstop.shell.resumeread", "ResumeRead", ("verify", "load")),
     ("pitstop.shell.state.restore", "Restore", ("prepare", "commit")),

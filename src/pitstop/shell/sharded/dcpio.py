@@ -30,7 +30,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import attrs
 import torch
@@ -337,6 +337,7 @@ class _Reader(FileSystemReader):
         except FileNotFoundError:
             raise CheckpointCorrupt(f"{root}: {file_problem(expected, None, None)}") from None
         failed: Exception | None = None  # an item that would not load: bytes damaged?
+        scratch = bytearray(max((n for _, n, wanted in spans if wanted), default=0))
         with file:
             size = os.fstat(file.fileno()).st_size
             crc = 0
@@ -345,9 +346,10 @@ class _Reader(FileSystemReader):
                     if not wanted:
                         crc = _skim(file, length, crc)
                         continue
-                    data = file.read(length)
-                    crc = crc32_update(data, crc)
-                    if len(data) != length:
+                    data = memoryview(scratch)[:length]
+                    got = cast(io.BufferedReader, file).readinto(data)
+                    crc = crc32_update(data[:got], crc)
+                    if got != length:
                         break  # the file shrank: its size says so below
                     for item in regions[start, length] if failed is None else ():
                         try:
@@ -377,13 +379,43 @@ def _skim(file: Any, length: int, crc: int) -> int:
     return crc
 
 
-def _load_item(item: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+class _Bytes(io.RawIOBase):
+    """A read-only, seekable file over ``view``, copied from only as it is read (``BytesIO``
+    would copy it whole first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._at = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        piece = self._view[self._at : self._at + len(target)]
+        target[: len(piece)] = piece
+        self._at += len(piece)
+        return len(piece)
+
+
+def _load_item(item: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
     """What DCP's own read does with one item's bytes ``data`` (untransformed, as pitstop
     writes them): a value through the planner, a tensor loaded weights-only and copied in."""
     if item.type == LoadItemType.BYTE_IO:
         planner.load_bytes(item, io.BytesIO(data))
         return
-    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    loaded = torch.load(cast(IO[bytes], _Bytes(data)), map_location="cpu", weights_only=True)
     loaded = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
     target = planner.resolve_tensor(item).detach()
     if target.size() != loaded.size():
