@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from pitstop.core.ranks import Outcome
@@ -69,6 +70,7 @@ from pitstop.shell.format.checksums import PIECE, crc32_update
 from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.ranks.distributed import outcome_of, rebuilt
+from pitstop.shell.sharded.dcpstate import local_shard
 from pitstop.shell.sharded.dcpwrite import CrcFileSystem, Note
 from pitstop.shell.store.sharddir import file_table, verify_sharded
 
@@ -417,6 +419,8 @@ def _load_item(item: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
         return
     loaded = torch.load(cast(IO[bytes], _Bytes(data)), map_location="cpu", weights_only=True)
     loaded = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+    if isinstance(planner, _StagingPlanner) and planner.adopt(item, loaded):
+        return
     target = planner.resolve_tensor(item).detach()
     if target.size() != loaded.size():
         raise CheckpointCorrupt(
@@ -453,6 +457,15 @@ class ReadFailed(CheckpointCorrupt):
 def _staging(value: Any) -> Any:
     """A copy of the state dict ``value`` with a fresh, uninitialized tensor (a DTensor with
     the same placements) for each of its tensors; other values as they are."""
+    if isinstance(value, DTensor):  # made from its local shard: no DTensor op to dispatch
+        return DTensor.from_local(
+            torch.empty_like(value.to_local()),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
     if isinstance(value, torch.Tensor):
         return torch.empty_like(value)
     if isinstance(value, dict):
@@ -465,9 +478,38 @@ def _staging(value: Any) -> Any:
 class _StagingPlanner(SafePlanner):
     """The safe planner, reading into :attr:`staged` (fresh tensors shaped like the state it
     is given, made in DCP's planning step: a rank that cannot make them fails DCP's load on
-    every rank) instead of that state."""
+    every rank) instead of that state. A tensor loaded whole for one of them takes its place
+    (:meth:`adopt`): its memory is never written, so never faulted in, and not copied."""
 
     staged: dict[str, Any] | None = None
+
+    def adopt(self, item: ReadItem, loaded: torch.Tensor) -> bool:
+        """Put ``loaded`` in place of the staged tensor ``item`` fills, if it fills all of it
+        (same local shape, stride, dtype and device); whether it did."""
+        fqn = item.dest_index.fqn
+        staged = self.state_dict.get(fqn)
+        if not isinstance(staged, torch.Tensor) or any(item.dest_offsets):
+            return False
+        local = local_shard(staged)
+        same = (loaded.shape, loaded.stride(), loaded.dtype, loaded.device)
+        if same != (local.shape, local.stride(), local.dtype, local.device):
+            return False
+        if tuple(item.lengths) != tuple(local.shape):
+            return False
+        adopted = loaded
+        if isinstance(staged, DTensor):  # the same placements over the loaded shard
+            adopted = DTensor.from_local(
+                loaded,
+                staged.device_mesh,
+                staged.placements,
+                run_check=False,
+                shape=staged.shape,
+                stride=staged.stride(),
+            )
+        self.state_dict[fqn] = adopted
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], adopted)
+        return True
 
     def set_up_planner(
         self,
