@@ -35,8 +35,9 @@ instead, from a cold page cache (rank 0 drops every file's pages with
   against its layout, every file this rank reads verified (size, CRC-32), a host copy of the
   rank's tensors kept for a failure, DCP's read, the apply;
 * ``Checkpointer.resume``: the public path, ``pitstop.Checkpointer(...).resume()`` and
-  ``close()`` — the lock, the scan, the choice (every rank verifies its files), the checks,
-  the replicated state, the same restore.
+  ``close()`` — the lock, the scan, the choice (DCP reads the candidate into staging tensors,
+  each rank checking its share of the files as they stream), the checks, the replicated
+  state, the apply of what was staged.
 
 Figures, in seconds from the call (the ranks leave a barrier just before it), the worse rank's:
 *blocking* — until the call returns and the state is staged; *durable* — until the checkpoint

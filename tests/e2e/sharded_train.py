@@ -91,7 +91,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import pitstop
 from pitstop.core.sharded import sharded_name
 from pitstop.shell import resuming, shardsave
-from pitstop.shell.sharded import dcpio, dcpstate, shardwrite
+from pitstop.shell.sharded import dcpio, dcpread, dcpstate, shardwrite
 from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
@@ -242,7 +242,7 @@ def tear_at_resume(rank: int) -> None:
     """This rank's own shard file loses its second half as DCP's read of the resume sets up
     (it verified when the checkpoint was chosen), before DCP's first collective of the read:
     so no rank has begun reading it yet."""
-    real = dcpio._Reader.set_up_storage_reader
+    real = dcpread._Reader.set_up_storage_reader
     torn: list[Path] = []
 
     def set_up_storage_reader(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -252,7 +252,7 @@ def tear_at_resume(rank: int) -> None:
             torn.append(path)
         return real(self, *args, **kwargs)
 
-    dcpio._Reader.set_up_storage_reader = set_up_storage_reader  # type: ignore[method-assign]
+    dcpread._Reader.set_up_storage_reader = set_up_storage_reader  # type: ignore[method-assign]
 
 
 def refuse_apply_at_resume(rank: int) -> None:

@@ -326,7 +326,7 @@ def _read_checked(
     """Every rank: DCP's read of ``plan`` into staging, ``checks`` checked as they stream (and
     ``beside``, the manifest's read on its thread); the staged state, or what this rank found
     wrong (``None`` and ``None``: another rank did)."""
-    from pitstop.shell.sharded.dcpio import ReadFailed
+    from pitstop.shell.sharded.dcpread import ReadFailed
     from pitstop.shell.sharded.engine import read_staged
 
     try:

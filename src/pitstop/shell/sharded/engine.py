@@ -17,7 +17,7 @@
 # copies its tensors back and hands each optimizer its own state and groups again — and an optimizer
 # that had no state (DCP gives it zeroed state to read into) has none again. A resume reads each
 # file once instead (read_staged): DCP reads into fresh staging tensors while each rank checks its
-# share of the files as they stream (pitstop.shell.sharded.dcpio), so a corrupt shard fails the
+# share of the files as they stream (pitstop.shell.sharded.dcpread), so a corrupt shard fails the
 # read on every rank with nothing live touched; the apply then copies the model's (and EMA's)
 # tensors in, after a host copy of those alone, and hands each optimizer the staged tensors (its
 # own state and groups are kept by reference, for a failure). DCP's collectives run
@@ -51,11 +51,8 @@ from pitstop.core.sharded import (
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.sharded.dcpio import (
-    SafePlanner,
-    load_checked,
-    metadata_of,
-)
+from pitstop.shell.sharded.dcpio import SafePlanner, metadata_of
+from pitstop.shell.sharded.dcpread import load_checked
 from pitstop.shell.sharded.dcpstate import (
     EMA,
     EMA_COUNT,
@@ -266,9 +263,9 @@ def read_staged(
     """Every rank: DCP's read of ``plan``'s checkpoint into fresh tensors shaped like
     ``plan.state``, the files ``checks`` checked (size, CRC-32) as they are read, each read
     once; nothing live is touched. Returns the staged state, for :func:`read_sharded`'s
-    ``staged``. Raises :class:`~pitstop.shell.sharded.dcpio.ReadFailed` on every rank when
+    ``staged``. Raises :class:`~pitstop.shell.sharded.dcpread.ReadFailed` on every rank when
     a check or the read fails on any (its ``own``: what this rank found); ``beside``: a
-    check made beside the read (:func:`~pitstop.shell.sharded.dcpio.load_checked`)."""
+    check made beside the read (:func:`~pitstop.shell.sharded.dcpread.load_checked`)."""
     staged = load_checked(
         plan.directory,
         plan.state,
