@@ -7,7 +7,11 @@ downloaded by ranged, parallel GETs, every blob's CRC-32 checked, loaded into th
 reference is obstore on the same endpoint with the same bytes (the checkpoint file): its
 ``put`` of the file, and its parallel ranged get (``get_ranges``, 8 MiB ranges) into memory.
 Each repeat saves, then puts; the two reads alternate which goes first. Each row gives the
-medians and the ratio pitstop / obstore (the issue's targets: ≤ 1.2x for both).
+medians and the ratio pitstop / obstore (the issue's targets: ≤ 1.2x for both). Where ``s3fs``
+is installed (an optional benchmark dependency: ``pip install s3fs``), torch.distributed.
+checkpoint through its fsspec writer and reader (``FsspecWriter`` / ``FsspecReader``, their
+defaults, one process) saves and loads the same model state on the same endpoint too, against
+the same two references; without it those rows are skipped with a message.
 
 The endpoint is a SeaweedFS ``weed mini`` on loopback that the benchmark starts and stops
 (tests/s3server.py's launcher): it writes at 14-30 MB/s, so the absolute times say little and
@@ -27,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from pitstop.core.naming import checkpoint_name
+from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.objectstore import ObjectStorage
 from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 
 MIB = 1 << 20
@@ -68,7 +76,9 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
         virtual_hosted_style_request=False,
         client_options={"allow_http": True},
     )
-    times: dict[str, list[float]] = {k: [] for k in ("save", "put", "resume", "get")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("save", "put", "resume", "get", "dcp-save", "dcp-resume")
+    }
     for repeat in range(repeats):
         url = f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:8]}"
         model = _model(size)
@@ -82,7 +92,13 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
                 times["resume"].append(_timed(ckpt.resume))
 
         save()
-        file = pitstop.verify(url)  # the checkpoint's bytes, fetched: what obstore moves
+        file = Path(tempfile.mkdtemp(prefix="pitstop-s3-bench-")) / "checkpoint"
+        storage = ObjectStorage(url)
+        try:  # the checkpoint's bytes: what obstore moves
+            with storage.fetched(checkpoint_name(1)) as path, open_untrusted(path) as fetched:
+                file.write_bytes(fetched.read())
+        finally:
+            storage.close()
         key = f"bench-ref-{uuid.uuid4().hex[:8]}"
         total = file.stat().st_size
         starts = list(range(0, total, RANGE))
@@ -99,13 +115,49 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
         put()
         for read in (resume, get) if repeat % 2 == 0 else (get, resume):
             read()
+        if _has_s3fs():
+            _dcp(server, f"s3://{BUCKET}/bench-dcp-{uuid.uuid4().hex[:8]}", model, times)
         file.unlink()
+        file.parent.rmdir()
     return times
+
+
+def _has_s3fs() -> bool:
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _dcp(server: S3Server, url: str, model: torch.nn.Module, times: dict[str, list[float]]) -> None:
+    """DCP's save of ``model``'s state to ``url`` through fsspec (s3fs), then its load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    options = {
+        "key": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "client_kwargs": {"endpoint_url": server.endpoint, "region_name": "us-east-1"},
+    }
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process
+    state = {"model": model.state_dict()}
+    times["dcp-save"].append(
+        _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(url, **options)))
+    )
+    target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    times["dcp-resume"].append(
+        _timed(lambda: dcp.load(target, storage_reader=FsspecReader(url, **options)))
+    )
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
 
 
 def rows_of(size_mib: float, times: dict[str, list[float]]) -> list[dict[str, Any]]:
     rows = []
-    for op, ours, theirs in (("save", "save", "put"), ("resume", "resume", "get")):
+    pairs = [("save", "save", "put"), ("resume", "resume", "get")]
+    if times["dcp-save"]:
+        pairs += [("dcp save", "dcp-save", "put"), ("dcp resume", "dcp-resume", "get")]
+    for op, ours, theirs in pairs:
         a, b = statistics.median(times[ours]), statistics.median(times[theirs])
         rows.append(
             {"size_mib": size_mib, "op": op, "pitstop_s": a, "obstore_s": b, "ratio": a / b}
@@ -123,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or any(s <= 0 for s in sizes):
         parser.error("--repeats must be at least 1 and every size positive")
     print(f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    if not _has_s3fs():
+        print("# s3fs is not installed: the DCP-through-fsspec rows are skipped (pip install s3fs)")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pitstop-s3-bench-") as tmp:
         server = S3Server.start(Path(tmp))
@@ -138,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    print("| MiB | operation | pitstop s | obstore s | pitstop / obstore |")
+    print("| MiB | operation | pitstop (or DCP) s | obstore s | ratio to obstore |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for r in rows:
-        theirs = "put" if r["op"] == "save" else "get_ranges"
+        theirs = "put" if r["op"].endswith("save") else "get_ranges"
         print(
             f"| {r['size_mib']:g} | {r['op']} vs {theirs} | {r['pitstop_s']:.2f} | "
             f"{r['obstore_s']:.2f} | {r['ratio']:.2f} |"

@@ -359,16 +359,20 @@ class Job:
 
     def _launcher_command(self, log_dir: str) -> list[str]:
         """The torchrun command line of the job."""
+        return self._torchrun(
+            log_dir, "--master-addr", "127.0.0.1", "--master-port", str(self.port)
+        )
+
+    def _torchrun(self, log_dir: str, *rendezvous: str) -> list[str]:
+        """torchrun of the job's script with ``rendezvous``'s options: no restarts, every
+        rank's output teed into ``log_dir``."""
         return [
             sys.executable,
             "-m",
             "torch.distributed.run",
+            *rendezvous,
             "--nproc-per-node",
             str(self.ranks),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(self.port),
             "--max-restarts",
             "0",
             "--tee",

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -183,3 +184,22 @@ class S3Server:
             self.pump.join(timeout=30)
         if self.process.stdout is not None:
             self.process.stdout.close()
+
+
+CHILD_TIMEOUT_S = 120
+
+
+def run_python(args: list[str], env: dict[str, str]) -> str:
+    """Run ``python ARGS`` with ``env`` over this process's environment (bounded in time);
+    the last line it printed. Fails the test, with its stderr, when it fails."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if lines else ""

@@ -199,3 +199,14 @@ def test_data_state_prints_both_candidates_per_worker_count(
     bare, wrapped = rows[0], rows[1]
     assert bare["added_us"] == 0
     assert wrapped["state_bytes"] > bare["state_bytes"]  # the workers' random state is in it
+
+
+def test_manifest_bounds_prints_a_row_per_reader(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bounds = load_benchmark("manifest_bounds")
+    args = ["--lists", "1000", "--values", "50", "--skip-legal", "--dir", str(tmp_path)]
+    assert bounds.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 5  # the header, then two readers on two manifests and one verify
+    assert all(row.endswith("| ok |") for row in rows[1:]), rows

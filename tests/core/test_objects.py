@@ -22,8 +22,9 @@ from pitstop.core.objects import (
     parse_url,
     range_reads,
     renew_after,
-    retry_settings,
 )
+from pitstop.core.s3config import profile_settings, retry_settings
+from pitstop.errors import ConfigError
 from strategies import small_steps
 
 tokens = st.text("abcXYZ019_-", min_size=1, max_size=12)
@@ -131,3 +132,90 @@ def test_range_reads_cover_every_byte_once(reads_: int, chunk: int, tail: int) -
     assert [s for s, _ in reads[1:]] == [e for _, e in reads[:-1]]
     assert (reads[0][0] if reads else 0) == 0
     assert (reads[-1][1] if reads else 0) == size
+
+
+# --- the AWS configuration: options, then the environment, then the profile ------------------
+
+PROFILE = {
+    "aws_access_key_id": "AKIDPROFILE",
+    "aws_secret_access_key": "secret-profile",
+    "region": "eu-west-3",
+    "endpoint_url": "http://127.0.0.1:9000",
+}
+
+
+def test_a_named_profile_gives_its_credentials_region_and_endpoint() -> None:
+    config = {"profile lab": {"region": "eu-west-1", "endpoint_url": "http://lab:9000"}}
+    credentials = {"lab": {k: v for k, v in PROFILE.items() if k.startswith("aws_")}}
+    name, settings = profile_settings({}, {"AWS_PROFILE": "lab"}, credentials, config)
+    assert name == "lab"
+    assert settings == {
+        "access_key_id": "AKIDPROFILE",
+        "secret_access_key": "secret-profile",
+        "region": "eu-west-1",
+        "endpoint": "http://lab:9000",
+    }
+
+
+def test_the_credentials_file_wins_over_the_config_file_for_one_profile() -> None:
+    config = {"default": {"region": "us-west-2", "aws_access_key_id": "FROMCONFIG"}}
+    credentials = {"default": {"aws_access_key_id": "FROMCREDENTIALS"}}
+    _, settings = profile_settings({}, {}, credentials, config)
+    assert settings == {"access_key_id": "FROMCREDENTIALS", "region": "us-west-2"}
+
+
+def test_options_choose_the_profile_and_win_over_it() -> None:
+    credentials = {"a": {"region": "r-a"}, "b": {"region": "r-b", "endpoint_url": "http://b"}}
+    env = {"AWS_PROFILE": "a"}
+    name, settings = profile_settings({"profile": "b", "region": "mine"}, env, credentials, {})
+    assert (name, settings) == ("b", {"endpoint": "http://b"})
+
+
+def test_environment_credentials_take_none_of_the_profiles_keys() -> None:
+    # A session token from the profile must never be paired with another key id.
+    credentials = {"default": {**PROFILE, "aws_session_token": "token-profile"}}
+    env = {"AWS_ACCESS_KEY_ID": "AKIDENV", "AWS_DEFAULT_REGION": "ap-south-1"}
+    _, settings = profile_settings({}, env, credentials, {})
+    assert settings == {"endpoint": "http://127.0.0.1:9000"}
+
+
+def test_a_named_profile_that_no_file_holds_is_one_error_naming_it() -> None:
+    config = {"default": {}, "profile lab": {}}
+    with pytest.raises(ConfigError, match=r"'labb' is in neither .*profiles there: default, lab"):
+        profile_settings({}, {"AWS_PROFILE": "labb"}, {}, config)
+    assert profile_settings({}, {}, {}, {}) == ("default", {})  # no files, no profile: nothing
+
+
+_KEYS = st.sampled_from([*sorted(PROFILE), "aws_session_token"])
+_SETTINGS = ("access_key_id", "secret_access_key", "session_token", "region", "endpoint")
+_ENV = ("AWS_ACCESS_KEY_ID", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_PROFILE")
+
+
+@given(
+    profile=st.dictionaries(_KEYS, st.text("abc", min_size=1, max_size=3)),
+    environ=st.dictionaries(st.sampled_from(_ENV), st.sampled_from(["", "default", "x"])),
+    options=st.dictionaries(st.sampled_from(_SETTINGS), st.just("opt")),
+)
+def test_the_profile_fills_only_what_options_and_environment_leave(
+    profile: dict[str, str], environ: dict[str, str], options: dict[str, str]
+) -> None:
+    try:
+        name, settings = profile_settings(options, environ, {"default": profile}, {})
+    except ConfigError:
+        assert environ.get("AWS_PROFILE") == "x"  # named, and in neither file
+        return
+    assert name == (environ.get("AWS_PROFILE") or "default")
+    credentials = {"access_key_id", "secret_access_key", "session_token"}
+    for setting, value in settings.items():
+        assert setting not in options
+        assert value in profile.values()
+        if setting in credentials:
+            assert not environ.get("AWS_ACCESS_KEY_ID")
+            assert not credentials & set(options)
+        if setting == "region":
+            assert not environ.get("AWS_REGION")
+            assert not environ.get("AWS_DEFAULT_REGION")
+        if setting == "endpoint":
+            assert not environ.get("AWS_ENDPOINT_URL")
+    if name == "default" and not environ.get("AWS_ENDPOINT_URL") and "endpoint" not in options:
+        assert settings.get("endpoint") == profile.get("endpoint_url")

@@ -5,7 +5,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.plan import plan_save, plan_subject, rollback_removals
+from pitstop.core.plan import (
+    plan_arrival,
+    plan_catch_up,
+    plan_save,
+    plan_subject,
+    rollback_removals,
+)
+from pitstop.core.pointers import recompute_best, recompute_final
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -198,3 +205,97 @@ def test_a_saves_messages_name_what_it_writes_or_a_pointer_it_moves(
         assert subject[1] == named[0]
     else:
         assert subject == ("?", "no checkpoint")
+
+
+@given(st.data(), catalogs(max_size=12), policies, st.integers(0, 10_000), st.integers(1, 10**6))
+def test_a_checkpoint_arriving_from_another_tier_keeps_its_seq_and_its_tiers_retention(
+    data: st.DataObject, catalog: Catalog, policy: Policy, step: int, seq: int
+) -> None:
+    # The remote tier's own retention (and the local directory a remote checkpoint is brought
+    # back into): the arriving checkpoint is not renumbered, the pointers are what the catalog
+    # says, and retention keeps what the tier's policy keeps — the arrival among them when it
+    # is the newest, and every pointer target.
+    if any(e.seq == seq for e in catalog if e.name != _name(step)):
+        return
+    entry = CheckpointEntry(
+        progress=Progress(step=step), seq=seq, reason=data.draw(st.sampled_from(SaveReason))
+    )
+    plan = plan_arrival(catalog, entry, policy)
+    assert plan.entry == entry
+    assert plan.replaces == (entry.name in catalog)
+    assert plan.catalog.get(entry.name) == entry
+    assert {e.name for e in plan.catalog} == {e.name for e in catalog} | {entry.name}
+    newest = plan.catalog.newest()
+    assert newest is not NO_CHECKPOINT
+    assert plan.pointers.last == newest.name
+    assert plan.pointers.final == recompute_final(plan.catalog)
+    assert (plan.pointers.best, plan.pointers.best_value) == recompute_best(
+        plan.catalog, policy.best
+    )
+    kept = {e.name for e in plan.catalog_after}
+    assert plan.pointers.targets() <= kept
+    if policy.keep_last is None:
+        assert plan.retention.delete == ()
+    else:
+        assert len(kept) <= policy.keep_last + len(plan.pointers.targets()) + sum(
+            1 for e in plan.catalog if policy.keep_every and e.step % policy.keep_every == 0
+        )
+
+
+def test_the_remote_tiers_keep_every_outlives_the_local_keep_last() -> None:
+    remote = Policy(keep_last=None, keep_every=1000)
+    local = Policy(keep_last=2)
+    catalog = Catalog()
+    local_catalog = Catalog()
+    for seq, step in enumerate(range(500, 3001, 500), start=1):
+        entry = CheckpointEntry(progress=Progress(step=step), seq=seq, reason=SaveReason.INTERVAL)
+        catalog = plan_arrival(catalog, entry, remote).catalog_after
+        local_catalog = plan_arrival(local_catalog, entry, local).catalog_after
+    assert [e.step for e in catalog] == [500, 1000, 1500, 2000, 2500, 3000]  # keep_last=None
+    assert [e.step for e in local_catalog] == [2500, 3000]
+    thin = Policy(keep_last=1, keep_every=1000)
+    catalog = Catalog()
+    for seq, step in enumerate(range(500, 3001, 500), start=1):
+        entry = CheckpointEntry(progress=Progress(step=step), seq=seq, reason=SaveReason.INTERVAL)
+        catalog = plan_arrival(catalog, entry, thin).catalog_after
+    assert [e.step for e in catalog] == [1000, 2000, 3000]
+
+
+@given(st.data(), catalogs(max_size=10), policies)
+def test_a_remote_tier_catches_up_on_what_it_lacks_and_would_keep(
+    data: st.DataObject, local: Catalog, policy: Policy
+) -> None:
+    # The remote tier holds some of the local checkpoints (the uploads that succeeded, less
+    # what its own retention retired); catching up uploads, oldest first, each local one it
+    # lacks unless its retention would retire it at once — none of them is retired by its own
+    # arrival, every one left out would be retired, and a second catch-up has nothing to do.
+    held = data.draw(
+        st.lists(st.sampled_from(local.entries), unique=True) if local else st.just([])
+    )
+    remote = Catalog(entries=tuple(held))
+    chosen = plan_catch_up(local, remote, policy)
+    missing = [e for e in local if e.name not in remote]
+    assert set(chosen) <= set(missing)
+    assert [e.seq for e in chosen] == sorted(e.seq for e in chosen)
+    catalog = remote
+    for entry in chosen:
+        plan = plan_arrival(catalog, entry, policy)
+        assert entry.name not in plan.retention.delete  # never retired at once
+        catalog = plan.catalog_after
+    merged = remote
+    for entry in missing:
+        merged = merged.with_entry(entry)
+    everything = plan_arrival(merged, merged.newest(), policy) if merged else None
+    for entry in missing:
+        if entry not in chosen:
+            assert everything is not None
+            assert entry.name in everything.retention.delete
+    assert plan_catch_up(local, catalog, policy) == ()
+
+
+def test_catching_up_skips_what_the_remote_holds_a_newer_save_of() -> None:
+    old = CheckpointEntry(progress=Progress(step=5), seq=3, reason=SaveReason.INTERVAL)
+    new = CheckpointEntry(progress=Progress(step=5), seq=9, reason=SaveReason.INTERVAL)
+    keep = Policy(keep_last=None)
+    assert plan_catch_up(Catalog(entries=(old,)), Catalog(entries=(new,)), keep) == ()
+    assert plan_catch_up(Catalog(entries=(new,)), Catalog(entries=(old,)), keep) == (new,)

@@ -31,6 +31,7 @@ from pitstop.core.session import (
     satisfied,
     save_status,
     settles_first,
+    waits_for_uploads,
     writer_step,
 )
 from pitstop.errors import PitstopError
@@ -386,3 +387,13 @@ class SessionMachine(RuleBasedStateMachine):
 
 
 TestSessionMachine = SessionMachine.TestCase
+
+
+@pytest.mark.parametrize("request_", list(Request))
+def test_the_runs_end_and_a_resume_wait_for_a_remote_tiers_uploads(request_: Request) -> None:
+    # A save never waits for an upload (the local publish keeps today's speed); the end of the
+    # run does (finish, wait, close), and a resume, which reads the remote tier.
+    ends = {Request.WAIT, Request.CLOSE, Request.RESUME}
+    assert waits_for_uploads(request_) is (request_ in ends)
+    if request_ in ends:
+        assert settles_first(request_)  # the save in flight is published (and queued) first

@@ -20,7 +20,8 @@ WORLD_SIZE it runs as one plain process, no process group and no DDP.
         [--async-save off|on|overlap] [--hold-at N --hold-rank R] [--fail-write-at N]
         [--hang-write-at N] [--no-resume-strict] [--no-ema] [--no-meter]
 
-Test hooks (rank 0 only for the write faults; the Checkpointer itself is never patched):
+Test hooks (the write faults on rank 0, or ``--fault-rank R``, a writer of another node's
+directory; the Checkpointer itself is never patched):
 ``--hold-at N --hold-rank R``: after printing ``step N`` rank R waits until a signal has
 arrived (race-free, through signal.set_wakeup_fd), so a SIGTERM a test sends after seeing
 ``step N`` always lands before the run ends; the stop then takes effect at step N.
@@ -155,6 +156,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hold-rank", type=int, default=1)
     parser.add_argument("--fail-write-at", type=int, default=None)
     parser.add_argument("--hang-write-at", type=int, default=None)
+    parser.add_argument("--fault-rank", type=int, default=0, help="the rank whose write faults")
+    parser.add_argument("--remote", default=None, help="Checkpointer(remote=...): a remote tier")
     parser.add_argument("--resume-strict", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
@@ -228,11 +231,14 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
         meter.bad_at = args.bad_meter_at
     state: dict[str, Any] = {"optimizer": optimizer, "sampler": sampler, "scheduler": scheduler}
     extra: dict[str, Any] = {}
+    if args.remote is not None:
+        extra["remote"] = args.remote
     if args.meter:
         state["meter"] = meter
         extra["per_rank"] = ("meter",)
 
-    if rank == 0 and (args.fail_write_at is not None or args.hang_write_at is not None):
+    faults = args.fail_write_at is not None or args.hang_write_at is not None
+    if rank == args.fault_rank and faults:
         install_write_faults(args.fail_write_at, args.hang_write_at)
     holding = args.hold_at is not None and rank == args.hold_rank
     wakeup = -1

@@ -58,13 +58,13 @@ def assert_resumes_exactly(tmp_path: Path, stop_at: int, *options: str) -> None:
 
 
 # Step 9 is mid-epoch (epoch 1, batch 3) for the map-style data.
-@pytest.mark.parametrize("kind", ["map", "stream"])
+@pytest.mark.parametrize("kind", [pytest.param("map", marks=pytest.mark.slow), "stream"])
 def test_random_data_in_workers_resumes_exactly(tmp_path: Path, kind: str) -> None:
     assert_resumes_exactly(tmp_path, 9, "--kind", kind)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["map", "stream"])
+@pytest.mark.parametrize("kind", [pytest.param("map", marks=pytest.mark.slow), "stream"])
 def test_snapshots_every_few_steps_still_resume_exactly(tmp_path: Path, kind: str) -> None:
     # The state is the last snapshot (step 6) plus 3 steps the loader replays on resume.
     assert_resumes_exactly(tmp_path, 9, "--kind", kind, "--snapshot-every", "3")
@@ -78,7 +78,9 @@ def run_ranks(directory: Path, out: Path, *extra: str) -> list[dict[str, Any]]:
 
 
 # Map-style with 2 ranks: 3 batches per rank per epoch; step 4 is mid-epoch (epoch 1, batch 1).
-@pytest.mark.parametrize(("kind", "stop_at"), [("map", 4), ("stream", 5)])
+@pytest.mark.parametrize(
+    ("kind", "stop_at"), [pytest.param("map", 4, marks=pytest.mark.slow), ("stream", 5)]
+)
 def test_two_ranks_resume_each_shard_exactly(tmp_path: Path, kind: str, stop_at: int) -> None:
     common = ("--kind", kind, "--target", "8")
     straight = run_ranks(tmp_path / "straight", tmp_path / "straight.pitstop", *common)

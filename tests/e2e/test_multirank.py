@@ -206,7 +206,7 @@ def test_under_torchrun(tmp_path: Path, straight: Straight) -> None:
     assert_continues_exactly(straight.results, first, second)
 
 
-@pytest.mark.parametrize("mode", ["on", "overlap"])
+@pytest.mark.parametrize("mode", [pytest.param("on", marks=pytest.mark.slow), "overlap"])
 def test_background_saves_continue_exactly(tmp_path: Path, straight: Straight, mode: str) -> None:
     # Saving every 2 steps, a background save of step 4 is in flight when the stop at step 5
     # comes; the result is still the synchronous straight run's, bit for bit.

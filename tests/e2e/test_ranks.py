@@ -26,3 +26,11 @@ def test_values_of_every_size_travel_whole_between_ranks(ranks: int) -> None:
         finished = job.wait()
     finished.check()
     assert {finished.lines(rank)[-1] for rank in range(ranks)} == {"ok 583"}
+
+
+def test_a_copy_travels_whole_between_two_writers_and_a_failure_ends_both_sides() -> None:
+    # pitstop.shell.ranks.peers: a nodes' catch-up copy, in chunks; tests/e2e/peers_child.py
+    with Job(Path(__file__).with_name("peers_child.py"), ranks=2, timeout=120) as job:
+        finished = job.wait()
+    finished.check()
+    assert {finished.lines(rank)[-1] for rank in range(2)} == {"ok 7"}

@@ -90,7 +90,7 @@ def test_a_ctrl_c_during_rank_0_s_copy_is_raised_on_every_rank_before_anything_i
 
 @pytest.mark.parametrize(
     ("scene", "rank"),
-    [("interrupt", 1), ("late", 0), ("late", 1)],
+    [("interrupt", 1), pytest.param("late", 0, marks=pytest.mark.slow), ("late", 1)],
     ids=["rank 1 during the round", "rank 0 after the round", "rank 1 after the round"],
 )
 def test_a_ctrl_c_in_one_rank_s_copy_fails_that_save_on_every_rank_without_a_wait(

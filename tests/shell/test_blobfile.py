@@ -179,10 +179,12 @@ def test_a_one_process_resume_leaves_only_the_weights_in_the_page_cache(
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer.state[param][key], expected_optimizer.state[expected][key])
     # A large folio that a moment shares with a neighbour the resume maps (a step count) stays
-    # whole: a few pages at the ends of a moment may stay, never most of them.
+    # whole, and the drop is a hint: a page the kernel still reads ahead, or holds locked under
+    # I/O on a loaded machine, stays (22% once in a loaded CI run, through the cache). Never most
+    # of them: without the drop every one stays.
     moments = _blob_ranges(saved, "state.optimizer.state")
     cached, pages = _cached(saved, moments)
-    assert cached <= pages // 8, f"{cached} of the moments' {pages} pages still cached"
+    assert cached <= pages // 2, f"{cached} of the moments' {pages} pages still cached"
     # The page where two chunks of a moment meet is in neither chunk whole (blobs are not
     # page-aligned): it goes with the whole moment, once that is read. The drop is a hint, and
     # a page the kernel is still reading ahead when it comes may stay (seen once in a loaded

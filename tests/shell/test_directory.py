@@ -321,3 +321,34 @@ def test_a_latest_json_that_is_no_regular_file_is_not_read(run: Path, kind: str)
     found = scan(LocalStorage(run))  # returns at once: a FIFO is never opened for reading
     assert found.pointers.last == _name(3)
     assert any("latest.json is a" in w for w in found.warnings)
+
+
+class _PrunedAfterListing(LocalStorage):
+    """A directory whose live writer, just after the first listing, publishes ``newer`` and
+    prunes everything older (as ``keep_last=1`` does): the listing names only what is gone."""
+
+    def __init__(self, root: Path, staged: Path, newer: str) -> None:
+        super().__init__(root)
+        self.staged, self.newer, self.listings = staged, newer, 0
+
+    def names(self) -> list[str]:
+        names = super().names()
+        self.listings += 1
+        if self.listings == 1:
+            os.replace(self.staged, self.path(self.newer))
+            for name in names:
+                if name.startswith("step_"):
+                    os.unlink(self.path(name))
+        return names
+
+
+def test_a_scan_taken_just_before_a_publish_and_prune_starts_over(tmp_path: Path) -> None:
+    run, other = tmp_path / "run", tmp_path / "other"
+    for root, step in ((run, 1), (other, 2)):
+        with CheckpointDirectory(root, policy=Policy(keep_last=1)) as directory:
+            save(directory, step)
+    storage = _PrunedAfterListing(run, other / _name(2), _name(2))
+    found = scan(storage)
+    assert [e.step for e in found.catalog] == [2]  # not an empty directory
+    assert (found.unreadable, found.gone) == ({}, frozenset())
+    assert storage.listings == 2

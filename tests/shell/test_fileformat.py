@@ -29,9 +29,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from filebytes import DATA, assemble, document, packed, tensor_ref
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint, SaveError
 from pitstop.shell.format import fileformat as ff
-from pitstop.shell.format.treecodec import MAX_DEPTH, check_tree, dtypes, tensor_dtypes
+from pitstop.shell.format.treecheck import check_tree
+from pitstop.shell.format.treecodec import MAX_DEPTH, dtypes, tensor_dtypes
 
 ALL_DTYPES = sorted(tensor_dtypes().values(), key=str)
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
@@ -685,64 +687,6 @@ def test_selecting_a_missing_key_raises_incompatible_checkpoint(sample: Path) ->
 # Built from the documented layout: header <8sII44sI>, footer <8sIIQQII>, crc32 everywhere.
 
 
-def assemble(
-    path: Path,
-    manifest: bytes,
-    data: bytes = b"",
-    *,
-    version: int = 1,
-    flags: int = 0,
-    manifest_offset: int | None = None,
-    manifest_length: int | None = None,
-) -> Path:
-    head = struct.pack("<8sII44s", b"PITSTOP\0", version, flags, bytes(44))
-    offset = 64 + len(data) if manifest_offset is None else manifest_offset
-    length = len(manifest) if manifest_length is None else manifest_length
-    foot = struct.pack("<8sIIQQI", b"\0POTSTIP", version, 0, offset, length, zlib.crc32(manifest))
-    path.write_bytes(
-        head
-        + struct.pack("<I", zlib.crc32(head))
-        + data
-        + manifest
-        + foot
-        + struct.pack("<I", zlib.crc32(foot))
-    )
-    return path
-
-
-def tensor_ref(index: int) -> msgpack.ExtType:
-    return msgpack.ExtType(7, msgpack.packb(index))
-
-
-DATA = struct.pack("<2f", 1.5, -2.0)
-
-
-def document(**changes: object) -> dict[str, object]:
-    doc: dict[str, object] = {
-        "format": 1,
-        "tree": {"x": tensor_ref(0)},
-        "tensors": [
-            {
-                "blob": 0,
-                "offset": 0,
-                "dtype": "float32",
-                "shape": [2],
-                "stride": [1],
-                "storage_offset": 0,
-            }
-        ],
-        "blobs": [{"offset": 64, "length": 8, "crc32": zlib.crc32(DATA)}],
-        "meta": {},
-    }
-    doc.update(changes)
-    return doc
-
-
-def packed(doc: object) -> bytes:
-    data: bytes = msgpack.packb(doc, use_bin_type=True)
-    return data
-
-
 def with_tensor(**changes: object) -> dict[str, object]:
     tensors = document()["tensors"]
     assert isinstance(tensors, list)
@@ -926,11 +870,18 @@ def test_any_manifest_bytes_load_or_raise_checkpoint_corrupt(
 ) -> None:
     # Header, footer and checksums valid: every check of the manifest itself is exercised.
     path = assemble(fresh(_shared_dir(tmp_path_factory)), manifest, DATA)
-    for check in (ff.read_manifest, ff.load, ff.verify):
+    for check in (ff.read_manifest, ff.load, ff.verify, ff.read_meta):
         try:
             check(path)
         except CheckpointCorrupt as error:
             assert str(error).startswith(f"{path}: ")  # noqa: PT017  # named, never another kind
+    # A scan reads the meta alone: it never refuses a file a full reader accepts, and finds the
+    # same meta in it.
+    try:
+        meta = ff.read_manifest(path).meta
+    except CheckpointCorrupt:
+        return
+    assert ff.read_meta(path) == meta
 
 
 @given(data=st.binary(max_size=400))
@@ -939,7 +890,7 @@ def test_any_file_bytes_load_or_raise_checkpoint_corrupt(
 ) -> None:
     path = fresh(_shared_dir(tmp_path_factory))
     path.write_bytes(data)
-    for check in (ff.read_manifest, ff.load, ff.verify):
+    for check in (ff.read_manifest, ff.load, ff.verify, ff.read_meta):
         with pytest.raises(CheckpointCorrupt, match=str(path)):
             check(path)
 

@@ -271,3 +271,34 @@ def test_a_c_handler_that_cannot_be_put_back_leaves_the_default_and_says_so(
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert "previous SIGTERM handler was installed outside Python" in caplog.text
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_landing_inside_an_agreement_is_never_lost(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGTERM raised while a save call adopts its agreement (after the new state was
+    computed, before it is kept): the request stands, and the next call saves the stop. It was
+    lost when the handler wrote the state the agreement then overwrote (`pitstop train` kept
+    training after a SIGTERM, about one run in thirty)."""
+    from pitstop import Checkpointer, Policy, Progress
+
+    real = stop_module.agreed
+    raised: list[bool] = []
+
+    def agreed_then_signal(*args: Any, **kwargs: Any) -> Any:
+        state = real(*args, **kwargs)
+        if not raised:
+            raised.append(True)
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, before the return
+        return state
+
+    monkeypatch.setattr(stop_module, "agreed", agreed_then_signal)
+    stop = StopRequest()
+    model = torch.nn.Linear(2, 2)
+    with stop.catch_signals(), Checkpointer(tmp_path, model=model, policy=Policy()) as ckpt:
+        assert ckpt.maybe_save(Progress(step=1), stop=stop) is None  # agreed before the signal
+        assert raised
+        assert (stop.requested, stop.reason) == (True, "SIGTERM")
+        saved = ckpt.maybe_save(Progress(step=2), stop=stop)
+    assert saved is not None
+    assert saved.detail == "SIGTERM"

@@ -5,6 +5,8 @@ digest of the model and optimizer after STEPS more steps. ``... resume STEPS``: 
 URL, then train STEPS more steps and print the same digest — equal to the saving run's when
 the resume is exact. ``... loop BYTES``: save checkpoints of about BYTES bytes forever, printing
 ``saving N`` before each (a test kills it). The data of step ``s`` is seeded by ``s``.
+``python s3child.py DIR MODE STEPS REMOTE``: the same on the local directory DIR with the remote
+tier REMOTE (an ``s3://`` URL).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def main() -> None:
     if mode == "loop":
         model.append(nn.Linear(arg // 4, 1, bias=False))  # about `arg` bytes of weights
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ckpt = pitstop.Checkpointer(url, model=model, state={"optimizer": optimizer})
+    remote = sys.argv[4] if len(sys.argv) > 4 else None
+    ckpt = pitstop.Checkpointer(url, model=model, state={"optimizer": optimizer}, remote=remote)
 
     def train(progress: pitstop.Progress) -> pitstop.Progress:
         loss = model[:2](batch(progress.step)).pow(2).mean()

@@ -26,9 +26,11 @@ import pitstop
 from pitstop.core.naming import LOCK_NAME, checkpoint_name
 from pitstop.core.objects import Lease, data_name, encode_lease, parse_url
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
+from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import publish_file
-from s3server import S3Server
+from pitstop.shell.store.s3client import torn_uploads
+from s3server import S3Server, run_python
 from tinyrun import same, train_step, trained, weights
 
 CHILD = Path(__file__).with_name("s3child.py")
@@ -37,16 +39,7 @@ TIMEOUT_S = 120
 
 def child(url: str, env: dict[str, str], *args: str) -> str:
     """Run tests/store/s3child.py on ``url``; its last line."""
-    done = subprocess.run(
-        [sys.executable, str(CHILD), url, *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
+    return run_python([str(CHILD), url, *args], env)
 
 
 def saved(url: str, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -132,6 +125,37 @@ def test_a_killed_upload_is_never_listed(s3_url: str, s3_env: dict[str, str]) ->
     with pitstop.Checkpointer(s3_url, model=bigger, state={"optimizer": optimizer}) as ckpt:
         assert ckpt.resume().step == len(listed)
     assert torn not in objects(s3_url)
+
+
+TORN = """
+import os, sys
+import obstore
+from pitstop.core.objects import data_name, parse_url
+from pitstop.shell.store.s3client import open_store, torn_uploads
+url = sys.argv[1]
+location = parse_url(url)
+key = location.key(data_name("step_000000000009.pitstop", "dead_1"))
+writer = obstore.open_writer(open_store(location), key)
+writer.write(b"x" * (12 << 20))  # more than one part: a multipart upload is under way
+writer.flush()  # every part sent: the upload is under way on the server
+os._exit(0 if torn_uploads(location, None, location.prefix) else 1)  # die without completing
+"""
+
+
+def test_a_torn_multipart_upload_is_aborted_on_the_next_open(
+    s3_url: str, s3_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer killed mid-way through a multipart upload leaves it incomplete (invisible to a
+    listing, its parts held by the bucket): the next writer to open the prefix aborts it."""
+    run_python(["-c", TORN, s3_url], s3_env)
+    location = parse_url(s3_url)
+    assert len(torn_uploads(location, None, location.prefix) or []) == 1
+    caplog.set_level(logging.WARNING, logger="pitstop")
+    model, _ = trained()
+    with pitstop.Checkpointer(s3_url, model=model):
+        pass
+    assert torn_uploads(location, None, location.prefix) == []
+    assert any("aborting the multipart upload" in r.getMessage() for r in caplog.records)
 
 
 def test_a_damaged_newest_checkpoint_falls_back(
@@ -259,7 +283,12 @@ def test_two_writers_racing_for_one_commit_exactly_one_wins(s3_url: str) -> None
     model, optimizer = trained()
     with pitstop.Checkpointer(s3_url + "-seed", model=model, state={"optimizer": optimizer}) as c:
         c.save(pitstop.Progress(step=1))
-    body = pitstop.verify(f"{s3_url}-seed/last").read_bytes()  # a real checkpoint's bytes
+    seed = ObjectStorage(f"{s3_url}-seed")
+    try:  # a real checkpoint's bytes
+        with seed.fetched(checkpoint_name(1)) as path, open_untrusted(path) as file:
+            body = file.read()
+    finally:
+        seed.close()
     writers = [ObjectStorage(s3_url), ObjectStorage(s3_url)]
     try:
         for round_ in range(ROUNDS):

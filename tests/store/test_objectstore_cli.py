@@ -15,6 +15,7 @@ from pitstop.cli import main
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.objects import parse_url
 from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.s3client import torn_uploads
 from tinyrun import same, train_step, trained, weights
 
 STEPS = [checkpoint_name(s) for s in (1, 2, 3)]
@@ -145,3 +146,47 @@ def test_a_local_run_resumes_from_an_s3_checkpoint(s3_url: str, tmp_path: Path) 
         ckpt.save(pitstop.Progress(step=4))
     assert pitstop.info(tmp_path).step == 4
     assert stored(s3_url)[0] == STEPS  # the source is only read
+
+
+def test_an_aws_profile_reaches_the_server(
+    s3_url: str,
+    s3_env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Keys in ~/.aws/credentials, endpoint and region in ~/.aws/config, named by AWS_PROFILE, as
+    # the AWS CLI reads them; nothing in the environment but the profile's name and the files.
+    model = saved(s3_url, steps=1)
+    credentials, config = tmp_path / "credentials", tmp_path / "config"
+    credentials.write_text(
+        f"[lab]\naws_access_key_id = {s3_env['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {s3_env['AWS_SECRET_ACCESS_KEY']}\n"
+        "[stale]\naws_access_key_id = someone-else\naws_secret_access_key = wrong\n"
+    )
+    config.write_text(
+        f"[profile lab]\nregion = {s3_env['AWS_REGION']}\n"
+        f"endpoint_url = {s3_env['AWS_ENDPOINT_URL']}\n"
+        f"[profile stale]\nendpoint_url = {s3_env['AWS_ENDPOINT_URL']}\n"
+    )
+    for name in s3_env:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "lab")
+    code, rows = listed(s3_url, capsys)
+    assert code == 0
+    assert [r["name"] for r in rows] == STEPS[:1]
+    other, _ = trained(seed=1)
+    pitstop.load_weights(other, f"{s3_url}/last")
+    assert same(weights(other), weights(model))
+    # The requests pitstop signs itself (multipart uploads) take the profile's keys too.
+    assert torn_uploads(parse_url(s3_url), None, "no-such-prefix/") == []
+    monkeypatch.setenv("AWS_PROFILE", "stale")  # the profile's keys are refused: said so
+    assert main(["ls", s3_url]) != 0
+    assert "credentials were refused" in capsys.readouterr().out
+    monkeypatch.setenv("AWS_PROFILE", "labb")  # no such profile: one error naming it
+    assert main(["ls", s3_url]) != 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "'labb' is in neither" in said
+    assert "profiles there: lab, stale" in said

@@ -93,7 +93,12 @@ def test_absolute_targets(
 
 @pytest.mark.parametrize(
     ("final", "save_final", "latest"),
-    [(3, False, 2), (4, False, 4), (5, False, 4), (3, True, 3)],
+    [
+        (3, False, 2),
+        pytest.param(4, False, 4, marks=pytest.mark.slow),
+        pytest.param(5, False, 4, marks=pytest.mark.slow),
+        (3, True, 3),
+    ],
     ids=["3-gap", "4", "5-gap", "3-save_final"],
 )
 def test_final_step_gap(tmp_path: Path, final: int, save_final: bool, latest: int) -> None:

@@ -80,7 +80,9 @@ def check_paused_and_resumed(
 # Micro-batch 3 opens the window of update 2 (a checkpoint interval: the stop still records
 # its reason); micro-batch 6 closes the window of update 3. The slow sweep takes every one.
 @pytest.mark.parametrize(
-    ("sig", "micro"), [(signal.SIGTERM, 3), (signal.SIGINT, 6)], ids=["SIGTERM-3", "SIGINT-6"]
+    ("sig", "micro"),
+    [(signal.SIGTERM, 3), pytest.param(signal.SIGINT, 6, marks=pytest.mark.slow)],
+    ids=["SIGTERM-3", "SIGINT-6"],
 )
 def test_a_signal_inside_an_accumulation_window_pauses_and_resume_is_bitwise(
     tmp_path: Path, straight: Path, sig: signal.Signals, micro: int

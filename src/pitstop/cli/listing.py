@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,18 +19,21 @@ from pitstop.cli.progress import progress_bars
 from pitstop.core.pointers import resume_order
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, PointerName
 from pitstop.core.retention import plan_retention
+from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.formatting import format_size
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import (
     ResumeChoice,
     choose_resume,
+    gone_while_read,
     is_sharded_path,
     scan,
     vanished,
     verify_any,
 )
 from pitstop.shell.store.resolve import RESOLVE_ATTEMPTS, manifest_path
+from pitstop.shell.store.sharddir import part_held, read_layout, verify_sharded
 from pitstop.shell.store.storage import RemoteStorage, fetch
 
 __all__ = ["format_metrics", "list_directory", "verify_checkpoint"]
@@ -66,6 +70,7 @@ def list_directory(
     failures: dict[str, str] = dict(found.unreadable)
     checked: dict[str, str | None] = {}  # name -> None (ok) or the problem
     gone: set[str] = set()  # deleted while being checked (a live run's retention)
+    partial_here: set[str] = set()  # whole here, but other nodes' ranks' files elsewhere
     if check:
         with progress_bars(console, enabled=not as_json):
             for entry in found.catalog:
@@ -75,13 +80,18 @@ def list_directory(
                     verify_any(local)
                     checked[entry.name] = None
                 except (CheckpointCorrupt, OSError) as exc:
-                    if vanished(local):
+                    if gone_while_read(storage, local, exc):
                         gone.add(entry.name)
                         continue
-                    failures[entry.name] = checked[entry.name] = str(exc)
+                    part = None if remote else _partial(local)  # a node's part: not corrupt
+                    if part is not None:
+                        partial_here.add(entry.name)
+                    failures[entry.name] = checked[entry.name] = part or str(exc)
                 finally:
-                    if remote:  # a fetched copy: checked, not kept
-                        local.unlink(missing_ok=True)
+                    if isinstance(storage, RemoteStorage) and local.is_dir():  # a sharded one's
+                        shutil.rmtree(local, ignore_errors=True)  # fetched folder
+                    elif isinstance(storage, RemoteStorage):  # fetched: checked, not kept
+                        storage.release()
     entries = [entry for entry in found.catalog if entry.name not in gone]
 
     def resume_choice() -> ResumeChoice:  # what a resume would use, from the checks just made
@@ -104,6 +114,9 @@ def list_directory(
                 _raise(failures[path.name])
 
         return choose_resume(storage, found, PointerName.LAST, verify=checked_before)
+
+    heres = {entry.name: _here(storage, entry, remote) for entry in entries}
+    partial = any(not h["complete"] for h in heres.values())
 
     def pointers_of(entry: CheckpointEntry) -> list[str]:
         return [p.value for p in PointerName if found.pointers.target(p) == entry.name]
@@ -132,10 +145,13 @@ def list_directory(
                 "seq": entry.seq,
                 "pointers": pointers_of(entry),
                 "kept_because": kept(entry),
+                "here": heres[entry.name],
             }
             if check:
                 problem = checked.get(entry.name)
                 row["check"] = "ok" if problem is None else "corrupt"
+                if entry.name in partial_here:  # whole here, other ranks' files elsewhere
+                    row["check"] = "partial"
                 row["problem"] = problem
                 row["resume_from_last"] = choice is not None and choice.entry == entry
             rows.append(row)
@@ -154,6 +170,8 @@ def list_directory(
     for column in _COLUMNS:
         table.add_column(column, justify="left" if column in ("reason", "metrics") else "right")
     table.add_column("kept because")
+    if partial:  # a node's directory of a job whose ranks shared none
+        table.add_column("here")
     if check:
         table.add_column("check")
     for entry in entries:
@@ -170,10 +188,12 @@ def list_directory(
             str(entry.seq),
             ", ".join(pointers_of(entry)) or "-",
             "policy unknown" if kept_for is None else ", ".join(kept_for) or "-",
+            *([_here_cell(heres[entry.name])] if partial else []),
         ]
         if check:
             ok = checked.get(entry.name) is None
-            row_cells.append("[green]ok[/green]" if ok else "[red]CORRUPT[/red]")
+            bad = "[yellow]PARTIAL[/yellow]" if entry.name in partial_here else "[red]CORRUPT[/red]"
+            row_cells.append("[green]ok[/green]" if ok else bad)
         table.add_row(*row_cells)
     for name in found.unreadable:
         table.add_row(
@@ -187,6 +207,7 @@ def list_directory(
             "",
             "",
             "",
+            *([""] if partial else []),
             *(["[red]UNREADABLE[/red]"] if check else []),
         )
     console.print(table)
@@ -197,9 +218,36 @@ def list_directory(
     if not check:
         return 0
     for name, why in failures.items():
-        console.print(f"[red]corrupt:[/red] {escape(why if name in why else f'{name}: {why}')}")
+        label = "[yellow]partial:[/yellow]" if name in partial_here else "[red]corrupt:[/red]"
+        console.print(f"{label} {escape(why if name in why else f'{name}: {why}')}")
     _print_resume(console, resume_choice())
     return 1 if failures else 0
+
+
+def _here(storage: Any, entry: CheckpointEntry, remote: bool) -> dict[str, Any]:
+    """What this directory holds of ``entry``: a file is whole here; a sharded checkpoint of a
+    job whose ranks shared no directory may hold only this node's ranks' files (partial)."""
+    if remote or not entry.sharded:
+        return {"complete": True, "files_here": 1, "files": 1, "missing_ranks": []}
+    try:
+        here, listed, ranks, _ = part_held(storage.path(entry.name))
+    except (CheckpointCorrupt, OSError):
+        return {"complete": False, "files_here": None, "files": None, "missing_ranks": None}
+    return {
+        "complete": here == listed,
+        "files_here": here,
+        "files": listed,
+        "missing_ranks": list(ranks),
+    }
+
+
+def _here_cell(here: dict[str, Any]) -> str:
+    if here["complete"]:
+        return "complete"
+    if here["files"] is None:
+        return "unreadable manifest"
+    ranks = ", ".join(map(str, here["missing_ranks"]))
+    return f"partial: {here['files_here']} of {here['files']} files (rank {ranks}'s elsewhere)"
 
 
 def _not_a_directory(path: Path) -> str:
@@ -252,8 +300,11 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
                 message = "the file does not exist"
             else:
                 message = str(exc).removeprefix(f"{target.path}: ")
+            partial = _partial(target.path)
+            label = "CORRUPT" if partial is None else "PARTIAL"
             console.print(
-                f"[red]CORRUPT[/red] {escape(str(target.path))}{escape(via)}: {escape(message)}",
+                f"[red]{label}[/red] {escape(str(target.path))}{escape(via)}: "
+                f"{escape(partial or message)}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -266,14 +317,33 @@ def verify_checkpoint(console: Console, checkpoint: str) -> int:
     return 0
 
 
+def _partial(path: Path) -> str | None:
+    """Why a sharded checkpoint that does not verify here is a node's part of it (the files
+    of other ranks absent, every file here whole), or ``None`` when it is not."""
+    if not is_sharded_path(path):
+        return None
+    try:
+        here, listed, ranks, absent = part_held(path)
+        if not absent:
+            return None
+        layout, _ = read_layout(path, fileformat.verify(path / MANIFEST_NAME))
+        verify_sharded(path, layout, [f.name for f in layout.files if f.name not in absent])
+    except (CheckpointCorrupt, OSError):
+        return None
+    return (
+        f"partial: this directory holds {here} of its {listed} files, each whole; missing here: "
+        f"{', '.join(absent)} (written by rank {', '.join(map(str, ranks))}: on another node's "
+        "directory when the ranks shared none — verify it there; a resume fetches what each "
+        "node reads)"
+    )
+
+
 def _checked(path: Path, manifest: fileformat.Manifest) -> str:
     """What a verify of ``path`` checked: a file's tensors and bytes; a sharded checkpoint's
     files (its manifest one of them), their bytes, its sharded values and the manifest's own
     tensors."""
     if not is_sharded_path(path):
         return f"{len(manifest.tensors)} tensors, {format_size(manifest.size)}"
-    from pitstop.shell.store.sharddir import read_layout
-
     layout, _ = read_layout(path)
     size = manifest.size + sum(f.size for f in layout.files)
     return (

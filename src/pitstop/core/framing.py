@@ -29,6 +29,7 @@ __all__ = [
     "HEADER_MAGIC",
     "HEADER_SIZE",
     "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_NODES",
     "Footer",
     "check_footer",
     "check_header",
@@ -46,6 +47,10 @@ FOOTER_MAGIC: Final = b"\0POTSTIP"
 HEADER_SIZE: Final = 64
 FOOTER_SIZE: Final = 40
 MAX_MANIFEST_BYTES: Final = 1 << 30
+MAX_MANIFEST_NODES: Final = 1 << 24
+"""The most values a manifest may hold, counting each map or array once and each of its items
+(a map's keys and values both): 16,777,216. A reader stops decoding past it, so a manifest
+costs at most about 50 bytes of memory per value (measured: docs/file-format.md)."""
 
 # magic, version, flags, reserved, crc32 of the 60 bytes before it
 _HEADER: Final = struct.Struct("<8sII44sI")

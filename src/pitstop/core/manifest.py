@@ -33,6 +33,7 @@ from pitstop.core.framing import (
     HEADER_MAGIC,
     HEADER_SIZE,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_NODES,
     OLDEST_VERSION,
     Footer,
     check_footer,
@@ -54,6 +55,7 @@ __all__ = [
     "MANIFEST_KEYS",
     "MANIFEST_START",
     "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_NODES",
     "MAX_NDIM",
     "OLDEST_VERSION",
     "Blob",
@@ -71,6 +73,7 @@ __all__ = [
     "pack_footer",
     "pack_header",
     "parse_manifest",
+    "parse_meta",
 ]
 
 ALIGNMENT: Final = 64
@@ -133,7 +136,7 @@ class Manifest:
     """What a checkpoint file says about itself, checked; no tensor bytes were read.
 
     ``tree`` is the stored tree with a placeholder where each tensor is
-    (``pitstop.shell.format.treecodec.TensorRef``; ``tensors[ref.index]`` describes it);
+    (``pitstop.shell.format.treecheck.TensorRef``; ``tensors[ref.index]`` describes it);
     ``tensor_paths[i]`` lists the key paths of tensor ``i``; ``meta`` is the writer's meta
     mapping as written.
     """
@@ -249,20 +252,15 @@ def _parse(
     itemsizes: Mapping[str, int],
     check_tree: TreeCheck,
 ) -> Manifest:
-    if type(doc) is not dict or set(doc) != set(MANIFEST_KEYS):
-        keys = sorted(map(_show, doc)) if type(doc) is dict else type(doc).__qualname__
-        raise CheckpointCorrupt(f"expected a map with keys {sorted(MANIFEST_KEYS)}, got {keys}")
-    if type(doc["format"]) is not int or doc["format"] != version:
+    if type(doc) is not dict:
         raise CheckpointCorrupt(
-            f"format {_show(doc['format'])} disagrees with the header ({version})"
+            f"expected a map with keys {sorted(MANIFEST_KEYS)}, got {type(doc).__qualname__}"
         )
+    _check_head(doc, set(doc), version)
     raw_tensors = _array(doc["tensors"], "tensors")
     tensor_paths = check_tree(doc["tree"], root="", tensor_count=len(raw_tensors))
     assert len(tensor_paths) == len(raw_tensors), "check_tree names the users of every tensor"
-    meta = doc["meta"]
-    if type(meta) is not dict or not all(type(k) is str for k in meta):
-        raise CheckpointCorrupt("meta must be a map with str keys")
-    check_tree(meta, root="meta", tensor_count=None)
+    meta = _meta(doc["meta"], check_tree)
     blobs = _parse_blobs(_array(doc["blobs"], "blobs"), data_end=offset)
     tensors = tuple(
         _parse_tensor(
@@ -281,6 +279,43 @@ def _parse(
         tree=doc["tree"],
         meta=MappingProxyType(meta),
     )
+
+
+def parse_meta(
+    fields: Mapping[str, object],
+    keys: set[object],
+    *,
+    name: str,
+    version: int,
+    check_tree: TreeCheck,
+) -> Mapping[str, object]:
+    """Check the ``format`` and ``meta`` of a manifest read in part (what a directory scan
+    reads: the other fields are skipped, not decoded) and return the meta. ``keys``: every key
+    the manifest map holds. The same checks :func:`parse_manifest` makes of those two fields;
+    raises :class:`~pitstop.errors.CheckpointCorrupt` naming the file and the field."""
+    try:
+        _check_head(fields, keys, version)
+        return MappingProxyType(_meta(fields["meta"], check_tree))
+    except CheckpointCorrupt as error:
+        raise CheckpointCorrupt(f"{name}: manifest: {error}") from error
+
+
+def _check_head(doc: Mapping[str, object], keys: set[object], version: int) -> None:
+    if keys != set(MANIFEST_KEYS):
+        raise CheckpointCorrupt(
+            f"expected a map with keys {sorted(MANIFEST_KEYS)}, got {sorted(map(_show, keys))}"
+        )
+    if type(doc["format"]) is not int or doc["format"] != version:
+        raise CheckpointCorrupt(
+            f"format {_show(doc['format'])} disagrees with the header ({version})"
+        )
+
+
+def _meta(meta: object, check_tree: TreeCheck) -> dict[str, object]:
+    if type(meta) is not dict or not all(type(k) is str for k in meta):
+        raise CheckpointCorrupt("meta must be a map with str keys")
+    check_tree(meta, root="meta", tensor_count=None)
+    return meta
 
 
 def _show(value: object) -> str:

@@ -9,17 +9,22 @@
 #                                   a conditional put (If-None-Match: *) — a checkpoint whose commit
 #                                   object does not exist does not exist, and of two writers
 #                                   committing one name exactly one wins
+#   <prefix>/.data/<token>/<name>/<file>  a sharded checkpoint's files (DCP's, each uploaded by
+#                                   the rank that wrote it, and the manifest, by rank 0); its
+#                                   commit object lists every file (size, CRC-32, writing rank),
+#                                   and rank 0 writes it only once a listing of the data folder
+#                                   shows every file at its size (commit_problem)
 #   <prefix>/last|best|final        pointers: the name they point at, replaced by compare-and-swap
 #   <prefix>/latest.json            as on disk, replaced by compare-and-swap
 #   <prefix>/.lock                  the lease: one writer per prefix (holder, host, since, expiry)
 # A data object no commit names is what a writer that died left: the next writer removes it.
-# Retention deletes a commit object first, then its data. A lease is taken when there is none,
-# when it has expired, or when its holder ran on this host and is gone; renewed every third of
-# its time. Transient failures are retried a bounded number of times, with a backoff whose worst
-# case stays within a deadline, so a dead endpoint is an error within seconds.
+# Retention deletes a commit object first, then its data (deletion_order). A lease is taken
+# when there is none, when it has expired, or when its holder ran on this host and is gone;
+# renewed every third of its time. The S3 client's own settings (retries, the AWS
+# configuration) are pitstop.core.s3config's.
 # How: pure functions over str, bytes and numbers; JSON for the small records.
 
-"""Object storage: key names, commit and lease records, and the retry schedule."""
+"""Object storage: key names, commit and lease records, ranged reads."""
 
 from __future__ import annotations
 
@@ -32,6 +37,10 @@ from typing import Any, Final
 
 import attrs
 
+from pitstop.core.naming import NOT_A_CHECKPOINT, parse_sharded_name
+from pitstop.core.sharded import MANIFEST_NAME, ShardFile
+from pitstop.errors import CheckpointCorrupt
+
 __all__ = [
     "COMMIT_FORMAT",
     "DATA_DIR",
@@ -41,10 +50,11 @@ __all__ = [
     "Lease",
     "LeaseVerdict",
     "Location",
-    "RetrySettings",
+    "commit_problem",
     "data_name",
     "decode_commit",
     "decode_lease",
+    "deletion_order",
     "describe_lease",
     "encode_commit",
     "encode_lease",
@@ -55,7 +65,7 @@ __all__ = [
     "parse_url",
     "range_reads",
     "renew_after",
-    "retry_settings",
+    "sharded_commit",
 ]
 
 SCHEME: Final = "s3://"
@@ -130,24 +140,75 @@ def parse_data_name(relative: str) -> tuple[str, str] | None:
 @attrs.frozen(kw_only=True)
 class Commit:
     """A commit object: checkpoint ``name`` is the ``size`` bytes of the data object ``data``
-    (relative to the prefix); ``entry``: the catalog fields of its manifest (:data:`ENTRY_KEYS`)."""
+    (relative to the prefix); ``entry``: the catalog fields of its manifest (:data:`ENTRY_KEYS`).
+    A sharded checkpoint's ``data`` is the folder of its ``files`` (each ``data/<file>``)."""
 
     name: str
     data: str
     size: int = attrs.field(validator=attrs.validators.ge(0))
     entry: Mapping[str, Any] = attrs.field(factory=dict)
+    files: tuple[ShardFile, ...] = ()
+
+    def objects(self) -> tuple[str, ...]:
+        """The data objects it names (relative to the prefix)."""
+        if not self.files:
+            return (self.data,)
+        return tuple(f"{self.data}/{f.name}" for f in self.files)
+
+
+def sharded_commit(
+    name: str, token: str, files: Iterable[ShardFile], entry: Mapping[str, Any]
+) -> Commit:
+    """The commit of the sharded checkpoint ``name`` whose ``files`` (every rank's, and the
+    manifest) were uploaded by the publish attempt ``token``; ``ValueError`` for a name that is
+    not a sharded checkpoint's, a file named twice, or no manifest among them."""
+    if parse_sharded_name(name) is NOT_A_CHECKPOINT:
+        raise ValueError(f"not a sharded checkpoint's name: {name!r}")
+    listed = tuple(sorted(files, key=lambda f: f.name))
+    names = [f.name for f in listed]
+    if len(set(names)) != len(names) or MANIFEST_NAME not in names:
+        raise ValueError(f"{name}: its files must be unique and hold {MANIFEST_NAME}: {names}")
+    return Commit(
+        name=name,
+        data=data_name(name, token),
+        size=sum(f.size for f in listed),
+        entry={k: entry[k] for k in ENTRY_KEYS if k in entry},
+        files=listed,
+    )
+
+
+def commit_problem(commit: Commit, listed: Mapping[str, int]) -> str | None:
+    """Why ``commit`` may not be written yet (``None``: it may): each object it names must be
+    ``listed`` (relative name -> size, a listing of its data) at its size — every rank's shard
+    uploaded whole before the one commit makes the checkpoint exist."""
+    sizes = (commit.size,) if not commit.files else tuple(f.size for f in commit.files)
+    for obj, size in zip(commit.objects(), sizes, strict=True):
+        found = listed.get(obj)
+        if found is None:
+            return f"{obj} was not uploaded"
+        if found != size:
+            return f"{obj} holds {found} bytes, {size} were written"
+    return None
+
+
+def deletion_order(commit: Commit) -> tuple[str, ...]:
+    """What deleting checkpoint ``commit.name`` deletes, in order: the commit object first (from
+    then on it does not exist), then its data objects."""
+    return (commit.name, *commit.objects())
 
 
 def encode_commit(commit: Commit) -> bytes:
     """The commit object's bytes (JSON)."""
     entry = {k: commit.entry[k] for k in ENTRY_KEYS if k in commit.entry}
-    record = {
+    record: dict[str, Any] = {
         "format": COMMIT_FORMAT,
         "name": commit.name,
         "data": commit.data,
         "size": commit.size,
         "entry": entry,
     }
+    if commit.files:
+        record["files"] = [[f.name, f.size, f.crc32, f.rank] for f in commit.files]
     return json.dumps(record, sort_keys=True).encode("utf-8")
 
 
@@ -171,14 +232,41 @@ def decode_commit(name: str, raw: bytes) -> Commit:
     if not isinstance(entry, dict):
         raise ValueError(f"commit object {name} has no entry record")
     assert isinstance(data, str)
-    return Commit(name=name, data=data, size=size, entry=entry)
+    if parse_sharded_name(name) is NOT_A_CHECKPOINT:
+        return Commit(name=name, data=data, size=size, entry=entry)
+    try:
+        commit = sharded_commit(name, parsed[0], _files(name, record.get("files")), entry)
+    except ValueError as exc:
+        raise ValueError(f"commit object {exc}") from None
+    if commit.size != size:
+        raise ValueError(f"commit object {name}: its files add up to {commit.size}, not {size}")
+    return attrs.evolve(commit, entry=entry)
+
+
+def _files(name: str, rows: object) -> list[ShardFile]:
+    """A sharded commit's file rows ``[name, size, crc32, rank]``; ``ValueError`` if bad."""
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{name} lists no files")
+    try:
+        return [ShardFile(name=r[0], size=r[1], crc32=r[2], rank=r[3]) for r in rows]
+    except (CheckpointCorrupt, TypeError, IndexError, KeyError) as exc:
+        raise ValueError(f"{name} has a bad file row: {exc}") from None
 
 
 def orphans(data_names: Iterable[str], commits: Iterable[Commit]) -> list[str]:
     """The data objects (names relative to the prefix) that no commit names: uploads of
     writers that died before their commit, or data a retention left after its commit went."""
-    named = {commit.data for commit in commits}
-    return sorted(n for n in set(data_names) if n not in named and parse_data_name(n) is not None)
+    named = {obj for commit in commits for obj in commit.objects()}
+    return sorted(n for n in set(data_names) if n not in named and _is_data(n))
+
+
+def _is_data(relative: str) -> bool:
+    """Whether ``relative`` names a data object: ``.data/<token>/<name>``, or a sharded
+    checkpoint's file ``.data/<token>/<name>/<file>``."""
+    head, _, file = relative.rpartition("/")
+    return parse_data_name(relative) is not None or (
+        bool(file) and parse_data_name(head) is not None
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -255,43 +343,6 @@ def describe_lease(lease: Lease | None, *, now: float) -> str:
     return (
         f"run {lease.run_id} (pid {lease.pid} on host {lease.host}, since {lease.since:.0f} "
         f"epoch seconds; its lease expires in {max(0.0, lease.expires - now):.0f} s)"
-    )
-
-
-@attrs.frozen(kw_only=True)
-class RetrySettings:
-    """How the client retries a transient failure (a 5xx, a throttle, a reset connection):
-    ``max_retries`` times, waiting ``initial_s`` growing by ``base`` up to ``max_backoff_s``,
-    and never past ``timeout_s`` in all."""
-
-    max_retries: int
-    initial_s: float
-    max_backoff_s: float
-    base: float
-    timeout_s: float
-
-    def delays(self) -> tuple[float, ...]:
-        """The worst-case wait before each retry."""
-        return tuple(
-            min(self.max_backoff_s, self.initial_s * self.base**i) for i in range(self.max_retries)
-        )
-
-
-def retry_settings(deadline_s: float, *, max_retries: int = 4) -> RetrySettings:
-    """Retries whose worst-case waits add up to at most half of ``deadline_s`` (the rest is for
-    the requests themselves), so an unreachable endpoint is an error within the deadline."""
-    if not deadline_s > 0 or max_retries < 0:
-        raise ValueError(f"need a deadline > 0 and retries >= 0, got {deadline_s}, {max_retries}")
-    base = 2.0
-    budget = deadline_s / 2
-    total = sum(base**i for i in range(max_retries))  # initial_s * total <= budget
-    initial = budget / total if total else budget
-    return RetrySettings(
-        max_retries=max_retries,
-        initial_s=initial,
-        max_backoff_s=initial * base ** max(0, max_retries - 1),
-        base=base,
-        timeout_s=deadline_s,
     )
 
 

@@ -16,6 +16,13 @@
 # (`catalog.without(removed)`).
 # A save's messages name its subject (plan_subject): the checkpoint it writes, else the first
 # pointer it moves, else `last`.
+# A checkpoint that arrives from another tier (plan_arrival: a local one uploaded to the remote
+# tier, or a remote one brought back into an empty or damaged local directory) keeps its own
+# sequence number — the same checkpoint is equally recent in both tiers, and the next save
+# continues after it; the pointers are recomputed over the catalog with it (last: the newest;
+# best and final by their rules), then that tier's own retention is planned. A remote tier
+# catches up (plan_catch_up) on the local checkpoints it lacks — an upload failed, or was
+# queued when its process died — except those its own retention would retire at once.
 # How: the shell executes the plan in order: write the entry (temp, fsync, rename, fsync dir),
 # replace pointers the same way, then delete `retention.delete`.
 
@@ -26,7 +33,12 @@ from __future__ import annotations
 import attrs
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint, sharded_name
-from pitstop.core.pointers import move_pointers, recompute_pointers_to
+from pitstop.core.pointers import (
+    move_pointers,
+    recompute_best,
+    recompute_final,
+    recompute_pointers_to,
+)
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -41,7 +53,14 @@ from pitstop.core.records import (
 from pitstop.core.retention import RetentionPlan, plan_retention
 from pitstop.core.schedule import SaveDecision
 
-__all__ = ["SavePlan", "plan_save", "plan_subject", "rollback_removals"]
+__all__ = [
+    "SavePlan",
+    "plan_arrival",
+    "plan_catch_up",
+    "plan_save",
+    "plan_subject",
+    "rollback_removals",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +126,53 @@ def plan_save(
         pointers=pointers,
         catalog=after,
         retention=plan_retention(after, pointers, policy),
+    )
+
+
+def plan_arrival(catalog: Catalog, entry: CheckpointEntry, policy: Policy) -> SavePlan:
+    """Plan adding ``entry``, a checkpoint published in another tier, to a directory holding
+    ``catalog``: it keeps its sequence number (replacing a checkpoint of its name), the pointers
+    are recomputed over the catalog with it, and retention follows ``policy`` (its ``best``
+    ranks the best pointer)."""
+    after = catalog.with_entry(entry)
+    pointers = _pointers_over(after, policy)
+    return SavePlan(
+        entry=entry,
+        replaces=entry.name in catalog,
+        pointers=pointers,
+        catalog=after,
+        retention=plan_retention(after, pointers, policy),
+    )
+
+
+def plan_catch_up(local: Catalog, remote: Catalog, policy: Policy) -> tuple[CheckpointEntry, ...]:
+    """The checkpoints of ``local`` that a remote tier holding ``remote`` (retired by
+    ``policy``) lacks and should get, oldest (lowest seq) first: those it does not hold, or
+    holds an older save of under the same name — less the ones its retention would retire at
+    once, over its checkpoints and all of them together (an upload that failed, or was still
+    queued when its process was killed, catches up; one the remote tier has retired since, or
+    would, does not)."""
+    missing = []
+    for entry in local:
+        there = remote.get(entry.name)
+        if there is NO_CHECKPOINT or there.seq < entry.seq:
+            missing.append(entry)
+    after = remote
+    for entry in missing:
+        after = after.with_entry(entry)
+    retired = set(plan_retention(after, _pointers_over(after, policy), policy).delete)
+    return tuple(sorted((e for e in missing if e.name not in retired), key=lambda e: e.seq))
+
+
+def _pointers_over(catalog: Catalog, policy: Policy) -> Pointers:
+    """The pointers over ``catalog`` (last: its newest; best by ``policy``; final)."""
+    best, best_value = recompute_best(catalog, policy.best)
+    newest = catalog.newest()
+    return Pointers(
+        last=newest.name if newest is not NO_CHECKPOINT else NO_CHECKPOINT,
+        best=best,
+        best_value=best_value,
+        final=recompute_final(catalog),
     )
 
 

@@ -29,12 +29,19 @@
 # read (drop_behind) only where no other process of the job reads the same file after it:
 # a job of one process. With more ranks, the others read the chosen file after rank 0 and
 # find it in the page cache (on one machine); a rank's drop would send the next one to disk.
+# With a remote tier (tiered_resume_order), a resume tries both tiers' candidates: for last,
+# every checkpoint of either tier, newest (save sequence number, then step) first, the local copy
+# of the same checkpoint before the remote one (it needs no download); for best and final, the
+# local order, each candidate followed by its remote copy, then the remote tier's other ones in
+# its own order. So an empty or damaged local directory resumes from the remote tier, and a
+# damaged local checkpoint falls back to its remote copy before any older one.
 # How: sorting the catalog, O(n log n).
 
 """Pointer arithmetic: moving, recomputing and reconciling last / best / final."""
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 
@@ -52,6 +59,7 @@ from pitstop.core.records import (
 )
 
 __all__ = [
+    "Tier",
     "drop_behind",
     "move_pointers",
     "recompute_best",
@@ -59,7 +67,15 @@ __all__ = [
     "recompute_pointers_to",
     "reconcile_pointers",
     "resume_order",
+    "tiered_resume_order",
 ]
+
+
+class Tier(enum.Enum):
+    """Where a checkpoint is held: the local directory, or the remote tier (object storage)."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
 
 
 def recompute_final(catalog: Catalog) -> str | NoCheckpoint:
@@ -247,6 +263,41 @@ def resume_order(
         )  # sorted is stable: equal values keep newest-first order
         order += [e.name for e in ranked]
     return tuple(order)
+
+
+def tiered_resume_order(
+    local: tuple[Catalog, Pointers],
+    remote: tuple[Catalog, Pointers],
+    source: PointerName,
+    best: Best | None = None,
+) -> tuple[tuple[Tier, str], ...]:
+    """Return the ``(tier, name)`` candidates a resume from ``source`` tries, in order, given
+    each tier's catalog and pointers (see the rules above)."""
+    source = PointerName(source)
+    (local_catalog, local_pointers), (remote_catalog, remote_pointers) = local, remote
+    mine = resume_order(local_catalog, local_pointers, source, best)
+    theirs = resume_order(remote_catalog, remote_pointers, source, best)
+    if source is PointerName.LAST:
+        found = [(local_catalog.get(n), Tier.LOCAL, n) for n in mine]
+        found += [(remote_catalog.get(n), Tier.REMOTE, n) for n in theirs]
+        # a stable sort: at the same (seq, step) the local copy stays first
+        found.sort(key=lambda c: (-c[0].seq, -c[0].step) if c[0] is not NO_CHECKPOINT else (0, 0))
+        return tuple((tier, name) for _, tier, name in found)
+    order: list[tuple[Tier, str]] = []
+    left = list(theirs)
+    for name in mine:
+        order.append((Tier.LOCAL, name))
+        if name in left and _same(local_catalog.get(name), remote_catalog.get(name)):
+            order.append((Tier.REMOTE, name))
+            left.remove(name)
+    return (*order, *((Tier.REMOTE, name) for name in left))
+
+
+def _same(one: CheckpointEntry | NoCheckpoint, other: CheckpointEntry | NoCheckpoint) -> bool:
+    """Whether two tiers' entries are copies of one checkpoint (same name, step and seq)."""
+    if one is NO_CHECKPOINT or other is NO_CHECKPOINT:
+        return False
+    return (one.name, one.seq) == (other.name, other.seq)
 
 
 def drop_behind(world_size: int) -> bool:

@@ -11,6 +11,18 @@
 # cannot continue them, and says so with both sizes.
 # How: frozen records and pure functions; the shell moves them between ranks.
 #
+# Which ranks share a checkpoint directory: found out, never guessed. Every rank writes a probe
+# file of its own into the directory and every rank says which ranks' probes it sees (one
+# all-gather); ranks that see each other's probes share a directory (a node's local disk, or
+# one shared filesystem for the whole job). The sightings must be an equivalence (every rank
+# sees its own probe, and two ranks that see each other see the same ranks): a directory shared
+# in part is refused. Each group's lowest rank writes its directory's copy of every checkpoint
+# (rank 0 among them); the others read their group's copy. A resume chooses among the
+# checkpoints every directory lists (the newest first: the highest save sequence number), the
+# first that verifies in at least one directory; a directory without a copy that verifies gets
+# one from a directory that has it, over torch.distributed, before any rank reads it (the
+# sources taken in turn, so that several directories catching up share the senders).
+#
 # A stop request as every rank sees it: heard on one rank, agreed by all, acted on by all.
 #
 # Rules: a rank *hears* a request (a signal, request()); the ranks *agree* on it in a collective
@@ -32,27 +44,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint
+from pitstop.errors import ConfigError
 
 __all__ = [
     "INTERRUPTED",
     "NOT_REQUESTED",
     "OK",
+    "REMOTE",
     "CallInput",
+    "DirectoryGroups",
     "Outcome",
     "StopState",
+    "Transfer",
     "agree",
     "agree_codes",
     "agreed",
+    "catch_up",
+    "directory_groups",
     "entry_from_wire",
     "entry_to_wire",
     "heard",
     "merge_inputs",
+    "merged_order",
     "offer_code",
     "offered_reason",
     "per_rank_message",
@@ -255,3 +274,122 @@ def offered_reason(state: StopState) -> tuple[bool, str]:
     if state.agreed:
         return True, SECONDHAND
     return False, ""
+
+
+@attrs.frozen
+class DirectoryGroups:
+    """Which ranks share a checkpoint directory: ``groups``, each a tuple of ranks in order,
+    the groups ordered by their lowest rank. Each group's lowest rank writes its directory."""
+
+    groups: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def one(cls, world_size: int) -> DirectoryGroups:
+        """Every rank of ``world_size`` sharing one directory."""
+        return cls((tuple(range(world_size)),))
+
+    @property
+    def shared(self) -> bool:
+        """Whether every rank sees one directory (one group)."""
+        return len(self.groups) == 1
+
+    @property
+    def writers(self) -> tuple[int, ...]:
+        """The rank that writes each group's directory, in group order."""
+        return tuple(group[0] for group in self.groups)
+
+    def group_of(self, rank: int) -> int:
+        """The index of ``rank``'s group."""
+        for index, group in enumerate(self.groups):
+            if rank in group:
+                return index
+        raise ValueError(f"rank {rank} is in no group of {self.groups}")
+
+    def writer(self, rank: int) -> int:
+        """The rank that writes the directory ``rank`` sees."""
+        return self.groups[self.group_of(rank)][0]
+
+    def writes(self, rank: int) -> bool:
+        """Whether ``rank`` writes its directory."""
+        return self.writer(rank) == rank
+
+
+def directory_groups(seen: Sequence[Collection[int]], *, directory: str = "") -> DirectoryGroups:
+    """The groups of ranks sharing a directory, from ``seen[r]``: the ranks whose probe files
+    rank ``r`` found in ``directory``. Raises :class:`~pitstop.errors.ConfigError` naming the
+    ranks when the sightings are no equivalence (a directory shared in part)."""
+    sets = [frozenset(s) for s in seen]
+    world = len(sets)
+    for rank, mine in enumerate(sets):
+        strangers = sorted(r for r in mine if not 0 <= r < world)
+        if rank not in mine or strangers:
+            raise ConfigError(
+                f"rank {rank} did not find its own probe file in {directory} (it found "
+                f"{sorted(mine)}): the checkpoint directory must be one directory that each "
+                f"rank can write and read back"
+            )
+        for other in sorted(mine):
+            if sets[other] != mine:
+                raise ConfigError(
+                    f"{directory} is shared in part: rank {rank} sees the probe files of ranks "
+                    f"{sorted(mine)}, rank {other} those of ranks {sorted(sets[other])}; give "
+                    f"every rank a directory that is either shared by the same ranks or its own"
+                )
+    groups = sorted({tuple(sorted(s)) for s in sets})
+    return DirectoryGroups(tuple(groups))
+
+
+REMOTE = -1
+"""The source of a :class:`Transfer` from the remote tier (no rank: the target downloads it)."""
+
+
+@attrs.frozen
+class Transfer:
+    """One directory catching up: the writer ``source`` (or the remote tier, :data:`REMOTE`)
+    sends its copy to the writer ``target``."""
+
+    source: int
+    target: int
+
+
+def catch_up(
+    groups: DirectoryGroups, valid: Sequence[bool], *, remote: bool = False
+) -> tuple[Transfer, ...] | None:
+    """The copies to send so that every directory holds a checkpoint: ``valid[i]`` says whether
+    group ``i``'s copy verifies; ``remote``: whether the remote tier lists it. ``None``: no
+    directory holds it whole, and no remote tier does. The senders are the groups that hold
+    it, taken in turn; only when none does, each lacking directory downloads it from the
+    remote tier (:data:`REMOTE`): a peer's copy is preferred, the remote tier is the last
+    resort."""
+    if len(valid) != len(groups.groups):
+        raise ValueError(f"{len(valid)} answers for {len(groups.groups)} directories")
+    holders = [writer for writer, ok in zip(groups.writers, valid, strict=True) if ok]
+    if not holders:
+        if not remote:
+            return None
+        holders = [REMOTE]
+    lacking = [writer for writer, ok in zip(groups.writers, valid, strict=True) if not ok]
+    return tuple(
+        Transfer(source=holders[i % len(holders)], target=target)
+        for i, target in enumerate(lacking)
+    )
+
+
+def merged_order(
+    orders: Sequence[Sequence[tuple[str, int]]], *, newest_first: bool
+) -> tuple[str, ...]:
+    """One resume order from every directory's (``orders``: each a sequence of ``(name, seq)``
+    in that directory's own order): every name once; ``newest_first`` (a resume of ``last``)
+    by the highest save sequence number any directory gives it, else in the first directory's
+    order, then the names only later ones list."""
+    if newest_first:
+        seqs: dict[str, int] = {}
+        for order in orders:
+            for name, seq in order:
+                seqs[name] = max(seq, seqs.get(name, seq))
+        return tuple(sorted(seqs, key=lambda n: (seqs[n], n), reverse=True))
+    merged: dict[str, None] = {}
+    for order in orders:
+        for name, _ in order:
+            merged.setdefault(name, None)
+    return tuple(merged)

@@ -41,6 +41,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Final
 
 import attrs
@@ -63,6 +64,7 @@ __all__ = [
     "advance",
     "after_failed_copy",
     "after_raise",
+    "agreed_status",
     "claim_copy",
     "gate",
     "left_by_raise",
@@ -71,6 +73,7 @@ __all__ = [
     "satisfied",
     "save_status",
     "settles_first",
+    "waits_for_uploads",
     "writer_step",
 ]
 
@@ -158,6 +161,17 @@ class SaveStatus(enum.Enum):
     PENDING = "pending"
     PUBLISHED = "published"
     FAILED = "failed"
+
+
+def agreed_status(statuses: Sequence[SaveStatus | None]) -> SaveStatus | None:
+    """One background save written by several writers (one per directory the ranks do not
+    share): ``statuses``, each writer's (``None``: it has none). Failed if any copy failed,
+    pending while any copy is, published once every copy is; ``None`` when no writer has one."""
+    held = [s for s in statuses if s is not None]
+    for status in (SaveStatus.FAILED, SaveStatus.PENDING, SaveStatus.PUBLISHED):
+        if status in held:
+            return status
+    return None
 
 
 @attrs.frozen(kw_only=True)
@@ -335,6 +349,13 @@ def gate(session: Session, request: Request) -> Gate:
             return Gate(until=Until.NOW, raise_failure=False)
         return Gate(until=Until.NOW, raise_failure=False, refuse="closed")
     return _GATES[request]
+
+
+def waits_for_uploads(request: Request) -> bool:
+    """Whether ``request`` waits until a remote tier's uploads are done (``wait``, ``finish``
+    and ``close``: the run's end; ``resume``: it reads the remote tier). Any other call only
+    raises an upload's failure, never waits for one."""
+    return request in (Request.WAIT, Request.CLOSE, Request.RESUME)
 
 
 def settles_first(request: Request) -> bool:

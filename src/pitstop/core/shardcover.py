@@ -10,25 +10,49 @@
 # wants, in order, and every byte between and after them only checksummed (read_spans).
 # How: pure functions over the layout's records; the overlap check sweeps along the dimension
 # with the most distinct chunk offsets, comparing only chunks whose extents meet along it.
+#
+# A sharded checkpoint's files across directories the ranks do not share (nodes with disks of
+# their own): each directory holds the files its ranks wrote (file_homes: a file's home is the
+# directory of the rank that wrote it) and a manifest of its own. A checkpoint is complete when
+# every file it lists — the manifest among them — is whole in at least one directory (the
+# union); a file whole in none is missing, and then nothing moves (cover_nodes). When complete,
+# each directory receives each file its ranks' reads need and it lacks, from a directory that
+# holds it whole: the sources taken in turn, the one that has sent fewest first, so that
+# several directories catching up share the senders. What one directory holds of a checkpoint
+# is counted against the list (part_here), for a listing that says "partial".
+# How: pure functions over file names, directory indexes and ranks.
 
-"""Pure checks of a sharded layout's values (exact cover, dtypes, byte bounds, key paths), and
-the spans a checking read of a shard file goes through."""
+"""Pure checks of a sharded layout's values (exact cover, dtypes, byte bounds, key paths), the
+spans a checking read of a shard file goes through, and the cover of a sharded checkpoint's
+files by directories the ranks do not share."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Final
 
+import attrs
+
 __all__ = [
+    "DIRECTORIES",
     "MAX_DIMS",
     "Box",
+    "FileMove",
+    "NodeCover",
     "Span",
+    "cover_nodes",
     "cover_problem",
+    "directories_of",
     "extent_problem",
+    "file_homes",
+    "part_here",
     "paths_problem",
     "read_spans",
 ]
 
+DIRECTORIES: Final = "directories"
+"""The manifest meta key of a sharded checkpoint saved in directories the ranks do not share:
+the ranks sharing each directory (a list of lists of ranks; each file lies in its writer's)."""
 MAX_DIMS: Final = 64
 """The most dimensions a stored tensor value may have (torch allows 64)."""
 
@@ -59,8 +83,10 @@ def cover_problem(shape: Sequence[int], chunks: Sequence[Box]) -> str | None:
     covered = sum(_volume(s) for _, s in boxes)
     if covered != _volume(shape):
         return f"chunks holding {covered} elements of {_volume(shape)}"
+    if len(boxes) == 1:  # all of it, in one chunk (a scalar, or any value on one rank)
+        return None
     if len(shape) == 0:
-        return None if len(boxes) == 1 else f"{len(boxes)} chunks of one scalar"
+        return f"{len(boxes)} chunks of one scalar"
     overlap = _overlap(boxes, len(shape))
     if overlap is not None:
         a, b = overlap
@@ -142,3 +168,98 @@ def read_spans(size: int, regions: Iterable[tuple[int, int]]) -> tuple[Span, ...
     if at < size:
         spans.append((at, size - at, False))
     return tuple(spans)
+
+
+# --- files across directories the ranks do not share ------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class FileMove:
+    """One file a directory receives: ``name``, from directory ``source`` to ``target``
+    (indexes in the order of the directories' writers)."""
+
+    name: str
+    source: int
+    target: int
+
+
+@attrs.frozen(kw_only=True)
+class NodeCover:
+    """A sharded checkpoint across directories: the files whole in no directory (``missing``,
+    sorted: then it is not complete and nothing moves), and the moves that give each
+    directory what its ranks need (in order: every rank carries them out in this order)."""
+
+    missing: tuple[str, ...]
+    moves: tuple[FileMove, ...]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every listed file is whole in at least one directory."""
+        return not self.missing
+
+
+def cover_nodes(
+    listed: Iterable[str],
+    held: Sequence[Collection[str]],
+    needed: Sequence[Collection[str]],
+) -> NodeCover:
+    """Which of the ``listed`` files is whole in no directory (``held[d]``: the files whole in
+    directory ``d``), and, when none is missing, which files each directory ``d`` receives:
+    those of ``needed[d]`` it does not hold. Raises ValueError for a needed file not listed."""
+    if len(held) != len(needed):
+        raise ValueError(f"{len(held)} directories hold files, {len(needed)} need them")
+    names = set(listed)
+    unknown = sorted(n for want in needed for n in want if n not in names)
+    if unknown:
+        raise ValueError(f"needed files the checkpoint does not list: {unknown}")
+    missing = tuple(sorted(n for n in names if not any(n in h for h in held)))
+    if missing:
+        return NodeCover(missing=missing, moves=())
+    sent = [0] * len(held)
+    moves = []
+    for target, want in enumerate(needed):
+        for name in sorted(set(want)):
+            if name in held[target]:
+                continue
+            source = min((d for d, h in enumerate(held) if name in h), key=lambda d: (sent[d], d))
+            sent[source] += 1
+            moves.append(FileMove(name=name, source=source, target=target))
+    return NodeCover(missing=(), moves=tuple(moves))
+
+
+def file_homes(
+    files: Iterable[tuple[str, int]], groups: Sequence[Collection[int]]
+) -> tuple[tuple[str, ...], ...]:
+    """The files each directory holds as saved (``groups[d]``: the ranks that share directory
+    ``d``): a file ``(name, rank)`` lies where its writing rank wrote it; sorted. Raises
+    ValueError for a rank in no group."""
+    homes: list[list[str]] = [[] for _ in groups]
+    for name, rank in files:
+        home = next((d for d, group in enumerate(groups) if rank in group), None)
+        if home is None:
+            raise ValueError(f"{name} was written by rank {rank}, which is in no directory")
+        homes[home].append(name)
+    return tuple(tuple(sorted(h)) for h in homes)
+
+
+def directories_of(meta: Mapping[str, object]) -> tuple[tuple[int, ...], ...]:
+    """The ranks sharing each directory, as an (untrusted) manifest meta records them under
+    :data:`DIRECTORIES`; none when it has no such key (one directory for every rank). Raises
+    ValueError for anything but a list of lists of ranks."""
+    value = meta.get(DIRECTORIES, [])
+    if not isinstance(value, list) or not all(
+        isinstance(g, list) and all(type(r) is int and r >= 0 for r in g) for g in value
+    ):
+        raise ValueError(f"manifest {DIRECTORIES}: a list of lists of ranks, not {value!r}")
+    return tuple(tuple(g) for g in value)
+
+
+def part_here(
+    files: Iterable[tuple[str, int]], present: Collection[str]
+) -> tuple[int, int, tuple[int, ...]]:
+    """What one directory holds of a checkpoint listing ``files`` (``(name, rank)``): how many
+    of them are ``present``, how many are listed, and the ranks that wrote those absent."""
+    listed = list(files)
+    absent = sorted({rank for name, rank in listed if name not in present})
+    here = sum(1 for name, _ in listed if name in present)
+    return here, len(listed), tuple(absent)

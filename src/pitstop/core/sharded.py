@@ -44,6 +44,7 @@ __all__ = [
     "cover_problem",
     "file_problem",
     "files_for",
+    "files_from_wire",
     "fresh_optimizers",
     "layout_differences",
     "layout_from_wire",
@@ -337,6 +338,33 @@ def _str(value: object, where: str) -> str:
     return value
 
 
+def files_from_wire(data: object, where: str = "sharded") -> tuple[ShardFile, ...]:
+    """The files of a layout's wire form, each row checked (what a directory scan reads of a
+    sharded checkpoint: its values are checked when it is read or verified).
+
+    Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the key path of the first problem.
+    """
+    _check(isinstance(data, Mapping), where, "a mapping", type(data).__name__)
+    assert isinstance(data, Mapping)
+    _check(
+        isinstance(data.get("files"), (list, tuple)), f"{where}.files", "a list", data.get("files")
+    )
+    files = []
+    for i, raw in enumerate(data["files"]):
+        name, size, crc, rank = _row(raw, 4, f"{where}.files[{i}]")
+        numbers = _int_tuple((size, crc, rank), f"{where}.files[{i}]")
+        files.append(
+            ShardFile(
+                name=_str(name, f"{where}.files[{i}][0]"),
+                size=numbers[0],
+                crc32=numbers[1],
+                rank=numbers[2],
+            )
+        )
+    _check(len({f.name for f in files}) == len(files), f"{where}.files", "unique names", files)
+    return tuple(files)
+
+
 def layout_from_wire(
     data: object, where: str = "sharded", *, itemsizes: Mapping[str, int]
 ) -> ShardedLayout:
@@ -356,18 +384,7 @@ def layout_from_wire(
     )
     for key in ("files", "values"):
         _check(isinstance(data.get(key), (list, tuple)), f"{where}.{key}", "a list", data.get(key))
-    files = []
-    for i, raw in enumerate(data["files"]):
-        name, size, crc, rank = _row(raw, 4, f"{where}.files[{i}]")
-        numbers = _int_tuple((size, crc, rank), f"{where}.files[{i}]")
-        files.append(
-            ShardFile(
-                name=_str(name, f"{where}.files[{i}][0]"),
-                size=numbers[0],
-                crc32=numbers[1],
-                rank=numbers[2],
-            )
-        )
+    files = files_from_wire(data, where)
     values = []
     for i, raw in enumerate(data["values"]):
         at = f"{where}.values[{i}]"
@@ -411,6 +428,6 @@ def layout_from_wire(
     return ShardedLayout(
         world_size=world,
         dcp_version=_str(data.get("dcp_version"), f"{where}.dcp_version"),
-        files=tuple(files),
+        files=files,
         values=tuple(values),
     )

@@ -33,9 +33,11 @@ from pitstop.core.arguments import (
     describe_value,
 )
 from pitstop.core.ranks import CallInput
-from pitstop.core.records import CheckpointEntry, Metrics, Progress, SaveReason
+from pitstop.core.records import Catalog, CheckpointEntry, Metrics, Progress, SaveReason
 from pitstop.core.session import SaveStatus
 from pitstop.errors import ConfigError, SaveError
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = [
     "Checkpoint",
@@ -45,6 +47,7 @@ __all__ = [
     "config_of",
     "manual_reason",
     "metrics_of",
+    "records",
     "stop_detail",
 ]
 
@@ -95,6 +98,9 @@ class Checkpoint:
     tensors: tuple[TensorInfo, ...] = attrs.field(default=(), repr=False)
     """The tensor table, in file order (from :func:`pitstop.info`)."""
     ticket: Ticket | None = attrs.field(default=None, eq=False, hash=False, repr=False)
+    tiers: tuple[str, ...] = attrs.field(default=("local",), eq=False, hash=False)
+    """Which tiers hold it: ``("local",)``, ``("local", "remote")`` once a remote tier holds
+    it too, ``("remote",)`` when only the remote tier does (its local copy retired)."""
 
     @property
     def step(self) -> int:
@@ -125,10 +131,14 @@ class Checkpoint:
         directory: Path,
         entry: CheckpointEntry,
         ticket: Ticket | None = None,
+        *,
+        tiers: tuple[str, ...] = ("local",),
+        path: Path | None = None,
     ) -> Checkpoint:
-        """The public record of the catalog ``entry`` in ``directory``."""
+        """The public record of the catalog ``entry`` in ``directory`` (or at ``path``)."""
         return cls(
-            path=directory / entry.name,
+            path=path or directory / entry.name,
+            tiers=tiers,
             progress=entry.progress,
             reason=entry.reason,
             seq=entry.seq,
@@ -270,3 +280,22 @@ def manual_reason(reason: object) -> tuple[SaveReason, str]:
         return SaveReason(reason), ""
     except ValueError:
         return SaveReason.MANUAL, reason
+
+
+def records(directory: CheckpointDirectory, catalog: Catalog) -> list[Checkpoint]:
+    """The public records of ``catalog`` (``directory``'s checkpoints), oldest first; with a
+    remote tier, each says which tiers hold it, and those only the remote tier holds (as far as
+    this process knows: once it uploaded or resumed) are listed too."""
+    if not isinstance(directory, TieredDirectory):
+        return [Checkpoint.of(directory.path, e) for e in catalog]
+    remote = directory.remote
+    local = [
+        (e, Checkpoint.of(directory.path, e, tiers=remote.tiers(e.name, e.seq))) for e in catalog
+    ]
+    held = {(e.name, e.seq) for e in catalog}
+    only = [
+        (e, Checkpoint.of(directory.path, e, tiers=("remote",), path=remote.objects.path(e.name)))
+        for e in remote.directory.catalog
+        if (e.name, e.seq) not in held
+    ]
+    return [c for _, c in sorted(local + only, key=lambda pair: (pair[0].seq, pair[0].step))]

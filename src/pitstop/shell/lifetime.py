@@ -8,7 +8,9 @@
 # nobody to raise to, so the error is logged. The finalizer refers to the session, the
 # directory and the hooks — never to the Checkpointer, so it does not keep it alive. A sharded
 # save in flight needs a collective to finish, which a finalizer cannot run: it is abandoned
-# (not published; logged as a failed save).
+# (not published; logged as a failed save). A remote tier's uploads are waited for when the
+# directory is released; one that failed is raised by close() after it (logged either way). A
+# rank that writes nothing still removes its object storage's local files (s3://) at close().
 # How: the Checkpointer registers shut_down() with weakref.finalize; close_run() (its close())
 # detaches it once the lock may go, and calls release() itself.
 
@@ -19,21 +21,45 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pitstop.core.ranks import DirectoryGroups
+from pitstop.core.session import SaveStatus, agreed_status
 from pitstop.shell.session import SaveSession
 from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.storage import RemoteStorage
 
 if TYPE_CHECKING:
     from pitstop.shell.ranks.distributed import Ranks
     from pitstop.shell.saving import Saver
     from pitstop.shell.shardsave import ShardedSaves
 
-__all__ = ["close_run", "release", "shut_down"]
+__all__ = ["close_run", "on_writers", "release", "settle_on_writers", "shut_down"]
 
 log = logging.getLogger("pitstop")
+
+
+def on_writers(ranks: Ranks, groups: DirectoryGroups, work: Callable[[], Any]) -> None:
+    """Run ``work`` on rank 0 (one directory) or on every directory's writer; its failure is
+    raised on every rank."""
+    if groups.shared:
+        ranks.lead(work)
+    else:
+        ranks.each(lambda: work() if groups.writes(ranks.rank) else None)
+
+
+def settle_on_writers(
+    ranks: Ranks, groups: DirectoryGroups, settle: Callable[[], SaveStatus | None]
+) -> SaveStatus | None:
+    """How the save in flight ended, heard by every rank: rank 0's ``settle`` (one directory),
+    or every directory's writer's, agreed (the core's agreed_status); a failure on any writer
+    is raised on every rank."""
+    if groups.shared:
+        return ranks.lead(settle)
+    statuses = ranks.all_gather_each(lambda: settle() if groups.writes(ranks.rank) else None)
+    return agreed_status([statuses[w] for w in groups.writers])
 
 
 def release(directory: CheckpointDirectory, hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
@@ -82,13 +108,16 @@ def close_run(
     saver: Saver,
     shards: ShardedSaves | None,
     ranks: Ranks,
+    groups: DirectoryGroups,
 ) -> None:
     """Every rank: a Checkpointer's close() — publish what is in flight, then (rank 0) close
     the session, remove the hooks and release the lock once no writer may still write, and
     raise a failed background save's error. An interrupt while a sharded save is settled
     leaves it in flight (and the lock held) for a later close(). After a collective failed
     (a rank gone), every rank closes on its own: no collective, and no second error that
-    would hide the first."""
+    would hide the first. Ranks that share no directory: each directory's writer closes its
+    own, as rank 0 does."""
+    writes = groups.writes(ranks.rank)
 
     def close() -> None:
         try:
@@ -96,8 +125,9 @@ def close_run(
         finally:
             if session.may_release():  # no writer may still write to the directory
                 finalizer.detach()
-                release(directory, hooks)
+                release(directory, hooks)  # a remote tier's uploads are waited for first
         saver.raise_failed(reported)
+        saver.settle_uploads(block=False)  # and one that failed is raised
 
     interrupted = False
     try:
@@ -113,12 +143,14 @@ def close_run(
                 if shards is not None:
                     shards.release()
                 if ranks.failed is None:
-                    ranks.lead(close)
-                elif ranks.leader:  # the ranks are out of step: each ends on its own
+                    on_writers(ranks, groups, close)
+                elif writes:  # the ranks are out of step: each ends on its own
                     close()
             finally:
-                if not ranks.leader:  # nothing written here, nothing to wait for
+                if not writes:  # nothing written here, nothing to wait for
                     finalizer.detach()
                     for hook in hooks:
                         hook.remove()
                     hooks.clear()
+                    if isinstance(directory.storage, RemoteStorage):  # its local files go
+                        directory.storage.close()

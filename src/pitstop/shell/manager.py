@@ -41,13 +41,9 @@ from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.errors import PitstopError
-from pitstop.shell.checkpoint import (
-    Checkpoint,
-    checked_options,
-    config_of,
-    manual_reason,
-)
-from pitstop.shell.lifetime import close_run, release, shut_down
+from pitstop.shell.checkpoint import Checkpoint, checked_options, config_of, manual_reason, records
+from pitstop.shell.lifetime import close_run, on_writers, release, settle_on_writers, shut_down
+from pitstop.shell.nodes import open_directories
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.registration import add_component, register_component
 from pitstop.shell.resuming import resume_from
@@ -91,16 +87,14 @@ class Checkpointer:
     (default: the local filesystem at ``directory``); a wrapper may log or inject faults —
     checkpoints are read back from ``directory`` itself. ``directory`` may be
     ``"s3://bucket/prefix"`` (docs/object-storage.md; ``storage_options`` go to its S3
-    client). The directory is locked until :meth:`close`; with several ranks, every rank
-    makes the same calls and rank 0 writes.
-    A sharded model (FSDP2, DTensor parameters, an optimizer over DTensors) saves each
-    checkpoint as a directory written through ``torch.distributed.checkpoint`` — every rank
-    its shards, rank 0 the manifest, then the publish — and resumes it resharded to the
-    run's world size (see docs/distributed.md); ``async_save=True`` writes through DCP's
-    async_save and publishes at a later call on every rank, and ``"overlap"`` also leaves the
-    copy of the parameters and optimizer state to the next ``optimizer.step()``.
-    Its ``ema`` (a sharded copy of the model, or an ``AveragedModel`` whose module is one)
-    is saved through DCP with it.
+    client). ``remote="s3://..."``: a remote tier — each checkpoint published locally is then
+    uploaded in the background, retired there by ``remote_policy`` (default: ``policy``), and a
+    resume takes the newest that verifies in either tier. The directory is locked until
+    :meth:`close`; every rank makes the same calls, rank 0 writes (each node's first rank,
+    where nodes have disks of their own). A sharded model (FSDP2, DTensor) saves each
+    checkpoint as a directory written through ``torch.distributed.checkpoint`` and resumes it
+    resharded (docs/distributed.md); ``async_save=True`` writes through DCP's async_save, and
+    ``"overlap"`` leaves the copy to the next ``optimizer.step()``; its ``ema`` is saved too.
     """
 
     def __init__(
@@ -119,6 +113,8 @@ class Checkpointer:
         overwrite: bool = False,
         storage: Storage | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        remote: str | None = None,
+        remote_policy: Policy | None = None,
     ) -> None:
         options = checked_options(
             directory,
@@ -149,17 +145,20 @@ class Checkpointer:
         if sharded:
             require_sharded("a Checkpointer whose model or optimizer holds DTensors")
         self._ranks = Ranks.current(options.timeout_s)
+        tier = (remote, remote_policy)  # a remote tier (s3://), and its retention
         self._directory = checkpoint_directory(
-            directory, self.policy, storage, storage_options, not options.overwrite, sharded
+            directory, self.policy, storage, storage_options, not options.overwrite, sharded, tier
         )
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ranks.call(f"Checkpointer({str(directory)!r})")
-        self._ranks.lead(self._open)  # only rank 0 locks and reads the directory
+        self._groups = open_directories(  # each directory's writer locks and reads it
+            self._ranks, self._directory, sharded=sharded, background=bool(options.async_save)
+        )
         try:
             schedule = ScheduleState(timer_start=time.monotonic())
             self.last_blocking_s = 0.0
             """Seconds the last save held the training loop (capture, and the copy when async)."""
-            background = bool(options.async_save) and self._ranks.leader
+            background = bool(options.async_save) and self._groups.writes(self._ranks.rank)
             self._session = SaveSession(self._directory.path, background=background)
             self._saver = Saver(
                 schedule=schedule,
@@ -174,7 +173,11 @@ class Checkpointer:
                 self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
             )
             self._calls = SaveCalls(
-                saver=self._saver, ranks=self._ranks, shards=self._shards, live=self._live
+                saver=self._saver,
+                ranks=self._ranks,
+                shards=self._shards,
+                live=self._live,
+                groups=self._groups,
             )
             for obj in self._live.optimizers():
                 self._hook(obj)
@@ -187,9 +190,6 @@ class Checkpointer:
         except BaseException:  # whatever failed, nothing stays locked or hooked
             release(self._directory, self._hooks)
             raise
-
-    def _open(self) -> None:  # what it finds stays on rank 0
-        self._directory.open()
 
     @property
     def model(self) -> nn.Module:
@@ -239,7 +239,7 @@ class Checkpointer:
                 self._hear(status)
             return status
 
-        self._hear(self._ranks.lead(settle))
+        self._hear(settle_on_writers(self._ranks, self._groups, settle))
 
     def _hear(self, status: SaveStatus | None) -> None:
         if self._remote is not None and status is not None and status is not SaveStatus.PENDING:
@@ -278,6 +278,7 @@ class Checkpointer:
             saver=self._saver,
             shards=self._shards,
             ranks=self._ranks,
+            groups=self._groups,
         )
 
     def __enter__(self) -> Checkpointer:
@@ -301,7 +302,7 @@ class Checkpointer:
             catalog = self._directory.catalog
         else:
             catalog = scan(self._directory.storage, self.policy.best).catalog
-        return [Checkpoint.of(self.directory, e) for e in catalog]
+        return records(self._directory, catalog)
 
     # --- components ---------------------------------------------------------------------
 
@@ -440,8 +441,9 @@ class Checkpointer:
             directory=self._directory,
             may_change=self._config_may_change,
             sharded=self._shards is not None,
+            groups=self._groups,
         )
         if path is not None:
             self._resumed_from = path
-        self._ranks.lead(partial(self._saver.resumed, entry))
+        on_writers(self._ranks, self._groups, partial(self._saver.resumed, entry))
         return entry.progress if entry is not NO_CHECKPOINT else Progress()

@@ -34,6 +34,7 @@ from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.fileread import KeyPath, load
+from pitstop.shell.format.untrusted import checked
 from pitstop.shell.state.capture import LiveState
 from pitstop.shell.store.directory import is_sharded_path
 
@@ -78,8 +79,10 @@ class ResumeRead:
         index = rest[1]
         return self._devices.get((name, index)) if isinstance(index, int) else None
 
-    def verify(self, path: Path, *, shards: bool = True) -> None:
+    def verify(self, path: Path, *, shards: bool = True, known_as: Path | None = None) -> None:
         """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt.
+        ``known_as``: the path :meth:`load` will ask for (a temp file checked before it is
+        published there: the tree loaded from it stays valid once it is renamed).
 
         A sharded checkpoint directory: its manifest is checked whole and its replicated
         tree loaded, and with ``shards`` every DCP file it lists is checked too (a resume's
@@ -92,9 +95,11 @@ class ResumeRead:
             self._tree = load(path / MANIFEST_NAME, verify="file")
             if shards:
                 verify_sharded(path, read_layout(path)[0])
+        elif checked(path):  # read into memory from object storage, every byte checked on arrival
+            self._tree = load(path, verify=False, place=self.place)
         else:
             self._tree = load(path, verify="file", place=self.place, drop_placed=self._drop)
-        self._path = path
+        self._path = known_as or path
 
     def read_beside(self, path: Path) -> Callable[[], str | None]:
         """Start reading the manifest of the sharded checkpoint ``path`` on a thread (rank 0:

@@ -19,6 +19,10 @@
 # (where a rank's state does not fit the layout, the files are verified without DCP's read).
 # An optimizer that had no state has none again unless the resume restored it
 # (pitstop.shell.state.freshopt).
+# On object storage (s3://) each rank downloads, into a local folder of its own, the candidate's
+# manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
+# too) and checks each itself (size, CRC-32) — its copy is its own; the outcome is agreed as
+# above, every rank warns about a candidate skipped, and its folder is removed.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -39,10 +44,10 @@ from torch import nn
 
 from pitstop.core.compat import Difference, Kind, judge
 from pitstop.core.pointers import resume_order
-from pitstop.core.ranks import entry_from_wire, entry_to_wire
+from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.schema import STATE
-from pitstop.core.sharded import share_checks
+from pitstop.core.sharded import MANIFEST_NAME, share_checks
 from pitstop.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -50,8 +55,10 @@ from pitstop.errors import (
     ResumeWarning,
 )
 from pitstop.shell.format import fileformat
+from pitstop.shell.nodes import choose_across
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.sharded.acrossnodes import choose_sharded_across
 from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,
@@ -62,6 +69,7 @@ from pitstop.shell.state.capture import (
 from pitstop.shell.state.freshopt import FreshOptimizers
 from pitstop.shell.state.restore import Restore, differences
 from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.resolve import find_resume, own_pointer
 from pitstop.shell.store.sharddir import prefetch, verify_sharded
 
@@ -82,12 +90,16 @@ def resume_from(
     directory: CheckpointDirectory,
     may_change: tuple[str, ...],
     sharded: bool = False,
+    groups: DirectoryGroups | None = None,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
 
     ``(None, NO_CHECKPOINT)``: nothing to resume, nothing touched. Raises
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
     with the run exactly as before. ``may_change``: the config patterns a resume only reports.
+    ``groups``: which ranks share a directory (directories not shared: every writer's copy
+    counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes; sharded
+    state: the newest checkpoint complete across them, pitstop.shell.sharded.acrossnodes).
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
@@ -96,8 +108,16 @@ def resume_from(
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
         plan = staged = None
-        if sharded and pointer is not None:
+        across = groups is not None and not groups.shared
+        if sharded and pointer is not None and across:  # each node holds its ranks' shards
+            assert groups is not None
+            planner = partial(_plan, live=live, ranks=ranks)
+            path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
+        elif sharded and pointer is not None:
             path, wire, plan, staged = _choose_sharded(directory, pointer, reading, live, ranks)
+        elif across and pointer is not None:
+            assert groups is not None
+            path, wire = choose_across(directory, pointer, reading, ranks, groups)
         else:
             path, wire = ranks.lead(partial(_find_portable, directory, source, reading.verify))
         entry = entry_from_wire(wire)
@@ -285,12 +305,14 @@ def _problem(
     planned: _Planned,
     shares: tuple[tuple[str, ...], ...] | None,
     ranks: Ranks,
+    remote: ObjectStorage | None = None,
 ) -> str | None:
     """What this rank finds wrong with candidate ``path`` (``None``: its part verifies), where
     its files are not checked as DCP reads them (a file checkpoint, a state that does not fit).
 
     Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
-    file some rank's DCP read plan names is checked by one of those ranks, in parallel."""
+    file some rank's DCP read plan names is checked by one of those ranks, in parallel (on
+    object storage: by each rank that downloads it, ``shares`` None)."""
     plan, problem = planned
     if problem is not None:
         return problem
@@ -298,7 +320,10 @@ def _problem(
         if ranks.leader:
             reading.verify(path, shards=False)
         if plan is not None:
-            verify_sharded(path, plan.layout, _checks(plan, shares, ranks))
+            mine = _checks(plan, shares, ranks)
+            if remote is not None:
+                remote.fetch_files(path.name, mine)
+            verify_sharded(path, plan.layout, mine)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None
@@ -338,6 +363,20 @@ def _read_checked(
             beside()
 
 
+def _fetched(
+    storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
+) -> tuple[Path, _Planned]:
+    """This rank's local folder of candidate ``name`` (fresh: its manifest downloaded) and its
+    plan of it."""
+    path = storage.path(name)
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        storage.fetch_files(name, (MANIFEST_NAME,))
+    except (CheckpointCorrupt, OSError) as exc:
+        return path, (None, str(exc))
+    return path, _planned(path, live, ranks)
+
+
 def _choose_sharded(
     directory: CheckpointDirectory,
     pointer: PointerName,
@@ -349,36 +388,45 @@ def _choose_sharded(
     this rank's plan of it, and the state DCP read into staging as it was checked); all ranks
     move on together, rank 0 warning about each one skipped and why (and where)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
+    storage = directory.storage
+    remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire in candidates:
-        planned = _planned(path, live, ranks)
-        if planned[0] is not None:  # the disk reads them while the ranks agree and check
-            prefetch(path, planned[0].regions)
-        files = planned[0].files if planned[0] is not None else ()
-        gathered = ranks.all_gather((files, _fits(planned)))
-        shares = _shares(planned, [f for f, _ in gathered])
-        streamed = all(fits for _, fits in gathered)
-        if streamed and shares is not None:  # the rest of the files this rank checks
-            prefetch(path, [(name, 0, 0) for name in shares[ranks.rank]])
-        if streamed and planned[0] is not None:  # every check, and the manifest, in DCP's read
-            beside = reading.read_beside(path)
-            staged, own = _read_checked(
-                planned[0], _checks(planned[0], shares, ranks), ranks, beside
-            )
-            if staged is not None:  # DCP's read succeeded on every rank: no round to agree
-                return path, wire, planned[0], staged
-            problems = ranks.all_gather(own)  # it failed on every rank: whose checks said why
-            if not any(problems):  # DCP failed where no rank says why
-                problems = [f"{path}: DCP could not read it"] * len(problems)
+        staged = None
+        if remote is not None:  # this rank's own copy: the manifest first; each checks its own
+            path, planned = _fetched(remote, path.name, live, ranks)
+            files = planned[0].files if planned[0] is not None else ()
+            ranks.all_gather(files)
+            problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
         else:
-            staged = None
-            problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
+            planned = _planned(path, live, ranks)
+            if planned[0] is not None:  # the disk reads them while the ranks agree and check
+                prefetch(path, planned[0].regions)
+            files = planned[0].files if planned[0] is not None else ()
+            gathered = ranks.all_gather((files, _fits(planned)))
+            shares = _shares(planned, [f for f, _ in gathered])
+            streamed = all(fits for _, fits in gathered)
+            if streamed and shares is not None:  # the rest of the files this rank checks
+                prefetch(path, [(name, 0, 0) for name in shares[ranks.rank]])
+            if streamed and planned[0] is not None:  # every check, and the manifest, in the read
+                beside = reading.read_beside(path)
+                checks = _checks(planned[0], shares, ranks)
+                staged, own = _read_checked(planned[0], checks, ranks, beside)
+                if staged is not None:  # DCP's read succeeded on every rank: no round to agree
+                    return path, wire, planned[0], staged
+                problems = ranks.all_gather(own)  # it failed on every rank: whose checks say why
+                if not any(problems):  # DCP failed where no rank says why
+                    problems = [f"{path}: DCP could not read it"] * len(problems)
+            else:
+                problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
             return path, wire, planned[0], staged
-        if ranks.leader:  # one line per problem, with the ranks that found it
+        if remote is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        if ranks.leader or remote is not None:  # one line per problem, with the ranks that found it
             for problem, where in found.items():
                 ranks_found = ", ".join(map(str, where))
                 log.warning(

@@ -34,11 +34,12 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.ranks import CallInput, merge_inputs, stop_origin
+from pitstop.core.ranks import CallInput, DirectoryGroups, merge_inputs, stop_origin
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.core.schedule import Call, foresees_write
 from pitstop.shell.checkpoint import call_input
 from pitstop.shell.ranks.distributed import GATHER_BOX, Ranks, Round
+from pitstop.shell.ranks.peers import gather_to_writers
 from pitstop.shell.saving import Saver
 from pitstop.shell.shardsave import ShardedSaves, Staged
 from pitstop.shell.state.capture import LiveState, rank_state
@@ -76,6 +77,8 @@ class SaveCalls:
     ranks: Ranks
     shards: ShardedSaves | None
     live: LiveState
+    groups: DirectoryGroups | None = None
+    """Which ranks share a directory (``None``: one directory for every rank)."""
     told: set[str] = attrs.field(factory=set, init=False)
     """What rank 0 has said once (that the run stops)."""
 
@@ -106,8 +109,12 @@ class SaveCalls:
         def decide(asked: CallInput) -> bool:
             return saver.decide(policy, call, progress, asked, manual)
 
+        groups = self.groups if self.groups is not None and not self.groups.shared else None
+
         def plan(asked: CallInput) -> Planned:
             planned = saver.plan(policy, progress, asked, detail, resumed_from)
+            if groups is not None:  # the other directories' writers plan the same decision
+                planned = (*planned, saver.decision, asked)
             return planned, (shards.begin(progress) if shards is not None else None)
 
         def decide_and_plan(inputs: list[CallInput]) -> tuple[Planned | None, Agreed]:
@@ -147,22 +154,53 @@ class SaveCalls:
                 if interrupt is not None:
                     raise interrupt
                 return None
-            (_, wire), temp = planned
+            (_, wire, *decided), temp = planned
             if shards is not None and temp is not None:
-                ticket = shards.save(temp, staged)
+                across = None
+                if groups is not None:  # each writer follows rank 0 into the same temp name
+                    decision, merged = decided
+                    begin = partial(
+                        self._begin_across, temp, decision, policy, progress, merged, detail
+                    )
+                    across = (groups, partial(begin, resumed_from))
+                ticket = shards.save(temp, staged, across)
             else:
                 write = partial(saver.write, progress, overlap=overlap)
-                if ranks.many:  # every rank's part reaches rank 0, which writes them
+                if groups is not None:  # every directory's writer writes its own copy
+                    decision, merged = decided  # rank 0's, for the other writers to follow
+                    follow = partial(
+                        saver.follow, decision, policy, progress, merged, detail, resumed_from
+                    )
+                    ticket = self._write_copies(groups, write, follow)
+                elif ranks.many:  # every rank's part reaches rank 0, which writes them
                     ticket = ranks.gather_state(rank_state(self.live), write)
                 else:
                     ticket = write(None)
         except BaseException:
-            if ranks.leader:  # a fault that no step of the save caught: nothing waits for it
-                saver.abandon()
+            if ranks.leader or (groups is not None and groups.writes(ranks.rank)):
+                saver.abandon()  # a fault that no step of the save caught: nothing waits for it
             raise
         if interrupt is not None:  # this rank's part of the save is handed over, as failed
             raise interrupt
         return wire, ticket
+
+    def _begin_across(self, temp: str, decision: Any, *planned: Any) -> None:
+        """Another directory's writer: plan rank 0's sharded save on its own directory and
+        make rank 0's temp directory there (rank 0 began it already)."""
+        if not self.ranks.leader:
+            self.saver.follow(decision, *planned)
+            self.saver.begin_sharded(planned[1], temp=temp)
+
+    def _write_copies(
+        self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], None]
+    ) -> int:
+        """Every rank's part to every directory's writer, which plans rank 0's decision on its
+        own directory (``follow``; rank 0 planned it already: agreed first, so that a failed
+        background save of any writer's is raised everywhere before any copy is written) and
+        writes its copy (``write``); the save counts once every copy is published (agreed)."""
+        ranks = self.ranks
+        ranks.each(lambda: follow() if groups.writes(ranks.rank) and not ranks.leader else None)
+        return gather_to_writers(ranks, groups, rank_state(self.live), write) or 0
 
     def _quick(
         self, each: Callable[[], CallInput], decide: Callable[[CallInput], bool]

@@ -43,7 +43,8 @@ from pitstop.core.records import (
     SaveReason,
 )
 from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
-from pitstop.core.session import Event, Request, after_raise, left_by_raise
+from pitstop.core.session import Event, Request, after_raise, left_by_raise, waits_for_uploads
+from pitstop.core.shardcover import DIRECTORIES
 from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell.carryout import carry_out
@@ -52,6 +53,7 @@ from pitstop.shell.state.capture import LiveState, capture, with_parts
 from pitstop.shell.state.staging import StagingPool
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.publish import PublishedInterrupted
+from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = ["Saver"]
 
@@ -68,8 +70,12 @@ class _Handed:
     meta: dict[str, Any]
 
 
-def _with_fresh(meta: dict[str, Any], fresh: tuple[str, ...]) -> dict[str, Any]:
-    """``meta`` naming the optimizers that had no state when a sharded save began."""
+def _with_fresh(
+    meta: dict[str, Any], fresh: tuple[str, ...], homes: Sequence[Sequence[int]] = ()
+) -> dict[str, Any]:
+    """``meta`` naming the optimizers that had no state when a sharded save began, and the
+    ranks sharing each directory (``homes``: where they do not all share one)."""
+    meta = {**meta, DIRECTORIES: [list(g) for g in homes]} if homes else meta
     return {**meta, FRESH_OPTIMIZERS: list(fresh)} if fresh else meta
 
 
@@ -120,8 +126,15 @@ class Saver:
         return self._live
 
     def enter(self, request: Request) -> None:
-        """Wait as the session says; raise a failed background save's error, undoing it."""
+        """Wait as the session says; raise a failed background save's error, undoing it; then
+        (a remote tier) wait for its uploads as the core says, and raise one that failed."""
         self.raise_failed(self._session.enter(request))
+        self.settle_uploads(block=waits_for_uploads(request))
+
+    def settle_uploads(self, *, block: bool) -> None:
+        """A remote tier's uploads: ``block``: wait for them; raise one that failed, once."""
+        if isinstance(self._directory, TieredDirectory):
+            self._directory.remote.settle(block=block)
 
     def raise_failed(self, reported: Reported | None) -> None:
         """Raise the error of a failed background save, after putting its undo back (an
@@ -154,6 +167,18 @@ class Saver:
         )
         self._decision = decision if decision.acts else None
         return self._decision is not None
+
+    def follow(self, decision: SaveDecision, *planned: Any) -> None:
+        """Another directory's writer: :meth:`plan` rank 0's ``decision`` (``planned``: the
+        plan's arguments) on this directory, its own catalog and pointers, for :meth:`write`."""
+        self.enter(Request.SAVE)
+        self._decision = decision
+        self.plan(*planned)
+
+    @property
+    def decision(self) -> SaveDecision | None:
+        """What the last :meth:`decide` decided (``None``: nothing to do)."""
+        return self._decision
 
     def plan(
         self,
@@ -227,11 +252,13 @@ class Saver:
         self.schedule, self.pointers = self._decided, plan.pointers
         return True
 
-    def begin_sharded(self, progress: Progress, *, copy: bool = False) -> str | None:
+    def begin_sharded(
+        self, progress: Progress, *, copy: bool = False, temp: str | None = None
+    ) -> str | None:
         """Rank 0: start the planned sharded save and create the temp directory every rank
         writes its shards into; its name (``None``: the plan writes no checkpoint, only moves
         pointers). ``copy`` (a background save): the replicated state is copied now
-        (:meth:`capture_sharded`)."""
+        (:meth:`capture_sharded`). ``temp``: another directory's writer makes rank 0's."""
         plan = self._planned
         assert plan is not None
         self._directory.check(plan)  # another run's checkpoints: refused before writing
@@ -243,7 +270,7 @@ class Saver:
         )
         if copy:
             self.capture_sharded()
-        temp = self._temp = self._directory.sharded_temp(entry)  # this attempt's own
+        temp = self._temp = temp or self._directory.sharded_temp(entry)  # this attempt's own
         try:
             (self._directory.path / temp).mkdir()  # it must not exist yet
         except OSError as exc:
@@ -284,14 +311,16 @@ class Saver:
         parts: list[dict[str, Any]] | None,
         *,
         fresh: tuple[str, ...] = (),
+        homes: Sequence[Sequence[int]] = (),
     ) -> int:
         """Rank 0: every rank's shards are durable in the temp directory: capture the
         replicated state, write the manifest last, publish, then pointers and retention.
-        ``fresh``: the optimizers that had no state when the save began."""
+        ``fresh``: the optimizers that had no state when the save began; ``homes``: as for
+        ``_with_fresh`` (each file lies in its writing rank's directory)."""
         plan, entry = self._planned_save()
         try:
             tree, meta = capture(self._live, parts, sharded=True)
-            meta = _with_fresh(meta, fresh)
+            meta = _with_fresh(meta, fresh, homes)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta, temp=self._temp)
         except BaseException:
@@ -372,8 +401,10 @@ class Saver:
         """Rank 0: the schedule after resuming from ``entry`` (or finding nothing to resume).
         Resuming is continuing: from now on the checkpoints the directory held when it was
         opened are this run's to replace — only once the resume has succeeded."""
-        self._directory.adopt()
+        self._directory.adopt()  # a remote tier's checkpoint resumed from is now local too
         catalog = self._directory.catalog
+        if isinstance(self._directory, TieredDirectory):
+            self.pointers = self._directory.pointers
         in_directory = (
             entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
         )

@@ -25,7 +25,14 @@
 # settled (a save that writes, wait, finish, resume, close) waits for it. A failure is raised there
 # on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put back. A
 # Checkpointer dropped without close() cannot run a collective: its save in flight is not published
-# (its temp directory is removed when the directory is next opened).
+# (its temp directory is removed when the directory is next opened). In directories the ranks
+# do not share (synchronous saves only), each directory's writer follows rank 0's plan into the
+# same temp name on its own disk, every rank writes its shards into its node's, and each writer
+# gets rank 0's layout and every rank's part and publishes its own copy (the outcome agreed). On
+# object storage (s3://) every rank stages its files in a local folder of its own and uploads
+# them in DCP's write step (pitstop.shell.store.shardobjects: in the background, on DCP's thread),
+# and rank 0 commits once the write ended on every rank; each other rank's staging folder goes
+# once its write has ended.
 # How: ShardedSaves, one per Checkpointer on every rank; the Checkpointer calls it.
 
 """The sharded (FSDP2, DTensor) variant of a Checkpointer's construction and saves."""
@@ -42,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from pitstop.core.ranks import DirectoryGroups
 from pitstop.core.records import Progress
 from pitstop.core.schema import RANKED
 from pitstop.core.session import Phase, SaveStatus
@@ -53,12 +61,18 @@ from pitstop.shell.session import RemoteTicket
 from pitstop.shell.sharded.support import is_sharded
 from pitstop.shell.state.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.state.freshopt import FreshOptimizers
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import PublishedInterrupted
+from pitstop.shell.store.shardobjects import upload_shards
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.shardstage import DeferredCopy, StagedShards
 
-__all__ = ["ShardedSaves", "Staged", "holds_sharded"]
+__all__ = ["Across", "ShardedSaves", "Staged", "holds_sharded"]
+
+Across = tuple[DirectoryGroups, Callable[[], object]]
+"""Directories the ranks do not share: which ranks share each, and what begins a save on a
+writer (rank 0's decision followed on its own directory and rank 0's temp directory made)."""
 
 
 def holds_sharded(live: LiveState) -> bool:
@@ -104,6 +118,7 @@ class ShardedSaves:
         self._pending: Any = None  # the PendingShardedWrite in flight
         self._overlap = False
         self._later: DeferredCopy | None = None  # its copy left for later (overlap mode)
+        self._staging: Path | None = None  # this rank's staging folder (s3://, not rank 0)
         self.ticket: RemoteTicket | None = None
         """The record of the save in flight (every rank hears its outcome from a call)."""
 
@@ -154,19 +169,23 @@ class ShardedSaves:
             except Exception as exc:  # this rank's write failure, heard by every rank later
                 return Staged(exc, None, fresh.names)
 
-    def save(self, temp: str, staged: Staged | None = None) -> int:
+    def save(self, temp: str, staged: Staged | None = None, across: Across | None = None) -> int:
         """Every rank writes its shards of the save :meth:`begin` started into ``temp``; then
         (synchronous) rank 0 publishes it, or (background) DCP goes on writing — from
         ``staged`` (:meth:`stage`, called before the plan), else from a copy made now (a
         Ctrl-C during it: see :meth:`stage_or_interrupted`). Every rank's own part (RNG,
         per-rank components) reaches rank 0 with the round that ends the write (synchronous)
         or, taken with the copy, with the one that ends DCP's write (background). The save's
-        ticket (on rank 0)."""
+        ticket (on rank 0). ``across``: directories the ranks do not share (synchronous saves
+        only): each writer begins the save in its own and publishes it there."""
         if self._stager is None:
             # As in stage(): an optimizer without state is given zeroed state for DCP, and
             # it is taken away again once its shards are written.
             with FreshOptimizers(sharded_components(self._live)) as fresh:
-                return self._write(temp, fresh.names)
+                if across is not None:
+                    groups, begin = across
+                    self._ranks.each(lambda: begin() if groups.writes(self._ranks.rank) else None)
+                return self._write(temp, fresh.names, across)
         interrupt = None
         if staged is None:
             try:
@@ -234,12 +253,15 @@ class ShardedSaves:
             return lambda: packed
         return partial(pack_state, part)
 
-    def _write(self, temp: str, fresh: tuple[str, ...]) -> int:
+    def _write(self, temp: str, fresh: tuple[str, ...], across: Across | None = None) -> int:
         from pitstop.shell.sharded.shardwrite import write_shards
 
         saver, ranks = self._saver, self._ranks
         root, model = self._directory / temp, self._live.model
+        remote = self._remote()
         try:
+            if remote is not None and not ranks.leader:  # this rank's own staging folder
+                root.mkdir(parents=True, exist_ok=True)
             written = write_shards(
                 root,
                 model,
@@ -248,11 +270,26 @@ class ShardedSaves:
                 created=True,
                 gather=self._part,
                 ema=self._live.ema,
+                ship=None if remote is None else partial(upload_shards, remote),
             )
         except BaseException:  # raised on every rank: the temp directory is gone
             if ranks.leader:
                 saver.abort_sharded()
             raise
+        finally:
+            if remote is not None and not ranks.leader:  # uploaded, or failed on every rank
+                shutil.rmtree(root, ignore_errors=True)
+        if across is not None:  # rank 0's layout and every rank's part to every writer
+            groups = across[0]
+            layout, riders = ranks.lead(lambda: (written.layout(ranks.world_size), written.riders))
+
+            def publish_here() -> int:
+                if not groups.writes(ranks.rank):
+                    return 0
+                parts = [unpack_state(packed) for packed in riders]
+                return saver.publish_sharded(layout, parts, fresh=fresh, homes=groups.groups)
+
+            return ranks.each(publish_here)  # counted once every writer published its copy
 
         def publish() -> int:
             parts = [unpack_state(packed) for packed in written.riders]
@@ -267,6 +304,10 @@ class ShardedSaves:
         saver, ranks = self._saver, self._ranks
         root = self._directory / temp
         staged = ready.shards
+        remote = self._remote()
+        if remote is not None and not ranks.leader:  # this rank's own staging folder
+            root.mkdir(parents=True, exist_ok=True)
+            self._staging = root
         if not isinstance(staged, Exception):
             self._later = staged.later
         # No round here: the one that agrees every rank staged runs on pitstop's thread after
@@ -280,6 +321,7 @@ class ShardedSaves:
                 group=self._group,
                 timeout=self._timeout_s,
                 rider=ready.part,
+                ship=None if remote is None else partial(upload_shards, remote),
             )
         except BaseException:  # a fault nothing here foresees: the others fail at the timeout
             self._later = None
@@ -289,6 +331,17 @@ class ShardedSaves:
         if not ranks.leader:
             return 0
         return saver.handed_over(fresh=ready.fresh)
+
+    def _drop_staging(self) -> None:
+        """Remove this rank's staging folder of the background save (s3://, not rank 0)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _remote(self) -> ObjectStorage | None:
+        """The object storage this run's checkpoints go to (``None``: a local directory)."""
+        storage = self._saver.directory.storage
+        return storage if isinstance(storage, ObjectStorage) else None
 
     def _abort(self, root: Path) -> None:
         """This rank raises out of a background save's call: rank 0's session ends it (so that
@@ -311,8 +364,14 @@ class ShardedSaves:
         self._pending = None
         ticket, self.ticket = self.ticket, None
         saver, ranks = self._saver, self._ranks
+        staging = self._staging
         try:
-            written = pending.written(self._timeout_s)  # every rank, or the same error on each
+            try:
+                written = pending.written(self._timeout_s)  # every rank, or the same error
+            except Exception:
+                self._drop_staging()  # failed on every rank: nothing writes there any more
+                raise
+            self._drop_staging()  # uploaded on every rank
 
             def publish() -> None:
                 parts = [unpack_state(packed) for packed in written.riders]  # every rank's part
@@ -329,7 +388,7 @@ class ShardedSaves:
                 ticket.settle(SaveStatus.PUBLISHED)
             raise
         except BaseException:  # KeyboardInterrupt while waiting: a later call finishes it
-            self._pending, self.ticket = pending, ticket
+            self._pending, self.ticket, self._staging = pending, ticket, staging
             raise
         if ticket is not None:
             ticket.settle(SaveStatus.PUBLISHED)

@@ -198,6 +198,10 @@ class StopRequest:
 
     def __init__(self) -> None:
         self._state = StopState()
+        # What a signal handler or request() heard: the only attribute they write (the first
+        # reason kept), folded into _state when it is read. A handler that wrote _state itself
+        # could land between an agreement's read of _state and its write, and be lost.
+        self._asked: str | None = None
         self._installed: dict[signal.Signals, _Previous] | None = None
 
     def request(self, reason: str = "requested") -> None:
@@ -206,52 +210,57 @@ class StopRequest:
         With several ranks the request counts from the next agreement (:meth:`sync`, or a save
         call given this StopRequest), on every rank at once.
         """
-        self._state = heard(self._state, reason)
+        if self._asked is None:
+            self._asked = reason
+
+    def _now(self) -> StopState:
+        """The state with the request heard folded in."""
+        asked = self._asked
+        return self._state if asked is None else heard(self._state, asked)
 
     @property
     def requested(self) -> bool:
         """Whether to stop: the ranks' last agreed answer (one process: the request itself)."""
-        return visible(self._state, many=_many_ranks())[0]
+        return visible(self._now(), many=_many_ranks())[0]
 
     @property
     def requested_here(self) -> bool:
         """Whether this rank itself heard a request (a signal, :meth:`request`), agreed or
         not yet."""
-        return self._state.heard
+        return self._now().heard
 
     @property
     def reason(self) -> str | None:
         """Why the run stops (``"SIGTERM"``, ``"SIGINT"``, a caller's text), if it does: the
         agreed reason with several ranks, the same on every rank."""
-        return visible(self._state, many=_many_ranks())[1]
+        return visible(self._now(), many=_many_ranks())[1]
 
     def __bool__(self) -> bool:
         return self.requested
 
     def __repr__(self) -> str:
-        seen, reason = visible(self._state, many=_many_ranks())
+        now = self._now()
+        seen, reason = visible(now, many=_many_ranks())
         state = f"requested ({reason})" if seen else "not requested"
-        if not seen and self._state.heard:
-            state += f", heard here ({self._state.heard_reason}), agreed at the next call"
+        if not seen and now.heard:
+            state += f", heard here ({now.heard_reason}), agreed at the next call"
         return f"<StopRequest {state}>"
 
     def _offer(self) -> tuple[bool, str]:
         """What this rank brings to a save call's inputs (the core's ``offered_reason``)."""
-        return offered_reason(self._state)
+        return offered_reason(self._now())
 
     def _agreed(self, stop: bool, reason: str, ranks: int) -> bool:
         """Adopt the ranks' agreement (every rank at the same call); whether it stops now
         where it did not before."""
-        before = self._state.agreed
-        self._state = agreed(self._state, stop=stop, reason=reason, ranks=ranks)
-        return self._state.agreed and not before
+        now = self._now()
+        self._state = agreed(now, stop=stop, reason=reason, ranks=ranks)
+        return self._state.agreed and not now.agreed
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self._state.heard and signum == signal.SIGINT:
-            raise KeyboardInterrupt(
-                f"{name} again while a stop ({self._state.heard_reason}) was pending"
-            )
+        if self._asked is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt(f"{name} again while a stop ({self._asked}) was pending")
         self.request(name)
 
     def catch_signals(self) -> SignalScope:
@@ -311,7 +320,7 @@ class StopRequest:
         )
         world, rank = dist.get_world_size(), dist.get_rank()
         codes = torch.zeros(world, dtype=torch.int32, device=device)
-        codes[rank] = offer_code(self._state)
+        codes[rank] = offer_code(self._now())
         try:
             dist.all_reduce(codes, op=dist.ReduceOp.SUM)
         except RuntimeError as exc:

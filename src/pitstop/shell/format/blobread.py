@@ -15,9 +15,16 @@
 #     Its memory is advised for huge pages before it is first touched
 #     (pitstop.shell.format.hostmem).
 #   * a CUDA device: read into pinned bounce buffers, each chunk's host-to-device copy (on a
-#     side stream: pitstop.shell.format.devicecopy, whose rules it keeps) overlapping the read
-#     of the next one, into a new device storage. Every copy is waited for before the pass
-#     returns or raises (tests/shell/test_cuda.py runs it on a GPU).
+#     side stream: DeviceCopies, below) overlapping the read of the next one, into a new device
+#     storage. Every copy is waited for before the pass returns or raises
+#     (tests/shell/test_cuda.py runs it on a GPU). The copies' rules: memory a copy writes
+#     into is allocated on the device's current stream, and the side stream waits for that
+#     stream after every allocation (the caching allocator hands out memory freed there at
+#     once, while kernels queued there may still use it); a bounce buffer is read into again
+#     only once the copy out of it is done; drain() waits for every copy queued, before the
+#     pass returns and before an error leaves it, so no copy writes into device memory freed
+#     and handed out again. tests/shell/test_blobread_device.py runs the pass against a
+#     stand-in that carries out each copy only once it is waited for.
 # How: a bounded FIFO of chunks whose CRC is in flight; a bounce buffer is reused only once
 # its chunk's CRC (and copy to the device) is done; an error cancels the pool's queued work.
 # Where no blob goes to a CUDA device and there is more than one core, the pass is parallel
@@ -32,27 +39,86 @@ from __future__ import annotations
 import collections
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
 from pitstop.core.manifest import HEADER_SIZE, Manifest
 from pitstop.shell.format.blobfile import Advance, BlobFile, blob_corrupt, byte_view
 from pitstop.shell.format.checksums import Checksummer, CrcJob, crc32_combine, default_threads
-from pitstop.shell.format.devicecopy import Copy, CudaCopies, DeviceCopies
 from pitstop.shell.format.hostmem import new_host_bytes, scratch_bytes
 from pitstop.shell.format.parallelread import read_in_parallel
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BOUNCE", "CHUNK", "blob_corrupt", "read_blobs"]
+__all__ = ["BOUNCE", "CHUNK", "Copy", "CudaCopies", "DeviceCopies", "blob_corrupt", "read_blobs"]
 
 CHUNK: Final = 4 << 20
 """Bytes per read: one pread, one CRC job (and on CUDA one host-to-device copy) per chunk."""
 
 BOUNCE: Final = 4
 """Bounce buffers (and chunks whose CRC may be in flight at once)."""
+
+# --- copies to a device ------------------------------------------------------------------------
+
+
+class Copy(Protocol):
+    """One copy in flight."""
+
+    def synchronize(self) -> None:
+        """Return once the copy is done."""
+
+
+class DeviceCopies(Protocol):
+    """What reading onto one device needs: bounce buffers, device memory, ordered copies."""
+
+    def bounce(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` (uint8) that copies to the device can start from."""
+
+    def new_target(self, nbytes: int) -> torch.Tensor:
+        """New device memory of ``nbytes`` (uint8) that the copies may write into."""
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> Copy:
+        """Queue ``target.copy_(source)``; the returned Copy is done once it has landed."""
+
+    def drain(self) -> None:
+        """Return once every copy queued is done."""
+
+
+class CudaCopies:
+    """:class:`DeviceCopies` for one CUDA device: pinned buffers, one side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self.device = device
+        self._stream: Any = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def bounce(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def new_target(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        target = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return target
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> Copy:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            target.copy_(source, non_blocking=True)
+            done: Copy = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self._stream)  # type: ignore[attr-defined]
+        return done
+
+    def drain(self) -> None:
+        self._stream.synchronize()
+
 
 device_copies: Callable[[torch.device], DeviceCopies] = CudaCopies
 """How a pass copies to a device that is not the CPU (a stand-in in tests)."""

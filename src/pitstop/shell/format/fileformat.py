@@ -9,7 +9,7 @@
 #   pitstop.shell.format.treewalk   what a tree may hold (every path that saves one walks with it)
 #   pitstop.shell.format.treecodec  the tree <-> msgpack
 #   pitstop.shell.format.filewrite  prepare() and write(): check, lay out, stream, checksum
-#   pitstop.shell.format.fileread   read_manifest(), load(), verify(), check_blobs()
+#   pitstop.shell.format.fileread   read_manifest(), read_meta(), load(), verify(), check_blobs()
 # How: this module only gathers their public names, so callers import one place.
 
 """The pitstop checkpoint file format: write, read, load and verify one checkpoint file."""
@@ -24,14 +24,22 @@ from pitstop.core.manifest import (
     HEADER_MAGIC,
     HEADER_SIZE,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_NODES,
     MAX_NDIM,
     Blob,
     Manifest,
     TensorDescriptor,
 )
-from pitstop.shell.format.fileread import ITEMSIZES, check_blobs, load, read_manifest, verify
+from pitstop.shell.format.fileread import (
+    ITEMSIZES,
+    check_blobs,
+    load,
+    read_manifest,
+    read_meta,
+    verify,
+)
 from pitstop.shell.format.filewrite import Prepared, prepare, write
-from pitstop.shell.format.treecodec import TensorRef
+from pitstop.shell.format.treecheck import TensorRef
 
 __all__ = [
     "ALIGNMENT",
@@ -42,6 +50,7 @@ __all__ = [
     "HEADER_SIZE",
     "ITEMSIZES",
     "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_NODES",
     "MAX_NDIM",
     "Blob",
     "Manifest",
@@ -52,6 +61,7 @@ __all__ = [
     "load",
     "prepare",
     "read_manifest",
+    "read_meta",
     "verify",
     "write",
 ]

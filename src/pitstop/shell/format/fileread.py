@@ -24,8 +24,10 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, Literal, TypeAlias
+
+import msgpack
 
 from pitstop.core.manifest import (
     FOOTER_SIZE,
@@ -39,19 +41,30 @@ from pitstop.core.manifest import (
     check_manifest_start,
     check_size,
     parse_manifest,
+    parse_meta,
 )
 from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint
 from pitstop.shell.format import progress
 from pitstop.shell.format.blobread import read_blobs
 from pitstop.shell.format.checksums import crc32_update
-from pitstop.shell.format.treecodec import TensorRef, check_tree, resolve, subtree, unpack
+from pitstop.shell.format.treecheck import TensorRef, check_tree, resolve, subtree
+from pitstop.shell.format.treecodec import manifest_budget, unpack, unpacker
 from pitstop.shell.format.treewalk import ITEMSIZES, MAPPINGS, SEQUENCES, tensor_dtypes
 from pitstop.shell.format.untrusted import NotRegularFile, open_untrusted
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ITEMSIZES", "KeyPath", "Place", "check_blobs", "load", "read_manifest", "verify"]
+__all__ = [
+    "ITEMSIZES",
+    "KeyPath",
+    "Place",
+    "check_blobs",
+    "load",
+    "read_manifest",
+    "read_meta",
+    "verify",
+]
 
 _HOLD_AFTER_CHECKING = 16 << 20  # a larger manifest is checksummed before it is held
 _PIECE = 4 << 20
@@ -62,6 +75,74 @@ KeyPath = tuple[str | int, ...]
 Place: TypeAlias = Callable[[KeyPath], "torch.device | None"]
 """Where :func:`load` puts a tensor, by its key path: ``None`` maps the file; a device (the
 CPU included) reads the tensor's bytes into new memory there."""
+
+
+def read_meta(
+    path: str | os.PathLike[str], *, skip: Mapping[str, Collection[str]] | None = None
+) -> Mapping[str, object]:
+    """Read and check a checkpoint's header, footer, manifest checksum, format and meta: what a
+    directory scan needs. The manifest's tree and tables are skipped, not decoded, so a scan
+    costs about the manifest's bytes, whatever it holds; :func:`read_manifest`, :func:`load` and
+    :func:`verify` decode and check the rest. ``skip={"sharded": ("values",)}`` also skips
+    those entries of a meta map (a sharded layout's values: the scan lists its files).
+
+    Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what is wrong.
+    """
+    name = os.fspath(path)
+    with _open(name) as file:
+        data, version, _, _ = _manifest_bytes(file, name)
+    fields: dict[str, object] = {}
+    keys: set[object] = set()
+    try:
+        stream = unpacker(data, manifest_budget())
+        for _ in range(stream.read_map_header()):
+            key = stream.unpack()
+            keys.add(key)
+            if key == "format":
+                fields[key] = stream.unpack()
+            elif key == "meta":
+                fields[key] = _partial_map(stream, skip or {})
+            else:
+                stream.skip()
+        if stream.tell() != len(data):
+            raise CheckpointCorrupt(f"{len(data) - stream.tell()} bytes after the manifest's map")
+    except CheckpointCorrupt as error:
+        raise CheckpointCorrupt(f"{name}: manifest: {error}") from error
+    except Exception as error:  # hostile bytes: whatever msgpack or a hook trips over
+        raise CheckpointCorrupt(
+            f"{name}: manifest: not a valid manifest encoding: {error!r}"
+        ) from error
+    return parse_meta(fields, keys, name=name, version=version, check_tree=check_tree)
+
+
+def _partial_map(stream: msgpack.Unpacker, skip: Mapping[str, Collection[str]]) -> object:
+    """A map from ``stream`` whose entries ``skip`` names (a key: the keys of its own map to
+    skip) are left out; a value that is no map comes back whole, for the checks to name."""
+    try:
+        length = stream.read_map_header()
+    except msgpack.UnpackValueError:  # not a map: decoded whole, refused by the meta check
+        return stream.unpack()
+    result: dict[object, object] = {}
+    for _ in range(length):
+        key = stream.unpack()
+        inner = skip.get(key) if isinstance(key, str) else None
+        if inner is None:
+            result[key] = stream.unpack()
+            continue
+        try:
+            count = stream.read_map_header()
+        except msgpack.UnpackValueError:
+            result[key] = stream.unpack()
+            continue
+        value: dict[object, object] = {}
+        for _ in range(count):
+            entry = stream.unpack()
+            if isinstance(entry, str) and entry in inner:
+                stream.skip()
+            else:
+                value[entry] = stream.unpack()
+        result[key] = value
+    return result
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -137,18 +218,20 @@ def _tensor_paths(tree: object, path: KeyPath) -> Iterator[tuple[int, KeyPath]]:
             yield from _tensor_paths(value, (*path, index))
 
 
-def verify(path: str | os.PathLike[str]) -> None:
+def verify(path: str | os.PathLike[str]) -> Manifest:
     """Check every byte of a checkpoint file.
 
     Checks the header, the footer, the manifest and its checksum, every descriptor, every blob's
     CRC-32, that every padding byte is zero and that no byte is unaccounted for — so any single
     changed byte, and any truncation, is detected. Raises
-    :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what failed.
+    :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what failed. Returns the
+    manifest it checked.
     """
     name = os.fspath(path)
     with _open(name) as file:
         manifest = _read_manifest(file, name)
         _read_whole(file, manifest, {})
+    return manifest
 
 
 def _read_whole(
@@ -190,19 +273,7 @@ def _open(name: str) -> BinaryIO:
 
 
 def _read_manifest(file: BinaryIO, name: str) -> Manifest:
-    size = os.fstat(file.fileno()).st_size
-    check_size(size, name=name)
-    version = check_header(_read_at(file, 0, HEADER_SIZE, name), name=name)
-    footer = check_footer(
-        _read_at(file, size - FOOTER_SIZE, FOOTER_SIZE, name),
-        name=name,
-        size=size,
-        version=version,
-    )
-    if footer.manifest_length > _HOLD_AFTER_CHECKING:
-        _check_large_manifest(file, footer, name)
-    data = _read_at(file, footer.manifest_offset, footer.manifest_length, name)
-    check_manifest_bytes(data, footer, name=name)
+    data, version, footer, size = _manifest_bytes(file, name)
     try:
         doc = unpack(data)
     except CheckpointCorrupt as error:  # the decoder does not know the file's name
@@ -216,6 +287,25 @@ def _read_manifest(file: BinaryIO, name: str) -> Manifest:
         itemsizes=ITEMSIZES,
         check_tree=check_tree,
     )
+
+
+def _manifest_bytes(file: BinaryIO, name: str) -> tuple[bytes, int, Footer, int]:
+    """The manifest's bytes, checked against the footer's checksum; the file's version, its
+    footer and its size."""
+    size = os.fstat(file.fileno()).st_size
+    check_size(size, name=name)
+    version = check_header(_read_at(file, 0, HEADER_SIZE, name), name=name)
+    footer = check_footer(
+        _read_at(file, size - FOOTER_SIZE, FOOTER_SIZE, name),
+        name=name,
+        size=size,
+        version=version,
+    )
+    if footer.manifest_length > _HOLD_AFTER_CHECKING:
+        _check_large_manifest(file, footer, name)
+    data = _read_at(file, footer.manifest_offset, footer.manifest_length, name)
+    check_manifest_bytes(data, footer, name=name)
+    return data, version, footer, size
 
 
 def _check_large_manifest(file: BinaryIO, footer: Footer, name: str) -> None:

@@ -35,6 +35,7 @@ from pitstop.core.manifest import (
     HEADER_SIZE,
     MANIFEST_KEYS,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_NODES,
     OLDEST_VERSION,
     Blob,
     TensorDescriptor,
@@ -46,7 +47,7 @@ from pitstop.core.manifest import (
 from pitstop.errors import SaveError
 from pitstop.shell.format import progress
 from pitstop.shell.format.checksums import Checksummer, crc32_combine, crc32_update, default_threads
-from pitstop.shell.format.treecodec import dtype_name, encode_tree
+from pitstop.shell.format.treecodec import count_values, dtype_name, encode_tree
 from pitstop.shell.format.treewalk import storage_of
 from pitstop.shell.format.writebehind import WriteBehind
 
@@ -226,6 +227,15 @@ def _write(
             f"the manifest would take about {bound} bytes, more than the "
             f"{MAX_MANIFEST_BYTES} a reader accepts; store large values as tensors"
         )
+    if 2 * bound > MAX_MANIFEST_NODES:  # n bytes of msgpack hold fewer than 2n values
+        parts = (prepared.tree, meta_bytes, *tables)
+        count = 1 + 2 * len(MANIFEST_KEYS) + sum(map(count_values, parts))
+        if count > MAX_MANIFEST_NODES:
+            raise SaveError(
+                f"the manifest would hold {count:,} values (maps and lists, and their items), "
+                f"more than the {MAX_MANIFEST_NODES:,} a reader decodes; store long lists of "
+                f"numbers as tensors or NumPy arrays"
+            )
     sink = _Sink(file, watched)
     sink.put(pack_header(prepared.version))
     crcs = [0] * len(prepared.spans)

@@ -6,8 +6,10 @@
 # value it refuses is a SaveError naming the key path (`state.scheduler.lr_lambdas[0]`), raised
 # before a byte of the file is written. The exact type comes back: a tuple stays a tuple, a set
 # a set, int keys stay ints. Decoding accepts only what encoding produces: known ext codes,
-# allow-listed dtype names, nesting at most MAX_DEPTH deep, values of the walk's types;
-# anything else is CheckpointCorrupt.
+# allow-listed dtype names, ext values nested at most MAX_DEPTH deep, at most
+# MAX_MANIFEST_NODES values built (counted as they are built, so that a small hostile manifest
+# cannot cost gigabytes); anything else is CheckpointCorrupt. What the values may be is
+# checked after (pitstop.shell.format.treecheck).
 # How: str/bytes/int/float/bool/None/list/dict are native msgpack; every other type is an
 # ExtType whose payload is the msgpack of its contents (a dtype: its name; a tensor: its index
 # in the file's tensor table; a NumPy array: its dtype name, shape and bytes, checked by
@@ -19,27 +21,23 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import sys
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
-import attrs
 import msgpack
 
+from pitstop.core.manifest import MAX_MANIFEST_NODES
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import numpyvalues
+from pitstop.shell.format.treecheck import TensorRef
 from pitstop.shell.format.treewalk import (
-    MAPPINGS,
     MAX_DEPTH,
-    SCALARS,
-    SEQUENCES,
-    SETS,
     Builder,
     TensorVisit,
     dtype_name,
     dtypes,
     join_key,
-    leaves,
     short,
     show_path,
     tensor_dtypes,
@@ -53,18 +51,17 @@ if TYPE_CHECKING:
 __all__ = [
     "EXT_CODES",
     "MAX_DEPTH",
-    "TensorRef",
-    "check_tree",
+    "ValueBudget",
+    "count_values",
     "dtype_name",
     "dtypes",
     "encode_tree",
     "join_key",
-    "resolve",
+    "manifest_budget",
     "show_path",
-    "subtree",
     "tensor_dtypes",
-    "tensor_refs",
     "unpack",
+    "unpacker",
 ]
 
 # Ext type codes. Never renumber one: files on disk carry them.
@@ -90,13 +87,6 @@ EXT_CODES: Final = MappingProxyType(
         EXT_NPSCALAR: "NumPy scalar",
     }
 )
-
-
-@attrs.frozen
-class TensorRef:
-    """Placeholder for a stored tensor in a decoded tree: ``index`` into the tensor table."""
-
-    index: int
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -172,17 +162,108 @@ class _Msgpack(Builder):
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def unpack(data: bytes) -> object:
+class ValueBudget:
+    """How many values the decodes of one manifest may still build: each map or array counts
+    once and each of its items once (a map's keys and values both), ext payloads included.
+    ``limit=None`` counts without a limit (a writer measuring what it would write)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.ceiling = sys.maxsize if limit is None else limit
+        self.used = 0
+
+    def take(self, count: int) -> None:
+        """Count ``count`` more values; CheckpointCorrupt once past the limit."""
+        self.used += count
+        if self.used > self.ceiling:
+            raise CheckpointCorrupt(
+                f"more than {self.limit:,} values (maps and arrays, and their items): "
+                f"a reader decodes at most that many"
+            )
+
+
+def manifest_budget() -> ValueBudget:
+    """The budget of one manifest's decodes: ``MAX_MANIFEST_NODES`` values."""
+    return ValueBudget(MAX_MANIFEST_NODES)
+
+
+def unpack(data: bytes, budget: ValueBudget | None = None) -> object:
     """Decode msgpack ``data`` written by :func:`encode_tree` (or a manifest holding such trees).
 
     Tensors come back as :class:`TensorRef`. Only known ext codes and allow-listed dtype names
-    are accepted; lengths are bounded by ``len(data)``. Raises
+    are accepted; lengths are bounded by ``len(data)``, nesting of ext values by
+    ``MAX_DEPTH`` and the values built by ``budget`` (default: a manifest's,
+    :func:`manifest_budget`), counted as they are built, so that no decode holds more. Raises
     :class:`~pitstop.errors.CheckpointCorrupt` on anything else.
     """
-    depth = 0
+    try:
+        return _Decoder(budget or manifest_budget()).unpackb(data)
+    except CheckpointCorrupt:
+        raise
+    except Exception as error:  # hostile bytes: whatever msgpack or a hook trips over
+        raise CheckpointCorrupt(f"not a valid manifest encoding: {error!r}") from error
 
-    def hook(code: int, payload: bytes) -> object:
-        nonlocal depth
+
+def unpacker(data: bytes, budget: ValueBudget) -> msgpack.Unpacker:
+    """A streaming decoder over ``data`` with :func:`unpack`'s rules, for a reader that decodes
+    some of a map's values and skips the others (``Unpacker.skip`` builds nothing). Its errors
+    are msgpack's and CheckpointCorrupt: the caller names them."""
+    decoder = _Decoder(budget)
+    stream = msgpack.Unpacker(**decoder.options(len(data)))
+    stream.feed(data)
+    return stream
+
+
+def count_values(data: bytes) -> int:
+    """How many values a reader builds decoding ``data``: what :class:`ValueBudget` counts."""
+    budget = ValueBudget(limit=None)
+    unpack(data, budget)
+    return budget.used
+
+
+class _Decoder:
+    """The hooks of one manifest's decode: ext values (nested at most MAX_DEPTH deep) and the
+    value budget, shared by the decodes of ext payloads."""
+
+    def __init__(self, budget: ValueBudget) -> None:
+        self.budget = budget
+        self.depth = 0
+
+    def options(self, size: int) -> dict[str, object]:
+        # No container longer than the budget allows is built before its hook sees it.
+        longest = size if self.budget.limit is None else min(size, self.budget.limit)
+        return {
+            "ext_hook": self.ext,
+            "list_hook": self.array,
+            "object_hook": self.map,
+            "raw": False,
+            "use_list": True,
+            "strict_map_key": False,
+            "max_str_len": size,
+            "max_bin_len": size,
+            "max_array_len": longest,
+            "max_map_len": longest // 2,
+            "max_ext_len": size,
+        }
+
+    def unpackb(self, data: bytes) -> object:
+        return msgpack.unpackb(data, **self.options(len(data)))
+
+    def array(self, items: list[object]) -> list[object]:
+        budget = self.budget  # inline: called once per array of the manifest
+        budget.used += 1 + len(items)
+        if budget.used > budget.ceiling:
+            budget.take(0)
+        return items
+
+    def map(self, items: dict[object, object]) -> dict[object, object]:
+        budget = self.budget
+        budget.used += 1 + 2 * len(items)
+        if budget.used > budget.ceiling:
+            budget.take(0)
+        return items
+
+    def ext(self, code: int, payload: bytes) -> object:
         if code == EXT_DTYPE:
             name = payload.decode("ascii", errors="replace")
             dtype = dtypes().get(name)  # imports torch: only it can rebuild a dtype value
@@ -191,37 +272,14 @@ def unpack(data: bytes) -> object:
             return dtype
         if code not in EXT_CODES:
             raise CheckpointCorrupt(f"unknown msgpack ext code {code}")
-        depth += 1
-        if depth > MAX_DEPTH:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
             raise CheckpointCorrupt(f"values nested deeper than {MAX_DEPTH} levels")
         try:
-            content = _unpackb(payload, hook)
+            content = self.unpackb(payload)
         finally:
-            depth -= 1
+            self.depth -= 1
         return _build(code, content)
-
-    try:
-        return _unpackb(data, hook)
-    except CheckpointCorrupt:
-        raise
-    except Exception as error:  # hostile bytes: whatever msgpack or a hook trips over
-        raise CheckpointCorrupt(f"not a valid manifest encoding: {error!r}") from error
-
-
-def _unpackb(data: bytes, hook: Callable[[int, bytes], object]) -> object:
-    size = len(data)
-    return msgpack.unpackb(
-        data,
-        ext_hook=hook,
-        raw=False,
-        use_list=True,
-        strict_map_key=False,
-        max_str_len=size,
-        max_bin_len=size,
-        max_array_len=size,
-        max_map_len=size // 2,
-        max_ext_len=size,
-    )
 
 
 def _build(code: int, content: object) -> object:
@@ -252,120 +310,3 @@ def _build(code: int, content: object) -> object:
     if len(members) != len(content):
         raise CheckpointCorrupt(f"ext {name} holds duplicate members")
     return members if code == EXT_SET else frozenset(members)
-
-
-def check_tree(tree: object, *, root: str, tensor_count: int | None) -> tuple[tuple[str, ...], ...]:
-    """Check a decoded tree's value types and tensor references.
-
-    ``tensor_count=None`` means tensors are not allowed (meta). Returns, per tensor index, the
-    key paths that reference it. Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the
-    key path of a value of an unexpected type or a bad reference.
-    """
-    paths: list[list[str]] = [[] for _ in range(tensor_count or 0)]
-
-    def check(value: object, path: str, depth: int, hashable: bool) -> None:
-        if depth > MAX_DEPTH:
-            raise CheckpointCorrupt(f"{show_path(path)}: nested deeper than {MAX_DEPTH} levels")
-        kind = type(value)
-        if kind in SCALARS:  # an int from msgpack is always in range
-            return
-        if numpyvalues.is_numpy(value):  # built by the decoder from a checked payload
-            return
-        if kind is TensorRef:
-            assert isinstance(value, TensorRef)
-            if tensor_count is None:
-                raise CheckpointCorrupt(f"{show_path(path)}: a tensor where none is allowed")
-            if hashable:
-                raise CheckpointCorrupt(f"{show_path(path)}: a tensor as a dict key or set member")
-            if value.index >= tensor_count:
-                raise CheckpointCorrupt(
-                    f"{show_path(path)}: tensor index {value.index} is not in the tensor table "
-                    f"({tensor_count} entries)"
-                )
-            paths[value.index].append(show_path(path))
-            return
-        # A leaf one level down passes unless it is too deep: it is not visited (nor its key
-        # path built), which is most of a manifest (an RNG's state is 625 ints).
-        leaf_passes = depth < MAX_DEPTH
-        if kind in MAPPINGS:
-            assert isinstance(value, dict)
-            for k, v in value.items():
-                if not (leaf_passes and type(k) in SCALARS):
-                    check(k, f"{show_path(path)} (key)", depth + 1, True)
-                if not (leaf_passes and type(v) in SCALARS):
-                    check(v, join_key(path, k), depth + 1, hashable)
-            return
-        if kind in SEQUENCES:
-            assert isinstance(value, (list, tuple))
-            for i, v in enumerate(value):
-                if not (leaf_passes and type(v) in SCALARS):
-                    check(v, join_key(path, i), depth + 1, hashable)
-            return
-        if kind in SETS:
-            assert isinstance(value, (set, frozenset))
-            for m in value:
-                if not (leaf_passes and type(m) in SCALARS):
-                    check(m, f"{path}{{}}", depth + 1, True)
-            return
-        if kind in leaves():  # torch.Size, torch.dtype: decoded values (so torch is loaded)
-            return
-        raise CheckpointCorrupt(f"{show_path(path)}: unexpected value of type {type_name(value)}")
-
-    check(tree, root, 0, False)
-    return tuple(tuple(p) for p in paths)
-
-
-def tensor_refs(tree: object) -> Iterator[TensorRef]:
-    """Yield every :class:`TensorRef` in a checked tree (tensors are never keys or members)."""
-    kind = type(tree)
-    if kind is TensorRef:
-        assert isinstance(tree, TensorRef)
-        yield tree
-    elif kind in MAPPINGS:
-        assert isinstance(tree, dict)
-        for v in tree.values():
-            yield from tensor_refs(v)
-    elif kind in SEQUENCES:
-        assert isinstance(tree, (list, tuple))
-        for v in tree:
-            yield from tensor_refs(v)
-
-
-def resolve(tree: object, tensors: Mapping[int, torch.Tensor]) -> object:
-    """Return a copy of a checked tree with each :class:`TensorRef` replaced from ``tensors``."""
-    kind = type(tree)
-    if kind is TensorRef:
-        assert isinstance(tree, TensorRef)
-        return tensors[tree.index]
-    if kind in MAPPINGS:
-        assert isinstance(tree, dict)
-        return type(tree)((k, resolve(v, tensors)) for k, v in tree.items())
-    if kind in SEQUENCES:
-        assert isinstance(tree, (list, tuple))
-        return type(tree)(resolve(v, tensors) for v in tree)
-    if kind in SETS:
-        assert isinstance(tree, (set, frozenset))
-        return type(tree)(tree)
-    return tree
-
-
-def subtree(tree: object, select: Sequence[str | int]) -> object:
-    """Return the value at key path ``select`` in a decoded tree.
-
-    Dicts are indexed by key (an int key is an int), lists and tuples by position. Raises
-    :class:`KeyError` with the key path of the first step that does not exist.
-    """
-    node = tree
-    path = ""
-    for key in select:
-        kind = type(node)
-        if kind in MAPPINGS and key in node:  # type: ignore[operator]
-            assert isinstance(node, dict)
-            node = node[key]
-        elif kind in SEQUENCES and type(key) is int and 0 <= key < len(node):  # type: ignore[arg-type]
-            assert isinstance(node, (list, tuple))
-            node = node[key]
-        else:
-            raise KeyError(join_key(path, key))
-        path = join_key(path, key)
-    return node

@@ -13,7 +13,7 @@
 # — so before a byte is copied or written. A synchronous save (prepare, through the tree
 # encoder), a background one (the staging snapshot) and the writer's meta all walk with `walk`,
 # so they accept and refuse the same trees with the same message; the reader checks a decoded
-# tree against the same tables (pitstop.shell.format.treecodec.check_tree).
+# tree against the same tables (pitstop.shell.format.treecheck.check_tree).
 # How: one recursive walk. Scalars are checked inline by exact type, since RNG states are long
 # tuples of ints and a snapshot runs while the training loop waits. A Builder rebuilds each
 # container from its walked contents (the same types for a snapshot, msgpack values for the

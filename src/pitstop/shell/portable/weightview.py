@@ -26,7 +26,7 @@ import torch
 from pitstop.core.schema import RAW, weights_meta, weights_path
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint
 from pitstop.shell.format import fileformat
-from pitstop.shell.format.treecodec import TensorRef, subtree
+from pitstop.shell.format.treecheck import TensorRef, subtree
 from pitstop.shell.sharded.support import require_sharded
 from pitstop.shell.store.directory import is_sharded_path
 from pitstop.shell.store.resolve import read_resolved

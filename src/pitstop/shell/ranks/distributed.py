@@ -151,12 +151,18 @@ class Ranks:
             )
             raise self.failed from exc
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Any, *, sliced: bool = True) -> None:
         """Wait for a collective this rank started (``timeout_s`` at most), in slices: between
         two, a rank that failed in this group (gone, or out of step) fails this one too, at
-        once, so that no rank waits for the timeout once another knows the round is lost."""
+        once, so that no rank waits for the timeout once another knows the round is lost.
+        A point-to-point message (``sliced=False``) is waited for in one piece: gloo closes
+        the pair whose send or receive outlives a wait (a peer that fails aborts the group,
+        which ends this wait too)."""
         assert work is not None  # None only on a rank outside the group, never pitstop's own
         timeout = self._timeout.total_seconds()
+        if not sliced:
+            work.wait(self._timeout)
+            return
         started = time.monotonic()
         while True:
             left = timeout - (time.monotonic() - started)
@@ -270,7 +276,7 @@ class Ranks:
             if len(data) > box:  # rank 0 saw the size and waits for it
                 whole = bytes_tensor(data, len(data))
                 with self._named("a send to rank 0"):
-                    self._wait(dist.isend(whole, dst=0, group=self._group))
+                    self._wait(dist.isend(whole, dst=0, group=self._group), sliced=False)
                 self._hold(whole)
             return []
         assert boxes is not None
@@ -283,7 +289,7 @@ class Ranks:
             else:
                 whole = torch.empty(size, dtype=torch.uint8)
                 with self._named(f"a receive from rank {rank}"):
-                    self._wait(dist.irecv(whole, src=rank, group=self._group))
+                    self._wait(dist.irecv(whole, src=rank, group=self._group), sliced=False)
                 received.append(whole)
                 values.append(loads(whole))
         if received:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from pitstop.shell.format.treecodec import encode_tree, resolve, tensor_dtypes, unpack
+from pitstop.shell.format.treecheck import resolve
+from pitstop.shell.format.treecodec import encode_tree, tensor_dtypes, unpack
 from pitstop.shell.format.treewalk import dtype_name, storage_of
 
 __all__ = ["Packed", "pack_state", "unpack_state"]

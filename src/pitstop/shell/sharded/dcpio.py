@@ -170,12 +170,18 @@ class FilesNotMade(Exception):
         return f"rank {self.outcome.rank}: {self.outcome.kind}: {self.outcome.error}"
 
 
+Ship = Callable[[Path, tuple[ShardFile, ...]], None]
+"""``ship(directory, table)``: sends the files a rank wrote on (an object store's upload), in its
+write step, once they are durable and in its table; what it raises fails the rank's write."""
+
+
 class Writer(FileSystemWriter):
     """DCP's file writer into the new ``directory``, never overwriting, for ``rank``; its
     streams fsync and checksum each file as DCP writes it (pitstop.shell.sharded.dcpwrite), so DCP's
     ``sync_files``, which would fsync each again, is off. Each rank's write also makes its file
     table and takes ``rider()``, and DCP's results carry them to rank 0, where
-    :attr:`ranks_files` holds every rank's once DCP's write has ended."""
+    :attr:`ranks_files` holds every rank's once DCP's write has ended; ``ship`` (if given)
+    ships the rank's files on before that (:data:`Ship`)."""
 
     ranks_files: tuple[RankFiles, ...] = ()
     """Rank 0, once written: every rank's :class:`RankFiles`, in rank order."""
@@ -183,12 +189,17 @@ class Writer(FileSystemWriter):
     """This rank's own error, when its table or rider could not be made."""
 
     def __init__(
-        self, directory: Path, *, rank: int = 0, rider: Callable[[], Any] | None = None
+        self,
+        directory: Path,
+        *,
+        rank: int = 0,
+        rider: Callable[[], Any] | None = None,
+        ship: Ship | None = None,
     ) -> None:
         super().__init__(directory, sync_files=False, overwrite=False)
         self.fs = self._files = CrcFileSystem()
         self.path = self.fs.init_path(directory)
-        self._rank, self._rider = rank, rider
+        self._rank, self._rider, self._ship = rank, rider, ship
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's ``write_data`` (it returns a completed future), and one result more: this
@@ -203,6 +214,8 @@ class Writer(FileSystemWriter):
         written = sorted({r.storage_data.relative_path for r in results})
         try:
             table = file_table(Path(self.path), written, self._rank, self._checksums())
+            if self._ship is not None:  # its files uploaded: a failure is this rank's write's
+                self._ship(Path(self.path), table)
             files = RankFiles(self._rank, table, None if self._rider is None else self._rider())
         except Exception as exc:  # this rank's write failure; DCP raises it on every rank
             self.failure = exc

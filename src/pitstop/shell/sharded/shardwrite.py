@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save
 from pitstop.core.sharded import ShardedLayout, ShardFile
 from pitstop.errors import SaveError
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.sharded.dcpio import NO_DIST_WARNING, Writer, layout_of, own_failure
+from pitstop.shell.sharded.dcpio import NO_DIST_WARNING, Ship, Writer, layout_of, own_failure
 from pitstop.shell.sharded.dcpstate import MODEL, Optimizers, dcp_state
 from pitstop.shell.sharded.shardstage import (
     Handed,
@@ -75,7 +75,12 @@ __all__ = [
 
 
 def _fresh(
-    directory: Path, ranks: Ranks, *, created: bool, rider: Callable[[], Any] | None = None
+    directory: Path,
+    ranks: Ranks,
+    *,
+    created: bool,
+    rider: Callable[[], Any] | None = None,
+    ship: Ship | None = None,
 ) -> Writer:
     """Rank 0 creates ``directory`` (it must not exist yet; every rank hears the outcome),
     unless it was ``created`` already (by rank 0, before every rank heard its name); this
@@ -89,7 +94,7 @@ def _fresh(
 
     if not created:
         ranks.lead(create)
-    return Writer(directory, rank=ranks.rank, rider=rider)
+    return Writer(directory, rank=ranks.rank, rider=rider, ship=ship)
 
 
 @contextlib.contextmanager
@@ -188,14 +193,16 @@ def write_shards(
     created: bool = False,
     gather: Callable[[], Any] | None = None,
     ema: nn.Module | None = None,
+    ship: Ship | None = None,
 ) -> WrittenShards:
     """Every rank: :func:`write_sharded`, without the round that hands rank 0's layout to
     every rank (rank 0 builds it from the result, :meth:`WrittenShards.layout`, with what it
     publishes). ``created``: rank 0 made ``directory`` already. ``gather()``: run on every
     rank once its shards are durable, its result handed to rank 0 with the files
-    (:attr:`WrittenShards.riders`) by DCP's own gather of its write results."""
+    (:attr:`WrittenShards.riders`) by DCP's own gather of its write results. ``ship``: each
+    rank's files are sent on in its write step too (:data:`~pitstop.shell.sharded.dcpio.Ship`)."""
     root = Path(directory)
-    writer = _fresh(root, ranks, created=created, rider=gather)
+    writer = _fresh(root, ranks, created=created, rider=gather, ship=ship)
     with _removed_on_error(root, ranks):
         try:
             with warnings.catch_warnings():
@@ -279,6 +286,7 @@ def start_once_agreed(
     group: Any,
     timeout: float,
     rider: Callable[[], Any] | None = None,
+    ship: Ship | None = None,
 ) -> PendingShardedWrite:
     """Every rank, right after its own staging at the call: ``staged``, or the error that
     stopped it. Returns at once; a thread of pitstop's makes the copy ``staged`` left for
@@ -291,7 +299,7 @@ def start_once_agreed(
     in DCP's write (off the call), reaches rank 0 with this rank's files (its result's
     riders). Only that thread and DCP's write use ``group``, one save at a time."""
     root = Path(directory)
-    writer = Writer(root, rank=ranks.rank, rider=rider)
+    writer = Writer(root, rank=ranks.rank, rider=rider, ship=ship)
     on_group = Ranks(ranks.rank, ranks.world_size, group)
     started: Future[Any] = Future()
 

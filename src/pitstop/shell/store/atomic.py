@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, cast
 
+from pitstop.core.naming import temp_name
 from pitstop.errors import SaveError
 from pitstop.shell.store.publish import publish_file
 from pitstop.shell.store.storage import LocalStorage
@@ -31,11 +32,18 @@ __all__ = ["write_atomically"]
 _USER_FILE_MODE = 0o666  # less the umask, as open() creates files (mkstemp would make 0o600)
 
 
-def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+def write_atomically(
+    path: str | os.PathLike[str],
+    write: Callable[[BinaryIO], object],
+    *,
+    check: Callable[[Path], object] | None = None,
+) -> Path:
     """Make ``path`` hold what ``write(file)`` writes, atomically and durably; return the path.
 
     ``write`` gets a binary file (buffered, seekable) positioned at its start; it need not
-    flush or close it. The parent directory is created if needed. Raises
+    flush or close it. ``check``, if given, is called with the temp file's path once every
+    byte is written, before the file is made durable and published: what it raises is a
+    failed write (nothing is published). The parent directory is created if needed. Raises
     :class:`~pitstop.errors.SaveError` naming ``path`` when any step fails; then ``path`` is
     as it was and no temp file is left — unless only the directory fsync after the new file
     replaced an old one failed: the old one is gone, so ``path`` keeps the new one (complete,
@@ -45,17 +53,20 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
     if target.name in {"", ".", ".."}:
         raise SaveError(f"cannot write {target}: it does not name a file")
     storage = LocalStorage(target.parent, mode=_USER_FILE_MODE)
+    token = secrets.token_hex(6)
 
     def put(file: BinaryIO, _sync: Callable[[], None]) -> None:
         buffered = io.BufferedWriter(cast(io.RawIOBase, file))
         try:
             write(cast(BinaryIO, buffered))
             buffered.flush()
+            if check is not None:
+                check(storage.path(temp_name(target.name, token)))
         except BaseException:
             file.close()  # the temp file is abandoned: drop what is still buffered, and
             buffered.close()  # this is a no-op now, so nothing flushes it later either
             raise
         buffered.detach()  # the descriptor stays open: publish_file fsyncs and closes it
 
-    publish_file(storage, target.name, secrets.token_hex(6), put)
+    publish_file(storage, target.name, token, put)
     return target

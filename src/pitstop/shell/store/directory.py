@@ -77,6 +77,7 @@ from pitstop.shell.store.scanning import (
     ResumeChoice,
     Scan,
     choose_resume,
+    gone_while_read,
     is_sharded_path,
     named_by_pointers,
     read_latest_json,
@@ -99,6 +100,7 @@ __all__ = [
     "ResumeChoice",
     "Scan",
     "choose_resume",
+    "gone_while_read",
     "is_sharded_path",
     "read_latest_json",
     "scan",
@@ -174,9 +176,18 @@ class CheckpointDirectory:
             if problem is not None:
                 raise SaveError(problem)
 
+    def rescan(self) -> None:
+        """Read the catalog and pointers again: a checkpoint was put here from elsewhere (a
+        peer's copy, received before a resume)."""
+        found = scan(self.storage, self.policy.best)
+        self.catalog, self.pointers = found.catalog, found.pointers
+
     def adopt(self) -> None:
-        """The run resumed (or asked to): the checkpoints found at open are its own to replace."""
+        """The run resumed (or asked to): the checkpoints found at open are its own to replace;
+        an object store frees the checkpoint the resume read into memory."""
         self._foreign = (NO_CHECKPOINT, 0)
+        if isinstance(self.storage, RemoteStorage):
+            self.storage.release()
 
     def check(self, plan: SavePlan) -> None:
         """Raise :class:`~pitstop.errors.SaveError` if ``plan`` may not be carried out.
@@ -355,7 +366,8 @@ class CheckpointDirectory:
             raise SaveError(f"{self.storage.path(entry.name)}: no shards were written")
         temp, layout, tree, meta = pending
         aside = None  # the checkpoint it replaces goes out of the way, still whole
-        if plan.replaces and self.storage.kind(entry.name) is FileKind.DIRECTORY:
+        remote = isinstance(self.storage, RemoteStorage)  # there: its commit is swapped instead
+        if plan.replaces and not remote and self.storage.kind(entry.name) is FileKind.DIRECTORY:
             aside = aside_name(entry.name, self._token())
         manifest = partial(
             sharddir.write_manifest, layout=layout, meta=meta, tree=tree, token=self._token()

@@ -7,7 +7,8 @@
 # held, a thread renews it (compare-and-swap again) every third of its time; a renewal that finds
 # the lease taken by another writer logs an error and stops. Opening checks the URL first (one
 # error naming it: a missing bucket, refused credentials, an unreachable endpoint), and, once the
-# lease is held, removes the data objects no commit names (uploads of writers that died).
+# lease is held, removes the data objects no commit names and aborts the incomplete multipart
+# uploads under the prefix's data objects (uploads of writers that died).
 # Releasing deletes the lease object.
 # How: an ObjectStorage's requests; wall-clock time (the core's records hold epoch seconds).
 
@@ -22,7 +23,7 @@ import socket
 import threading
 import time
 
-from pitstop.core.naming import LOCK_NAME
+from pitstop.core.naming import LOCK_NAME, EntryKind, classify
 from pitstop.core.objects import (
     Lease,
     LeaseVerdict,
@@ -35,6 +36,7 @@ from pitstop.core.objects import (
 )
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.s3client import abort_upload, torn_uploads
 
 __all__ = ["LEASE_S", "ObjectLease"]
 
@@ -145,12 +147,20 @@ class ObjectLease:
             commits = []
             for name in objects:
                 with contextlib.suppress(CheckpointCorrupt, ValueError, FileNotFoundError):
-                    if name.endswith(".pitstop"):
+                    if classify(name) is EntryKind.CHECKPOINT:  # a file's or a sharded one's
                         commits.append(storage.commit(name))
             for name in orphans(storage.data_names(), commits):
                 log.warning("removing %s, left by a writer that died", storage.location.url(name))
                 storage.delete(name)
-        except OSError as exc:
+            data = storage.location.key(".data") + "/"
+            for key, upload in torn_uploads(storage.location, storage.options, data) or ():
+                log.warning(
+                    "aborting the multipart upload of s3://%s/%s, left by a writer that died",
+                    storage.location.bucket,
+                    key,
+                )
+                abort_upload(storage.location, storage.options, key, upload)
+        except (OSError, SyntaxError) as exc:  # SyntaxError: a listing that is not XML
             log.warning("could not clear dead writers' uploads from %s: %s", storage.url, exc)
 
     def _renew(self) -> None:

@@ -9,10 +9,14 @@
 # latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
 # writer that lost its lease cannot move them. A listing names committed checkpoints only (the
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
-# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs to a
-# local file, which the file format's checking pass then reads — nothing live is touched before
-# every blob's CRC-32 matched. Every client error becomes an OSError naming the URL; a missing
-# bucket and refused credentials say so.
+# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs into
+# memory, every blob's CRC-32 checked as it arrives (pitstop.shell.store.objectread) — nothing
+# live is touched before every one matched. Every client error becomes an OSError naming the
+# URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
+# file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
+# A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
+# are fetched into a local folder by the same ranged GETs (fetch_files: checked by the sharded
+# reader against the manifest); its upload and commit are pitstop.shell.store.shardobjects'.
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
@@ -25,8 +29,7 @@ import errno
 import os
 import shutil
 import tempfile
-import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -37,27 +40,29 @@ from pitstop.core.naming import (
     TEMP_PREFIX,
     EntryKind,
     classify,
+    parse_checkpoint,
     parse_name,
+    parse_sharded_name,
 )
 from pitstop.core.objects import (
     ENTRY_KEYS,
     Commit,
     data_name,
     decode_commit,
+    deletion_order,
     encode_commit,
     parse_url,
-    range_reads,
 )
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.objectread import download, download_file, let_go
 from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
-__all__ = ["ObjectStorage", "StoreError", "reader_cache"]
+__all__ = ["ObjectStorage", "StoreError", "reader_cache", "token_of"]
 
 _T = TypeVar("_T")
 _SMALL = 1 << 20  # the largest pointer, commit or lease object read
-_CHUNK = 8 << 20  # one ranged GET
 
 
 class ObjectStorage:
@@ -75,12 +80,17 @@ class ObjectStorage:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.url = self.location.url()
+        self.options = dict(storage_options or {})
         self.client = open_store(self.location, storage_options)
         self._own_cache = cache is None
         self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
         self._local = LocalStorage(self.cache, mode=0o600)
+        self.in_memory = True
+        """A fetched checkpoint file is held in memory (False: in a file of the cache, where
+        the other ranks sharing the directory read it)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
         self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
+        self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -198,11 +208,13 @@ class ObjectStorage:
     def names(self) -> list[str]:
         """The committed checkpoints, pointers and ``latest.json``, and local temp files."""
         objects, _ = self.listing()
-        wanted = {n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _is_file(n)}
-        return sorted(wanted | set(self._local.names()) | set(self._links))
+        wanted = {n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)}
+        local = {n for n in self._local.names() if not _is_sharded(n)}  # not fetched copies
+        return sorted(wanted | local | set(self._links))
 
     def kind(self, name: str) -> FileKind:
-        """A commit object is a regular file, a pointer object a symlink."""
+        """A commit object is a regular file (a sharded one's: a directory), a pointer object a
+        symlink."""
         if name in self._links:
             return FileKind.SYMLINK
         if classify(name) is EntryKind.TEMP:
@@ -211,13 +223,15 @@ class ObjectStorage:
             return FileKind.MISSING if self.head(name) is None else FileKind.SYMLINK
         if name == LATEST_JSON or _is_file(name):
             return FileKind.MISSING if self.head(name) is None else FileKind.REGULAR
-        return FileKind.MISSING  # sharded checkpoints are not stored on object storage (yet)
+        if _is_sharded(name):  # its commit object stands for the directory
+            return FileKind.MISSING if self.head(name) is None else FileKind.DIRECTORY
+        return FileKind.MISSING
 
     def size(self, name: str) -> int:
         """A checkpoint's size, as its commit records."""
         if classify(name) is EntryKind.TEMP:
             return self._local.size(name)
-        if _is_file(name):
+        if _committed(name):
             return self.commit(name).size
         meta = self.head(name)
         if meta is None:
@@ -244,13 +258,22 @@ class ObjectStorage:
         elif _is_file(target):
             self._commit(source, target)
             self._local.remove(source)
-        else:
+        else:  # a sharded checkpoint is committed by pitstop.shell.store.shardobjects
             raise OSError(errno.EINVAL, f"{self.location.url(target)}: not a checkpoint name")
 
+    def upload_from(self, name: str, path: Path | None) -> None:
+        """The publish of checkpoint ``name`` uploads the local file ``path`` (a checkpoint
+        published in a local directory), not its temp file; ``None``: its temp file again."""
+        if path is None:
+            self._sources.pop(name, None)
+        else:
+            self._sources[name] = path
+
     def _commit(self, source: str, target: str) -> None:
-        """Upload ``source`` to a data object of its own, then create (or swap) the commit."""
-        token = _token(source, target)
-        local = self._local.path(source)
+        """Upload ``source`` (or the file :meth:`upload_from` names) to a data object of its
+        own, then create (or swap) the commit."""
+        token = token_of(source, target)
+        local = self._sources.get(target) or self._local.path(source)
         meta = fileformat.read_manifest(local).meta
         entry = {k: meta[k] for k in ENTRY_KEYS if k in meta}
         data = data_name(target, token)
@@ -304,12 +327,11 @@ class ObjectStorage:
         if classify(name) is EntryKind.TEMP:
             self._local.remove(name)
             return
-        if not _is_file(name):
+        if not _committed(name):
             self.delete(name)
             return
-        commit = self.commit(name)
-        self.delete(name)
-        self.delete(commit.data)
+        for obj in deletion_order(self.commit(name)):
+            self.delete(obj)
 
     # --- reading ----------------------------------------------------------------------
 
@@ -318,42 +340,36 @@ class ObjectStorage:
         return self.commit(name).entry
 
     def fetch(self, name: str) -> Path:
-        """Download checkpoint ``name`` to the cache by ranged, parallel GETs; its local path
-        (checked by the reader that opens it). ``CheckpointCorrupt`` when its data is missing
-        or not the size its commit records."""
+        """Read checkpoint ``name`` into memory by ranged, parallel GETs, every blob's CRC-32
+        checked as it arrives (pitstop.shell.store.objectread); its local path in the cache,
+        where every reader opens it until :meth:`release`. ``CheckpointCorrupt`` naming the
+        URL when it does not verify (its data missing or not the size its commit records). A
+        sharded checkpoint: its local folder, every file fetched (:meth:`fetch_files`)."""
+        if _is_sharded(name):
+            return self.fetch_files(name)
+        return download(self, name, self._local.path(name), memory=self.in_memory)
+
+    def fetch_files(self, name: str, files: Collection[str] | None = None) -> Path:
+        """The committed sharded checkpoint ``name``'s local folder (the cache's ``name``),
+        with ``files`` of it downloaded (default: every one, the manifest among them), each
+        checked against its commit's size; ``CheckpointCorrupt`` for one it does not list."""
         commit = self.commit(name)
-        url, key = self.location.url(name), self.location.key(commit.data)
-        meta = self.head(commit.data)
-        if meta is None:
-            raise CheckpointCorrupt(f"{url}: its data object {commit.data} is missing")
-        if int(meta["size"]) != commit.size:
-            raise CheckpointCorrupt(
-                f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
-            )
-        target = self._local.path(name)
-        partial = self._local.path(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{name}")
-        self.cache.mkdir(parents=True, exist_ok=True)
-        ranges = range_reads(commit.size, _CHUNK)
-        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
-        try:
-            with open(partial, "wb") as out:
-                for at in range(0, len(ranges), 16):  # 16 requests at a time, in parallel
-                    batch = (starts[at : at + 16], ends[at : at + 16])
+        listed = {f.name: f for f in commit.files}
+        for wanted in sorted(listed if files is None else set(files)):
+            if wanted not in listed:
+                raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {wanted}")
+            target = self._local.path(name) / wanted
+            download_file(self, name, f"{commit.data}/{wanted}", listed[wanted].size, target)
+        return self._local.path(name)
 
-                    def get(o: Any, batch: tuple[list[int], list[int]] = batch) -> list[Any]:
-                        return list(o.get_ranges(self.client, key, starts=batch[0], ends=batch[1]))
-
-                    for piece in self.call("read", commit.data, get):
-                        out.write(memoryview(piece))
-            os.replace(partial, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                partial.unlink()
-            raise
-        return target
+    def release(self) -> None:
+        """Free the checkpoint the last fetch holds in memory (tensors loaded from it keep
+        their own memory)."""
+        let_go(self.cache)
 
     def close(self) -> None:
-        """Remove the local cache, if this object made it."""
+        """Free the fetched checkpoint; remove the local cache, if this object made it."""
+        self.release()
         if self._own_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
 
@@ -364,8 +380,10 @@ class ObjectStorage:
         try:
             yield path
         finally:
-            with contextlib.suppress(OSError):
-                path.unlink()
+            if path.is_dir():  # a sharded checkpoint's folder
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                self.release()
 
 
 _READER_CACHE: list[Path] = []
@@ -386,7 +404,17 @@ def _is_file(name: str) -> bool:
     return parse_name(name) is not NOT_A_CHECKPOINT
 
 
-def _token(source: str, target: str) -> str:
+def _is_sharded(name: str) -> bool:
+    """Whether ``name`` is a sharded checkpoint's name (a commit object's)."""
+    return parse_sharded_name(name) is not NOT_A_CHECKPOINT
+
+
+def _committed(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's name, a file's or a sharded one's (a commit object's)."""
+    return parse_checkpoint(name) is not NOT_A_CHECKPOINT
+
+
+def token_of(source: str, target: str) -> str:
     """The publish attempt's token in the temp name ``.tmp-<token>-<target>``."""
     if not source.startswith(TEMP_PREFIX) or not source.endswith(f"-{target}"):
         raise OSError(errno.EINVAL, f"{source} is not a temp name of {target}")

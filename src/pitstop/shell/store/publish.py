@@ -34,7 +34,7 @@ from pitstop.core.naming import LATEST_JSON, EntryKind, classify, temp_name
 from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, Policy
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
-from pitstop.shell.store.storage import FileKind, Storage
+from pitstop.shell.store.storage import FileKind, RemoteStorage, Storage
 
 __all__ = [
     "PublishedInterrupted",
@@ -231,7 +231,7 @@ def _gone(storage: Storage, name: str) -> bool:
     name), or a sharded directory without its manifest (what remains of it is not listed)."""
     with contextlib.suppress(OSError, ValueError):
         kind = storage.kind(name)
-        if kind is FileKind.DIRECTORY:
+        if kind is FileKind.DIRECTORY and not isinstance(storage, RemoteStorage):
             return not (storage.path(name) / MANIFEST_NAME).exists()
         return kind is FileKind.MISSING
     return False
@@ -241,7 +241,9 @@ def remove_checkpoint(storage: Storage, name: str) -> None:
     """Remove the checkpoint ``name``: a file, or a sharded checkpoint's directory (manifest
     first). One already gone is no error. The caller fsyncs the directory."""
     with contextlib.suppress(FileNotFoundError):
-        if storage.kind(name) is FileKind.DIRECTORY:
+        if isinstance(storage, RemoteStorage):  # its commit object first, then its data
+            storage.remove(name)
+        elif storage.kind(name) is FileKind.DIRECTORY:
             delete_sharded(storage, name)
         else:
             storage.remove(name)

@@ -33,7 +33,6 @@ from pitstop.core.naming import (
     POINTER_NAMES,
     checkpoint_name,
     parse_checkpoint,
-    parse_name,
     parse_sharded_name,
 )
 from pitstop.core.objects import is_object_url
@@ -41,6 +40,7 @@ from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, P
 from pitstop.core.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format import fileformat
+from pitstop.shell.format.untrusted import held
 from pitstop.shell.store.directory import (
     CheckpointDirectory,
     choose_resume,
@@ -51,6 +51,7 @@ from pitstop.shell.store.directory import (
     verify_any,
 )
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = [
     "RESOLVE_ATTEMPTS",
@@ -110,7 +111,7 @@ def split_argument(checkpoint: str | os.PathLike[str]) -> tuple[Path, PointerNam
     Raises :class:`~pitstop.errors.CheckpointNotFound` when the argument names nothing.
     """
     path = Path(checkpoint)
-    if is_sharded_checkpoint(path):
+    if held(path) or is_sharded_checkpoint(path):  # (held: read into memory from s3://)
         return path, None
     if path.name in POINTER_NAMES and path.is_symlink() and path.parent.is_dir():
         return path.parent, PointerName(path.name)  # even one whose target is a directory
@@ -256,13 +257,13 @@ def read_resolved(
 
 
 def split_object_url(url: str) -> tuple[str, str | PointerName]:
-    """``(prefix URL, checkpoint name)`` for ``s3://…/step_….pitstop``, ``(prefix URL,
+    """``(prefix URL, checkpoint name)`` for ``s3://…/step_…[.pitstop]``, ``(prefix URL,
     pointer)`` for ``s3://…/best`` (``last``, ``final``), and ``(url, LAST)`` for a prefix."""
     head, _, last = url.rstrip("/").rpartition("/")
     if head.startswith("s3:/") and head != "s3:/":
         if last in POINTER_NAMES:
             return head, PointerName(last)
-        if parse_name(last) is not NOT_A_CHECKPOINT:
+        if parse_checkpoint(last) is not NOT_A_CHECKPOINT:  # a file's or a sharded one's
             return head, last
     return url, PointerName.LAST
 
@@ -339,6 +340,12 @@ def find_resume(
     """
     pointer = own_pointer(directory, source)
     best = directory.policy.best
+    if pointer is not None and isinstance(directory, TieredDirectory):  # both tiers
+        path, entry = directory.choose(pointer, verify)
+        held = directory.catalog or directory.remote.directory.catalog
+        if path is None and pointer is not PointerName.LAST and held:
+            raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+        return path, entry
     if pointer is not None:
         source = pointer.value
         storage = directory.storage

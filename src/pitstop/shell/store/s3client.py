@@ -1,29 +1,55 @@
-# The S3 client: obstore's store for a bucket, configured from the standard AWS environment.
+# The S3 client: obstore's store for a bucket, configured as every AWS tool is.
 #
-# Rules: endpoint, credentials and region come from the AWS environment (AWS_ENDPOINT_URL,
-# AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION), storage_options over them; an http://
-# endpoint is allowed (local servers). Retries follow the core's schedule (retry_settings) and
-# end within DEADLINE_S. Without the extra installed, asking for it is one ConfigError naming
-# `pip install pitstop[s3]`. A failure's cause is said in words (a missing bucket, refused
-# credentials) for the StoreError that names the URL.
-# How: obstore, imported on first use.
+# Rules: endpoint, credentials and region come from the standard AWS configuration, as every
+# AWS tool reads it: storage_options, over the environment (AWS_ENDPOINT_URL,
+# AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION), over the profile
+# (AWS_PROFILE, or storage_options' "profile") in ~/.aws/credentials and ~/.aws/config
+# (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE) — the order is pitstop.core.s3config's
+# profile_settings; an http:// endpoint is allowed (local servers). Retries follow the core's
+# schedule (retry_settings) and end within DEADLINE_S. Without the extra installed, asking for
+# it is one ConfigError naming `pip install pitstop[s3]`. A failure's cause is said in words (a
+# missing bucket, refused credentials) for the StoreError that names the URL. The two requests
+# obstore does not make — listing the incomplete multipart uploads under a prefix, and aborting
+# one (what a writer killed mid-upload leaves) — are signed here (AWS Signature Version 4) with
+# the same endpoint and static credentials (from any of the three sources); without static
+# credentials (an instance role) they are skipped.
+# How: obstore, imported on first use; urllib and hmac for the two signed requests.
 
 """The S3 client behind ``s3://`` locations: opening it, and what its errors mean."""
 
 from __future__ import annotations
 
+import configparser
+import datetime
+import hashlib
+import hmac
 import os
+import urllib.parse
+import urllib.request
+import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-from pitstop.core.objects import Location, retry_settings
+from pitstop.core.objects import Location
+from pitstop.core.s3config import profile_settings, retry_settings
 from pitstop.errors import ConfigError
+from pitstop.shell.format.untrusted import read_untrusted
 
-__all__ = ["DEADLINE_S", "StoreError", "cause", "obstore_module", "open_store"]
+__all__ = [
+    "DEADLINE_S",
+    "StoreError",
+    "abort_upload",
+    "cause",
+    "obstore_module",
+    "open_store",
+    "torn_uploads",
+]
 
 DEADLINE_S = 20.0
 """How long a request may take, retries included, before it is an error."""
+_AWS_FILE_LIMIT = 1 << 20  # the AWS credentials and config files are small
 
 
 class StoreError(OSError):
@@ -43,10 +69,11 @@ def obstore_module() -> Any:
 
 def open_store(location: Location, options: Mapping[str, Any] | None = None) -> Any:
     """An S3 client for ``location``'s bucket: endpoint, credentials and region from the
-    standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), ``options``
-    (obstore's S3 config keys, ``client_options``, ``retry_config``) over them."""
+    standard AWS configuration (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ..., then the
+    profile ``AWS_PROFILE`` names in ``~/.aws/credentials`` and ``~/.aws/config``), ``options``
+    (obstore's S3 config keys, ``profile``, ``client_options``, ``retry_config``) over them."""
     obstore = obstore_module()
-    config = dict(options or {})
+    config = _resolved(options)
     client = dict(config.pop("client_options", None) or {})
     retry = config.pop("retry_config", None)
     endpoint = str(config.get("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")))
@@ -55,7 +82,6 @@ def open_store(location: Location, options: Mapping[str, Any] | None = None) -> 
     if endpoint:
         config.setdefault("endpoint", endpoint)
         config.setdefault("virtual_hosted_style_request", False)
-    config.setdefault("region", os.environ.get("AWS_REGION", "us-east-1"))
     client.setdefault("connect_timeout", timedelta(seconds=5))
     client.setdefault("timeout", timedelta(seconds=DEADLINE_S * 6))
     if retry is None:
@@ -77,6 +103,41 @@ def open_store(location: Location, options: Mapping[str, Any] | None = None) -> 
         raise ConfigError(f"{location.url()}: cannot configure the S3 client: {exc}") from exc
 
 
+def _resolved(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``options`` with what the AWS profile adds (the keys neither they nor the environment
+    set), its ``profile`` key taken out, and a region (``us-east-1`` when none gives one)."""
+    config = dict(options or {})
+    _, profile = profile_settings(
+        config,
+        os.environ,
+        _ini(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")),
+        _ini(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")),
+    )
+    config.pop("profile", None)
+    config.update(profile)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    config.setdefault("region", region or "us-east-1")
+    return config
+
+
+def _ini(path: str) -> dict[str, dict[str, str]]:
+    """The sections of the AWS credentials or config file at ``path`` (``~`` expanded); none
+    when it does not exist. ConfigError naming the file when it cannot be read or parsed."""
+    name = Path(path).expanduser()
+    try:
+        text = read_untrusted(name, _AWS_FILE_LIMIT, follow_symlinks=True).decode("utf-8")
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the AWS configuration file {name}: {exc}") from exc
+    parser = configparser.ConfigParser(interpolation=None, default_section="\0none")
+    try:
+        parser.read_string(text, source=str(name))
+    except configparser.Error as exc:
+        raise ConfigError(f"the AWS configuration file {name} is malformed: {exc}") from exc
+    return {section: dict(parser[section]) for section in parser.sections()}
+
+
 def cause(exc: BaseException) -> str:
     """What went wrong with a request, in words: a missing bucket, refused credentials, or the
     client's own first line."""
@@ -88,6 +149,101 @@ def cause(exc: BaseException) -> str:
     if name in {"PermissionDeniedError", "UnauthenticatedError"} or any(
         code in text for code in refused
     ):
-        return "the credentials were refused (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+        keys = "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile"
+        return f"the credentials were refused ({keys})"
     first = text.splitlines()[0] if text else ""
     return f"{name}: {first[:300]}"
+
+
+def _setting(options: Mapping[str, Any] | None, names: tuple[str, ...], env: str) -> str:
+    """A client setting: the first of ``names`` in ``options`` (obstore's keys), else ``env``."""
+    for name in names:
+        if options and options.get(name):
+            return str(options[name])
+    return os.environ.get(env, "")
+
+
+def _signed(
+    location: Location,
+    options: Mapping[str, Any] | None,
+    method: str,
+    key: str,
+    query: Mapping[str, str],
+) -> bytes | None:
+    """Send one signed (SigV4) request for ``key`` of ``location``'s bucket (path style); its
+    body. ``None``: no static credentials to sign with. Raises ``OSError`` when it fails."""
+    options = _resolved(options)
+    access = _setting(options, ("access_key_id", "aws_access_key_id"), "AWS_ACCESS_KEY_ID")
+    secret = _setting(
+        options, ("secret_access_key", "aws_secret_access_key"), "AWS_SECRET_ACCESS_KEY"
+    )
+    if not access or not secret:
+        return None
+    token = _setting(options, ("session_token", "token", "aws_session_token"), "AWS_SESSION_TOKEN")
+    region = _setting(options, ("region", "aws_region"), "AWS_REGION")
+    endpoint = _setting(options, ("endpoint", "aws_endpoint", "endpoint_url"), "AWS_ENDPOINT_URL")
+    endpoint = (endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
+    host = urllib.parse.urlsplit(endpoint).netloc
+    path = urllib.parse.quote(f"/{location.bucket}/{key}" if key else f"/{location.bucket}", "/~")
+    canonical_query = "&".join(
+        f"{urllib.parse.quote(k, '~')}={urllib.parse.quote(v, '~')}"
+        for k, v in sorted(query.items())
+    )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    empty = hashlib.sha256(b"").hexdigest()
+    headers = {"host": host, "x-amz-content-sha256": empty, "x-amz-date": stamp}
+    if token:
+        headers["x-amz-security-token"] = token
+    names = ";".join(sorted(headers))
+    canonical = "\n".join(
+        (
+            method,
+            path,
+            canonical_query,
+            "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
+            names,
+            empty,
+        )
+    )
+    scope = f"{day}/{region}/s3/aws4_request"
+    signing = (
+        f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+    )
+    derived = ("AWS4" + secret).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        derived = hmac.new(derived, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(derived, signing.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={access}/{scope}, SignedHeaders={names}, "
+        f"Signature={signature}"
+    )
+    url = f"{endpoint}{path}" + (f"?{canonical_query}" if canonical_query else "")
+    request = urllib.request.Request(url, method=method, headers=headers)
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
+        return bytes(response.read())
+
+
+def torn_uploads(
+    location: Location, options: Mapping[str, Any] | None, under: str
+) -> list[tuple[str, str]] | None:
+    """The incomplete multipart uploads whose key starts with ``under``: ``(key, upload id)``
+    each (``None``: no static credentials to ask with). Raises ``OSError`` when it fails."""
+    body = _signed(location, options, "GET", "", {"uploads": "", "prefix": under})
+    if body is None:
+        return None
+    found = []
+    for upload in ET.fromstring(body).iter():
+        if upload.tag.rpartition("}")[2] != "Upload":
+            continue
+        fields = {child.tag.rpartition("}")[2]: child.text or "" for child in upload}
+        if fields.get("Key") and fields.get("UploadId"):
+            found.append((fields["Key"], fields["UploadId"]))
+    return found
+
+
+def abort_upload(
+    location: Location, options: Mapping[str, Any] | None, key: str, upload_id: str
+) -> None:
+    """Abort the incomplete multipart upload ``upload_id`` of ``key`` (its parts are freed)."""
+    _signed(location, options, "DELETE", key, {"uploadId": upload_id})

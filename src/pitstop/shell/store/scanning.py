@@ -1,14 +1,16 @@
 # Reading a checkpoint directory: what it holds, and which checkpoint a resume would use.
 #
-# Rules: scanning reads names (classified by the core) and each checkpoint's footer and manifest
-# (never its tensor bytes), builds the catalog, and hands the pointers found on disk — symlinks
+# Rules: scanning reads names (classified by the core) and each checkpoint's footer, manifest
+# checksum and meta (never its tree, tables or tensor bytes: a scan costs about the manifests'
+# bytes, whatever they hold), builds the catalog, and hands the pointers found on disk — symlinks
 # and latest.json, both untrusted — to the core to reconcile. A symlink is only followed when
 # its target is a plain checkpoint name of this directory. A sharded checkpoint (a directory,
 # pitstop.shell.store.sharddir) is listed once its manifest reads back. Choosing a resume point
 # tries the core's resume order until a candidate verifies, warning about each one skipped.
 # Readers take no lock, so a live writer's retention may delete a checkpoint between the listing
 # and the reading: one that fails to read and is no longer there is "gone" (``Scan.gone``,
-# ``ResumeChoice.gone``), never "unreadable" or "corrupt", and whoever asked scans again.
+# ``ResumeChoice.gone``), never "unreadable" or "corrupt": the scan starts over (the newer one
+# was published before the prune), and a reader whose chosen checkpoint vanished scans again.
 # How: a Storage underneath, so a fault-injecting fake can stand in for the disk.
 
 """Scanning a checkpoint directory and choosing the checkpoint to resume from."""
@@ -47,9 +49,10 @@ from pitstop.core.records import (
     PointerName,
     Pointers,
 )
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.sharded import MANIFEST_NAME, files_from_wire
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
+from pitstop.shell.format.untrusted import held
 from pitstop.shell.store.storage import FileKind, RemoteStorage, Storage, fetch
 
 __all__ = [
@@ -57,6 +60,7 @@ __all__ = [
     "ResumeChoice",
     "Scan",
     "choose_resume",
+    "gone_while_read",
     "is_sharded_path",
     "named_by_pointers",
     "read_latest_json",
@@ -93,6 +97,8 @@ class Scan:
 def vanished(path: Path) -> bool:
     """Whether nothing is at ``path`` any more (not following a symlink): what a read that
     failed is told by — a checkpoint deleted while it was read is gone, not corrupt."""
+    if held(path):  # a checkpoint read into memory
+        return False
     try:
         os.lstat(path)
     except FileNotFoundError:
@@ -100,6 +106,15 @@ def vanished(path: Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def gone_while_read(storage: Storage, path: Path, error: BaseException) -> bool:
+    """Whether a read of ``path`` that raised ``error`` failed because the checkpoint is gone
+    (deleted meanwhile), not corrupt: nothing is at ``path`` any more — or, on an object
+    store, its objects are not (another writer's retention deleted them)."""
+    if isinstance(storage, RemoteStorage):
+        return isinstance(error, FileNotFoundError)
+    return vanished(path)
 
 
 def _read_links(storage: Storage, warnings: list[str]) -> Pointers:
@@ -184,7 +199,24 @@ def _read_latest_json(storage: Storage, warnings: list[str]) -> Pointers:
 
 
 def scan(storage: Storage, best: Best | None = None) -> Scan:
-    """Scan the directory behind ``storage``: catalog, reconciled pointers, and warnings."""
+    """Scan the directory behind ``storage``: catalog, reconciled pointers, and warnings.
+
+    A checkpoint deleted between the listing and its reading (a live run's retention, which
+    publishes the newer one first) makes the scan start over, at most ``SCAN_ATTEMPTS`` times,
+    so that a listing taken just before a publish never comes back without the newer one.
+    """
+    for _ in range(SCAN_ATTEMPTS - 1):
+        found = _scan_once(storage, best)
+        if not found.gone:
+            return found
+    return _scan_once(storage, best)
+
+
+SCAN_ATTEMPTS = 8
+"""How many times a scan starts over when checkpoints vanish while it reads them."""
+
+
+def _scan_once(storage: Storage, best: Best | None) -> Scan:
     warnings: list[str] = []
     entries: list[CheckpointEntry] = []
     unreadable: dict[str, str] = {}
@@ -227,11 +259,12 @@ def _scan_file(
     entries: list[CheckpointEntry],
     unreadable: dict[str, str],
     sizes: dict[str, int],
+    wanted: FileKind = FileKind.REGULAR,
 ) -> None:
     """A checkpoint file is listed once its manifest reads back (its size taken first, so an
-    entry is never listed without one)."""
+    entry is never listed without one); on object storage, once its commit object does."""
     kind = storage.kind(name)
-    if kind is not FileKind.REGULAR:
+    if kind is not wanted:
         unreadable[name] = f"not a regular file ({kind.value})"
         return
     try:
@@ -239,7 +272,7 @@ def _scan_file(
         meta = (
             storage.read_meta(name)
             if isinstance(storage, RemoteStorage)
-            else fileformat.read_manifest(storage.path(name)).meta
+            else fileformat.read_meta(storage.path(name))
         )
         entries.append(entry_from_meta(name, meta))
         sizes[name] = size
@@ -255,20 +288,27 @@ def _scan_sharded(
     sizes: dict[str, int],
 ) -> None:
     """A sharded checkpoint directory is listed once its manifest reads back (it is written
-    last: a directory without one, or with a bad one, is no checkpoint)."""
-    from pitstop.shell.store.sharddir import read_layout  # sharddir publishes through this package
-
+    last: a directory without one, or with a bad one, is no checkpoint): its meta and its
+    layout's files; the layout's values are checked when it is read or verified."""
     kind = storage.kind(name)
     if kind is not FileKind.DIRECTORY:
         unreadable[name] = f"not a directory ({kind.value})"
         return
+    if isinstance(storage, RemoteStorage):  # its commit object's record, no manifest read
+        _scan_file(storage, name, entries, unreadable, sizes, kind)
+        return
+    path = storage.path(name) / MANIFEST_NAME
     try:
-        manifest = os.lstat(storage.path(name) / MANIFEST_NAME).st_size
-        layout, meta = read_layout(storage.path(name))
+        manifest = os.lstat(path).st_size
+        meta = fileformat.read_meta(path, skip=_SHARDED_VALUES)
+        files = files_from_wire(meta.get("sharded"), f"{path}: sharded")
         entries.append(entry_from_meta(name, meta))
-        sizes[name] = manifest + sum(f.size for f in layout.files)
+        sizes[name] = manifest + sum(f.size for f in files)
     except (CheckpointCorrupt, OSError) as exc:
         unreadable[name] = str(exc)
+
+
+_SHARDED_VALUES = {"sharded": ("values",)}  # what a scan skips of a sharded manifest's meta
 
 
 def is_sharded_path(path: Path) -> bool:
@@ -283,8 +323,7 @@ def verify_any(path: Path) -> None:
     if is_sharded_path(path):
         from pitstop.shell.store.sharddir import read_layout, verify_sharded
 
-        fileformat.verify(path / MANIFEST_NAME)
-        layout, _ = read_layout(path)
+        layout, _ = read_layout(path, fileformat.verify(path / MANIFEST_NAME))
         verify_sharded(path, layout)
         return
     fileformat.verify(path)
@@ -321,7 +360,7 @@ def choose_resume(
             path = fetch(storage, name)  # an object store's: downloaded, then checked
             verify(path)
         except (CheckpointCorrupt, OSError) as exc:
-            if vanished(path):
+            if gone_while_read(storage, path, exc):
                 gone.add(name)
                 continue
             skipped[name] = str(exc)

@@ -15,7 +15,9 @@
 # its writer's streams noted as they wrote and fsynced them (pitstop.shell.sharded.dcpwrite); a file
 # without a note is fsynced and read back instead. A verification compares size (before
 # reading a byte) and CRC-32 against the layout, and names the file that fails. Every file
-# read is opened as untrusted input (regular files only, symlinks not followed).
+# read is opened as untrusted input (regular files only, symlinks not followed). On object
+# storage there is no rename: the manifest is written into the staging folder and the
+# checkpoint is committed by one conditional PUT (pitstop.shell.store.shardobjects).
 # How: CRC-32 pieces on pitstop.shell.format.checksums' pool, joined with crc32_combine.
 
 """Sharded checkpoint directories: file tables, verify, write the manifest, publish, delete."""
@@ -35,6 +37,7 @@ from typing import Any, BinaryIO
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_aside
 from pitstop.core.replacement import Found, Holds, Settlement, settle_replacement
+from pitstop.core.shardcover import part_here
 from pitstop.core.sharded import (
     MANIFEST_NAME,
     ShardedLayout,
@@ -53,12 +56,16 @@ from pitstop.shell.format.checksums import (
     default_threads,
 )
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import delete_sharded, publish_file
+from pitstop.shell.store.shardobjects import publish_objects
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 
 __all__ = [
+    "Part",
     "clear_leftover",
     "file_table",
+    "part_held",
     "prefetch",
     "publish_sharded",
     "read_layout",
@@ -233,6 +240,9 @@ def publish_sharded(
     """
     path = storage.path(name)
     step = f"write the manifest of the new {path}"
+    if isinstance(storage, ObjectStorage):  # no rename: one conditional commit (shardobjects)
+        publish_objects(storage, temp, name, replaced=replaced, manifest=manifest)
+        return
     try:
         if manifest is not None:
             manifest(storage.path(temp))  # its own errors are SaveErrors naming the manifest
@@ -391,16 +401,37 @@ def clear_leftover(storage: Storage, name: str) -> None:
 # --- reading ----------------------------------------------------------------------------------
 
 
-def read_layout(directory: str | os.PathLike[str]) -> tuple[ShardedLayout, Mapping[str, Any]]:
-    """The layout and meta in a sharded checkpoint's manifest (no tensor bytes are read).
+def read_layout(
+    directory: str | os.PathLike[str], manifest: fileformat.Manifest | None = None
+) -> tuple[ShardedLayout, Mapping[str, Any]]:
+    """The layout and meta in a sharded checkpoint's manifest (no tensor bytes are read), or
+    in ``manifest``, that manifest already read.
 
     Raises :class:`~pitstop.errors.CheckpointCorrupt` for a missing or bad manifest.
     """
     path = Path(directory) / MANIFEST_NAME
-    try:
-        manifest = fileformat.read_manifest(path)
-    except OSError as exc:
-        raise CheckpointCorrupt(f"{directory}: no readable {MANIFEST_NAME}: {exc}") from exc
+    if manifest is None:
+        try:
+            manifest = fileformat.read_manifest(path)
+        except OSError as exc:
+            raise CheckpointCorrupt(f"{directory}: no readable {MANIFEST_NAME}: {exc}") from exc
     where = f"{path}: sharded"
     layout = layout_from_wire(manifest.meta.get("sharded"), where, itemsizes=fileformat.ITEMSIZES)
     return layout, manifest.meta
+
+
+Part = tuple[int, int, tuple[int, ...], tuple[str, ...]]
+"""What one directory holds of a sharded checkpoint: files here, files listed, the ranks that
+wrote those absent, and their names."""
+
+
+def part_held(directory: str | os.PathLike[str]) -> Part:
+    """What ``directory`` holds of the files its manifest lists (present, not checked: a node
+    of a job whose ranks share no directory holds its own ranks' files). Raises
+    :class:`~pitstop.errors.CheckpointCorrupt` for a missing or bad manifest."""
+    root = Path(directory)
+    layout, _ = read_layout(root)
+    files = [(f.name, f.rank) for f in layout.files]
+    present = {name for name, _ in files if os.path.lexists(root / name)}
+    here, listed, ranks = part_here(files, present)
+    return here, listed, ranks, tuple(sorted(n for n, _ in files if n not in present))

@@ -96,11 +96,16 @@ class RemoteStorage(Storage, Protocol):
         ...
 
     def fetch(self, name: str) -> Path:
-        """Copy checkpoint ``name`` to a local file, unchecked; its path."""
+        """Read checkpoint ``name`` to where readers open it locally (memory, or a local
+        file); its path. ``CheckpointCorrupt`` when a check it makes on the way fails."""
+        ...
+
+    def release(self) -> None:
+        """Free what the last fetch holds (its reader is done)."""
         ...
 
     def close(self) -> None:
-        """Remove the local files it made."""
+        """Free what it holds and remove the local files it made."""
         ...
 
 

@@ -1,0 +1,213 @@
+# Ranks whose checkpoint directories differ (nodes with disks of their own): opening every
+# directory, choosing one checkpoint for every rank, and catching a directory up before a resume.
+#
+# Rules: at open, the ranks find out which of them share the directory (pitstop.shell.ranks.peers:
+# a probe, agreed; never guessed from host names) — a local directory only: an object store is one
+# place for every rank. Each directory's writer (its group's lowest rank; the core's
+# DirectoryGroups) locks, scans and writes its directory; with one group that is rank 0 alone, as
+# before. Sharded state is pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded
+# state saved in the background across directories is refused for now (ConfigError, at
+# construction, on every rank). A background save (async_save) is written by every writer's own
+# writer thread; how it ended is agreed at the next call that settles it (pitstop.shell.lifetime).
+# A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every
+# writer lists its directory's resume order, the core merges them (newest first for ``last``),
+# and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
+# loaded in the same pass), and the first candidate that verifies in at least one directory is
+# chosen. A directory whose copy is missing or does not verify receives the copy of a directory
+# that has it (the core's catch_up), over torch.distributed, into a temp file that is verified
+# (every byte, loaded in the same pass: the resume's read) before the store's atomic writer
+# publishes it — a copy that changed on its way, or on its sender's disk, is never published.
+# With a remote tier
+# (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
+# node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
+# order (last among equals), and a checkpoint no directory holds whole is downloaded from the
+# remote tier by each writer that lacks it (no lease: reading only), published, verified; a writer
+# whose download failed then gets a peer's copy. A resume from an explicit path reads that path on
+# every rank, as with one directory.
+# How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
+# step's outcome agreed (Ranks.each), so one rank's failure is raised on every rank.
+
+"""Nodes: directories the ranks do not share — opened by each one's writer, caught up on resume."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+from pitstop.core.ranks import REMOTE, DirectoryGroups, catch_up, entry_to_wire, merged_order
+from pitstop.core.records import PointerName
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.peers import probe_groups
+from pitstop.shell.resumeread import ResumeRead
+from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file, send_file
+from pitstop.shell.store.directory import CheckpointDirectory
+from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.storage import RemoteStorage
+from pitstop.shell.store.tiers import TieredDirectory
+
+__all__ = ["choose_across", "open_directories"]
+
+log = logging.getLogger("pitstop")
+
+
+def open_directories(
+    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool, background: bool
+) -> DirectoryGroups:
+    """Every rank: find out which ranks share ``directory``, and open it on each writer (a
+    failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
+    state saved in the background (``background``) in directories the ranks do not share."""
+    groups = DirectoryGroups.one(ranks.world_size)
+    if ranks.many and not isinstance(directory.storage, RemoteStorage):
+        groups = probe_groups(ranks, directory.path)
+    if not groups.shared:
+        if sharded and background:
+            raise ConfigError(
+                f"{directory.path} is a different directory on ranks {list(groups.writers)} "
+                f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state (FSDP2, "
+                f"DTensor) saved in the background (async_save) in directories the ranks do "
+                f"not share is not supported yet: save synchronously (async_save=False), or "
+                f"give every rank one shared directory"
+            )
+        if isinstance(directory, TieredDirectory):  # one upload per checkpoint: rank 0's
+            directory.uploads = ranks.leader
+    if groups.shared and ranks.many:  # every rank reads what rank 0 fetched: a file, not memory
+        remote = directory.remote.objects if isinstance(directory, TieredDirectory) else None
+        for objects in (directory.storage, remote):
+            if isinstance(objects, ObjectStorage):
+                objects.in_memory = False
+    if groups.shared:
+        ranks.lead(lambda: _open(directory))  # only rank 0 locks and reads the directory
+    else:
+        try:
+            ranks.each(lambda: _open(directory) if groups.writes(ranks.rank) else None)
+        except BaseException:  # another writer's open failed: this one's lock goes too
+            directory.close()
+            raise
+    return groups
+
+
+def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its writer
+    directory.open()
+
+
+def choose_across(
+    directory: CheckpointDirectory,
+    pointer: PointerName,
+    reading: ResumeRead,
+    ranks: Ranks,
+    groups: DirectoryGroups,
+) -> tuple[Path | None, tuple[Any, ...] | None]:
+    """Every rank: the checkpoint a resume of ``pointer`` restores and its entry (as it
+    travels), in every directory once this returns; ``(None, None)``: none anywhere."""
+    writes = groups.writes(ranks.rank)
+    lists = ranks.all_gather_each(lambda: listed_order(directory, pointer) if writes else None)
+    orders = [cast(Listed, lists[w]) for w in groups.writers]
+    tiered = directory if isinstance(directory, TieredDirectory) else None
+    remote = ranks.lead(partial(_remote_listed, tiered, pointer)) if tiered else []
+    seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
+    seqs.append([(name, wire[1]) for name, wire in remote])  # the remote tier's last
+    mine = {name for name, _ in cast(Listed, lists[ranks.rank])[0]} if writes else set()
+    for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
+        path = directory.storage.path(name)
+        checked = partial(_verified, path, reading) if name in mine else lambda: False
+        answers = ranks.all_gather_each(checked)  # a fault other than a bad copy: everywhere
+        valid = [answers[w] is True for w in groups.writers]
+        _warn_invalid(ranks, groups, name, answers, "rank {}'s directory")
+        transfers = catch_up(groups, valid, remote=name in dict(remote))
+        if transfers is not None and any(m.source == REMOTE for m in transfers):
+            assert tiered is not None
+            targets = {m.target for m in transfers}
+            work = partial(_downloaded, tiered, name, reading)
+            got = ranks.all_gather_each(work if ranks.rank in targets else lambda: False)
+            _warn_invalid(ranks, groups, name, got, "the remote tier's copy (for rank {})")
+            valid = [ok or got[w] is True for w, ok in zip(groups.writers, valid, strict=True)]
+            transfers = catch_up(groups, valid)  # a failed download: from a node that has it
+        if transfers is None:
+            continue
+        if ranks.leader:
+            for move in transfers:
+                log.info(
+                    "resume: rank %d's directory lacks a valid %s: rank %d sends it",
+                    move.target,
+                    name,
+                    move.source,
+                )
+        ranks.each(partial(_move, transfers, path, reading, ranks, directory))
+        holder = [o for (o, _), w in zip(orders, groups.writers, strict=True) if answers[w] is True]
+        if holder:
+            return path, dict(holder[0])[name]  # the entry as a directory holding it lists it
+        return path, ranks.lead(partial(_catalog_wire, directory, name))  # rank 0's copy
+    if pointer is not PointerName.LAST and (remote or any(found for _, found in orders)):
+        raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+    return None, None
+
+
+def _remote_listed(tiered: TieredDirectory, pointer: PointerName) -> list[tuple[str, Any]]:
+    """Rank 0: the remote tier's resume order, each name with its entry as it travels."""
+    return [(name, entry_to_wire(entry)) for name, entry in tiered.remote_order(pointer)]
+
+
+def _catalog_wire(directory: CheckpointDirectory, name: str) -> tuple[Any, ...] | None:
+    """Rank 0: ``name``'s entry in its directory's catalog, as it travels."""
+    return entry_to_wire(directory.catalog.get(name))
+
+
+def _warn_invalid(
+    ranks: Ranks, groups: DirectoryGroups, name: str, answers: list[Any], where: str
+) -> None:
+    """Rank 0: a warning for each writer whose copy of ``name`` did not verify."""
+    if ranks.leader:
+        for writer in groups.writers:
+            if isinstance(answers[writer], str):
+                shown = where.format(writer)
+                log.warning("resume: %s does not verify in %s: %s", name, shown, answers[writer])
+
+
+def _downloaded(tiered: TieredDirectory, name: str, reading: ResumeRead) -> bool | str:
+    """A writer whose directory lacks ``name``: its copy from the remote tier, published into
+    the directory and verified (every byte, loaded for the read): True, or what is wrong (a
+    copy that does not verify is removed again)."""
+    path = tiered.storage.path(name)
+    try:
+        tiered.download(name)
+        reading.verify(path)
+    except (CheckpointCorrupt, OSError) as exc:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        tiered.rescan()
+        return str(exc) or type(exc).__name__
+    log.info("resume: %s taken from the remote tier %s", name, tiered.remote.url)
+    return True
+
+
+def _verified(path: Path, reading: ResumeRead) -> bool | str:
+    """A writer's check of its copy of ``path``: True, or what is wrong with it."""
+    try:
+        reading.verify(path)
+    except (CheckpointCorrupt, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    return True
+
+
+def _move(
+    transfers: Any, path: Path, reading: ResumeRead, ranks: Ranks, directory: CheckpointDirectory
+) -> None:
+    """This rank's part of the copies to send: each pair in order, every message exchanged
+    whatever failed before (so no peer waits in vain); the first failure raised at the end."""
+    failed: BaseException | None = None
+    for move in transfers:
+        try:
+            if ranks.rank == move.source:
+                send_file(ranks, move.target, path)
+            elif ranks.rank == move.target:
+                # the copy received, every byte, before it is published: and loaded for the read
+                receive_file(ranks, move.source, path, partial(reading.verify, known_as=path))
+                directory.rescan()
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed

@@ -1,0 +1,201 @@
+# Ranks that share no directory: finding out which do, and what travels between their writers.
+#
+# Rules: which ranks share a checkpoint directory is found out at open, never guessed from host
+# names: every rank writes a probe file of its own (a random token in its name) into the
+# directory, the ranks exchange their tokens (one all-gather), each looks which tokens it finds,
+# the sightings are exchanged (a second), and the core groups them (pitstop.core.ranks:
+# directory_groups). Every rank then removes its own probe — after the second round, so that no
+# rank looks for a probe already gone. Each group's lowest rank writes its directory's copy of
+# every checkpoint: every rank's own part (RNG streams, per-rank components) reaches every writer
+# (an all-gather of the packed parts, where one directory needs a gather to rank 0 alone), and the
+# save counts once every writer has published it (the outcome agreed in one more round). A copy
+# travels from one writer to another in chunks of CHUNK bytes, double-buffered: the sender reads
+# chunk k+1 while chunk k travels, the receiver writes chunk k while chunk k+1 travels (memory
+# bounded by two chunks on each side; one message in flight each way, so they arrive in order),
+# with a CRC-32 of the whole (the format's fastest engine: ISA-L where installed) compared before
+# the caller may publish; the receiver hands what it wrote to the disk's writeback as it goes
+# (WriteBehind), drains every chunk even when its own write fails, and a sender that cannot read
+# sends zeros and says so at the end, so that neither side is left waiting for the other.
+# How: point-to-point isend/irecv on pitstop's own gloo group, each wait bounded by its timeout
+# like every collective of pitstop's (Ranks._named, Ranks._wait; in one piece: gloo closes a pair
+# whose message outlives a wait); the files are the caller's (the store's atomic writer publishes
+# what is received, once the caller's check of it passed).
+
+"""Peers: which ranks share a directory; every rank's part to every writer; copies between them."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO, Final, TypeVar
+
+import torch
+
+from pitstop.core.ranks import DirectoryGroups, directory_groups
+from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.format.checksums import crc32_update
+from pitstop.shell.format.writebehind import WriteBehind
+from pitstop.shell.ranks.distributed import PART_BOX, Ranks
+from pitstop.shell.ranks.packing import pack_state, unpack_state
+
+__all__ = ["CHUNK", "PROBE_PREFIX", "gather_to_writers", "probe_groups", "receive", "send"]
+
+T = TypeVar("T")
+
+PROBE_PREFIX: Final = ".pitstop-probe-"
+"""The start of a probe file's name (a foreign name to the scan: never a checkpoint)."""
+
+CHUNK: Final = 8 << 20
+"""Bytes of a copy sent in one message (each side holds two; 32 MiB measured no faster)."""
+
+
+def probe_groups(ranks: Ranks, directory: Path) -> DirectoryGroups:
+    """Every rank: which ranks share ``directory`` (created if missing), found out with probe
+    files and agreed in two all-gathers (one rank: one group, nothing written)."""
+    if not ranks.many:
+        return DirectoryGroups.one(1)
+    token = uuid.uuid4().hex
+    probe = directory / f"{PROBE_PREFIX}{token}"
+
+    def write() -> str:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "xb") as f:
+            f.write(token.encode())
+        return token
+
+    try:
+        tokens = ranks.all_gather_each(write)
+        seen = ranks.all_gather_each(
+            lambda: [r for r, t in enumerate(tokens) if (directory / f"{PROBE_PREFIX}{t}").exists()]
+        )
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return directory_groups(seen, directory=str(directory))
+
+
+def gather_to_writers(
+    ranks: Ranks, groups: DirectoryGroups, value: object, work: Callable[[list[Any]], T]
+) -> T | None:
+    """Every rank: every rank's state tree (``value``) to every writer, which runs
+    ``work(trees)`` (its own tree as it is, the others unpacked: storage sharing intact); the
+    outcome is agreed, so one writer's failure is raised on every rank. ``None`` off writers."""
+    packed = ranks.all_gather_each(lambda: pack_state(value), box=PART_BOX)
+    writes = groups.writes(ranks.rank)
+
+    def write() -> T | None:
+        if not writes:
+            return None
+        trees = [value if r == ranks.rank else unpack_state(p) for r, p in enumerate(packed)]
+        return work(trees)
+
+    return ranks.each(write)
+
+
+def _post(ranks: Ranks, tensor: torch.Tensor, peer: int, *, sending: bool) -> Any:
+    """Start one point-to-point message on pitstop's group; :func:`_done` waits for it."""
+    dist = torch.distributed
+    with ranks._named(f"a send to rank {peer}" if sending else f"a receive from rank {peer}"):
+        return (dist.isend if sending else dist.irecv)(tensor, peer, group=ranks._group)
+
+
+def _done(ranks: Ranks, work: Any, peer: int, *held: torch.Tensor, sending: bool) -> None:
+    """Wait for a message :func:`_post` started, bounded by pitstop's timeout; ``held``: the
+    buffers gloo may still touch (kept, as every collective's are, even when the wait fails)."""
+    try:
+        with ranks._named(f"a send to rank {peer}" if sending else f"a receive from rank {peer}"):
+            ranks._wait(work, sliced=False)  # gloo: a slice that times out ends the pair
+    finally:
+        ranks._hold(*held)
+
+
+def _exchange(ranks: Ranks, tensor: torch.Tensor, peer: int, *, sending: bool) -> None:
+    """One point-to-point message on pitstop's group, bounded by its timeout."""
+    _done(ranks, _post(ranks, tensor, peer, sending=sending), peer, tensor, sending=sending)
+
+
+def _buffers(size: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two chunk buffers of one side of a copy (one when the copy fits one chunk)."""
+    first = torch.empty(min(chunk, max(size, 1)), dtype=torch.uint8)
+    return first, (torch.empty_like(first) if size > chunk else first)
+
+
+def send(
+    ranks: Ranks, target: int, file: BinaryIO | None, size: int, where: str, chunk: int = CHUNK
+) -> None:
+    """The writer ``ranks.rank``: send ``size`` bytes of ``file`` to ``target`` in messages of
+    ``chunk`` bytes, each read while the one before travels (``file`` ``None``, or one that
+    fails to read: zeros, and the receiver is told it failed, after every message)."""
+    _exchange(ranks, torch.tensor([size], dtype=torch.int64), target, sending=True)
+    crc, failed = 0, "" if file is not None else "it could not be opened"
+    buffers = _buffers(size, chunk)
+    travelling: Any = None  # the message of the chunk before, still on its way
+    for k, offset in enumerate(range(0, size, chunk)):
+        n = min(chunk, size - offset)
+        part = buffers[k % 2][:n]
+        view = part.numpy().data
+        if not failed and file is not None:
+            try:
+                got = file.readinto(view)  # type: ignore[attr-defined]
+                if got != n:
+                    raise OSError(f"{where} ended at byte {offset + (got or 0)} of {size}")
+            except OSError as exc:
+                failed = str(exc) or type(exc).__name__
+        if failed:
+            part.zero_()
+        else:
+            crc = crc32_update(view, crc)
+        if travelling is not None:
+            _done(ranks, travelling, target, *buffers, sending=True)
+        travelling = _post(ranks, part, target, sending=True)
+    if travelling is not None:
+        _done(ranks, travelling, target, *buffers, sending=True)
+    trailer = torch.tensor([crc, int(bool(failed))], dtype=torch.int64)  # a CRC fits in 63 bits
+    _exchange(ranks, trailer, target, sending=True)
+    if failed or file is None:
+        raise SaveError(f"rank {ranks.rank} could not send {where}: {failed}")
+
+
+def receive(ranks: Ranks, source: int, file: BinaryIO, where: str, chunk: int = CHUNK) -> int:
+    """The writer ``ranks.rank``: receive what ``source`` :func:`send` s (``chunk``: as sent)
+    into ``file``, each chunk written while the next one travels; its size. Every chunk is
+    received whatever fails here (the sender never waits in vain); then a failed write, a
+    failed sender or a CRC that differs is raised."""
+    header = torch.zeros(1, dtype=torch.int64)
+    _exchange(ranks, header, source, sending=False)
+    size = int(header[0])
+    crc, problem = 0, ""
+    behind = WriteBehind.of(file)  # the disk starts on the copy as it comes
+    buffers = _buffers(size, chunk)
+    offsets = range(0, size, chunk)
+    travelling = (
+        _post(ranks, buffers[0][: min(chunk, size)], source, sending=False) if size else None
+    )
+    for k, offset in enumerate(offsets):
+        n = min(chunk, size - offset)
+        _done(ranks, travelling, source, *buffers, sending=False)
+        if offset + chunk < size:  # the next chunk travels while this one is written
+            ahead = min(chunk, size - offset - chunk)
+            travelling = _post(ranks, buffers[(k + 1) % 2][:ahead], source, sending=False)
+        if problem:
+            continue
+        data = buffers[k % 2][:n].numpy().data
+        crc = crc32_update(data, crc)
+        try:
+            file.write(data)
+            behind.wrote(offset + n)
+        except OSError as exc:
+            problem = f"could not write {where}: {exc}"
+    trailer = torch.zeros(2, dtype=torch.int64)
+    _exchange(ranks, trailer, source, sending=False)
+    if int(trailer[1]):
+        raise SaveError(f"rank {source} could not send {where} to rank {ranks.rank}")
+    if problem:
+        raise SaveError(problem)
+    if int(trailer[0]) != crc:
+        raise CheckpointCorrupt(
+            f"{where} from rank {source}: CRC-32 {crc:08x} received, {int(trailer[0]):08x} sent"
+        )
+    return size

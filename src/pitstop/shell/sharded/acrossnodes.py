@@ -1,0 +1,278 @@
+# Sharded checkpoints in directories the ranks do not share (nodes with disks of their own):
+# choosing one that is complete across them, and giving each directory what its ranks read.
+#
+# Rules: at a save each directory's writer publishes the checkpoint in its own directory, which
+# holds the files its ranks wrote and a manifest of its own (the same in every directory; its
+# `directories` names the ranks sharing each one, so each file's directory is its writer's). A
+# resume of a pointer is one decision for every rank: every writer lists its directory's resume
+# order, the core merges them (newest first for `last`), and the ranks take the candidates in
+# that order. For each, every writer checks its own copy — its manifest whole, and every file
+# the manifest lists that its directory holds, every byte (so each file is read once, where it
+# lies) — and the core (pitstop.core.shardcover.cover_nodes) judges the union: a file whole in
+# no directory is missing, and the candidate is skipped with a warning naming its step and the
+# missing files (with the ranks that wrote them). When none is complete but one was found, the
+# resume is an error naming each step and its missing files, never a fresh start. A complete
+# candidate is chosen: a directory without a whole manifest receives one first; then every rank
+# plans its read (DCP's local plan) and each directory receives the files its ranks read and it
+# lacks (replicated values are stored once, in one rank's file), from a directory holding them
+# whole — over torch.distributed (pitstop.shell.ranks.peers: chunked, CRC-32 checked), into a temp
+# file published atomically, then checked against the manifest before any rank reads.
+# How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
+# step's outcome agreed (Ranks.each / all_gather_each), so one rank's failure is raised on every
+# rank and every rank takes the same branch.
+
+"""Sharded checkpoints across unshared directories: one complete choice, each fetching its lack."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+from pitstop.core.pointers import resume_order
+from pitstop.core.ranks import DirectoryGroups, entry_to_wire, merged_order
+from pitstop.core.records import PointerName
+from pitstop.core.shardcover import FileMove, cover_nodes
+from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
+from pitstop.shell.format.fileread import verify as verify_file
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.peers import receive, send
+from pitstop.shell.store.atomic import write_atomically
+from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.sharddir import read_layout, verify_sharded
+
+if TYPE_CHECKING:
+    from pitstop.shell.sharded.engine import ShardedPlan
+
+__all__ = ["Listed", "choose_sharded_across", "listed_order", "receive_file", "send_file"]
+
+log = logging.getLogger("pitstop")
+
+Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], bool]
+"""A writer's resume order, each name with its entry as it travels, and whether its directory
+holds any checkpoint."""
+
+
+def send_file(ranks: Ranks, target: int, path: Path) -> None:
+    """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so)."""
+    try:
+        file = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        send(ranks, target, None, 0, str(path))
+        return
+    with file:
+        send(ranks, target, file, os.fstat(file.fileno()).st_size, str(path))
+
+
+class _Discard:
+    """Where a copy goes that cannot be written: nowhere (its sender still sends it all)."""
+
+    def write(self, data: object) -> None:
+        """Drop ``data``."""
+
+
+def receive_file(
+    ranks: Ranks, source: int, path: Path, check: Callable[[Path], object] | None = None
+) -> None:
+    """Receive ``source``'s copy into ``path``, published atomically (once ``check`` of the
+    temp file, if given, passed); drained even when the temp file cannot be made, so that the
+    sender is not left waiting."""
+    began = False
+
+    def write(file: BinaryIO) -> None:
+        nonlocal began
+        began = True
+        receive(ranks, source, file, str(path))
+
+    try:
+        write_atomically(path, write, check=check)
+    except BaseException:
+        if not began:
+            receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
+        raise
+
+
+def listed_order(directory: CheckpointDirectory, pointer: PointerName) -> Listed:
+    """A writer's resume order of ``pointer`` in its own directory, as it travels."""
+    best = directory.policy.best
+    found = scan(directory.storage, best)
+    order = resume_order(found.catalog, found.pointers, pointer, best)
+    return [(n, entry_to_wire(found.catalog.get(n))) for n in order], bool(found.catalog)
+
+
+def _manifest_problem(path: Path) -> str | None:
+    """What is wrong with this directory's manifest of ``path`` (``None``: it is whole)."""
+    try:
+        verify_file(path / MANIFEST_NAME)
+        read_layout(path)
+    except FileNotFoundError:
+        return f"{path / MANIFEST_NAME} is missing"
+    except (CheckpointCorrupt, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _held(path: Path, layout: ShardedLayout, manifest: bool) -> tuple[list[str], list[str]]:
+    """The files ``layout`` lists that this directory holds whole (its manifest among them
+    when ``manifest``), and what is wrong with each one it holds that is not whole."""
+    whole, problems = [MANIFEST_NAME] if manifest else [], []
+    for file in layout.files:
+        if not os.path.lexists(path / file.name):
+            continue
+        try:
+            verify_sharded(path, layout, [file.name])
+        except CheckpointCorrupt as exc:
+            problems.append(str(exc))
+        else:
+            whole.append(file.name)
+    return whole, problems
+
+
+def _move(
+    moves: Sequence[FileMove],
+    path: Path,
+    layout: ShardedLayout,
+    ranks: Ranks,
+    writers: Sequence[int],
+) -> None:
+    """This rank's part of ``moves`` (directory indexes into ``writers``), each pair in order,
+    every message exchanged whatever failed before (so no peer waits in vain); each file
+    received is checked before it counts. The first failure raised at the end."""
+    failed: BaseException | None = None
+    for move in moves:
+        source, target = writers[move.source], writers[move.target]
+        try:
+            if ranks.rank == source:
+                send_file(ranks, target, path / move.name)
+            elif ranks.rank == target:
+                receive_file(ranks, source, path / move.name)
+                if move.name == MANIFEST_NAME:
+                    verify_file(path / MANIFEST_NAME)
+                else:
+                    verify_sharded(path, layout, [move.name])
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
+def _say(moves: Sequence[FileMove], name: str, ranks: Ranks, writers: Sequence[int]) -> None:
+    """Rank 0 says, at INFO, which directory receives which file of ``name`` from which."""
+    if ranks.leader:
+        for move in moves:
+            log.info(
+                "resume: rank %d's directory lacks %s of %s: rank %d sends it",
+                writers[move.target],
+                move.name,
+                name,
+                writers[move.source],
+            )
+
+
+def _missing(layout: ShardedLayout, names: Sequence[str]) -> str:
+    """The missing files in words, each with the rank that wrote it."""
+    ranks = {f.name: f.rank for f in layout.files}
+    return ", ".join(
+        f"{n} (written by rank {ranks[n]})" if n in ranks else f"{n} (pitstop's manifest)"
+        for n in names
+    )
+
+
+def choose_sharded_across(
+    directory: CheckpointDirectory,
+    pointer: PointerName,
+    ranks: Ranks,
+    groups: DirectoryGroups,
+    plan: Callable[[Path], ShardedPlan],
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None]:
+    """Every rank: the sharded checkpoint a resume of ``pointer`` restores, its entry (as it
+    travels) and this rank's read plan of it (``plan(path)``), every file that plan reads
+    whole in this rank's directory once this returns; ``(None, None, None)``: none anywhere.
+    Raises :class:`~pitstop.errors.CheckpointCorrupt` naming each step and its missing files
+    when checkpoints were found but none is complete across the directories."""
+    writes = groups.writes(ranks.rank)
+    lists = ranks.all_gather_each(lambda: listed_order(directory, pointer) if writes else None)
+    orders = [cast(Listed, lists[w]) for w in groups.writers]
+    seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
+    lost: list[str] = []  # each incomplete candidate: its step and missing files
+    for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
+        wire = next(dict(order)[name] for order, _ in orders if name in dict(order))
+        chosen = _candidate(directory, name, wire, ranks, groups, plan)
+        if isinstance(chosen, str):
+            lost.append(chosen)
+            continue
+        path, mine = chosen
+        return path, wire, mine
+    if lost:
+        raise CheckpointCorrupt(
+            f"{directory.path}: no checkpoint is complete across the nodes' directories (each "
+            f"node holds its own ranks' shards); missing: {'; '.join(lost)}. Restore the lost "
+            "files, or start fresh with an empty directory on every node"
+        )
+    if pointer is not PointerName.LAST and any(found for _, found in orders):
+        raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
+    return None, None, None
+
+
+def _candidate(
+    directory: CheckpointDirectory,
+    name: str,
+    wire: tuple[Any, ...] | None,
+    ranks: Ranks,
+    groups: DirectoryGroups,
+    plan: Callable[[Path], ShardedPlan],
+) -> tuple[Path, ShardedPlan] | str:
+    """Every rank: candidate ``name`` chosen — its path and this rank's plan, each directory
+    given what it lacks — or, when it is not complete across the directories, what is lost."""
+    rank, writers = ranks.rank, groups.writers
+    writes = groups.writes(rank)
+    path = directory.storage.path(name)
+    step = f"step {wire[0].step if wire else '?'} ({name})"
+    manifests = ranks.all_gather_each(lambda: _manifest_problem(path) if writes else "")
+    whole = [manifests[w] is None for w in writers]
+    if not any(whole):
+        if ranks.leader:
+            said = "; ".join(f"rank {w}'s directory: {manifests[w]}" for w in writers)
+            log.warning("resume skips %s: no directory holds its manifest whole: %s", step, said)
+        return f"{step}: {MANIFEST_NAME} (in no directory whole)"
+    source = writers[whole.index(True)]
+    layouts = ranks.all_gather_each(lambda: read_layout(path)[0] if rank == source else None)
+    layout = cast(ShardedLayout, layouts[source])
+    found = ranks.all_gather_each(
+        lambda: _held(path, layout, manifests[rank] is None) if writes else None
+    )
+    held = [set(cast(tuple[list[str], list[str]], found[w])[0]) for w in writers]
+    if ranks.leader:
+        for w in writers:
+            manifest = [] if manifests[w] is None else [manifests[w]]
+            for problem in manifest + cast(tuple[list[str], list[str]], found[w])[1]:
+                log.warning("resume: in rank %d's directory: %s", w, problem)
+    listed = [f.name for f in layout.files] + [MANIFEST_NAME]
+    cover = cover_nodes(listed, held, [{MANIFEST_NAME}] * len(writers))
+    if not cover.complete:
+        missing = _missing(layout, cover.missing)
+        if ranks.leader:
+            log.warning(
+                "resume skips %s: not complete across the nodes' directories, %s whole in "
+                "none of them",
+                step,
+                missing,
+            )
+        return f"{step}: {missing}"
+    moves = cover.moves  # the manifest first, to every directory without it whole
+    _say(moves, name, ranks, writers)
+    ranks.each(lambda: _move(moves, path, layout, ranks, writers))
+    for move in moves:
+        held[move.target].add(move.name)
+    mine = ranks.each(lambda: plan(path))
+    reads = ranks.all_gather(mine.files)
+    needed = [{MANIFEST_NAME}.union(*(reads[r] for r in g)) for g in groups.groups]
+    fetch = cover_nodes(listed, held, needed).moves
+    _say(fetch, name, ranks, writers)
+    ranks.each(lambda: _move(fetch, path, layout, ranks, writers))
+    if moves or fetch:
+        ranks.each(lambda: directory.rescan() if writes else None)
+    return path, mine

@@ -1,0 +1,314 @@
+# Reading a checkpoint from object storage: ranged, parallel GETs into memory, each blob's
+# CRC-32 checked as its bytes arrive.
+#
+# Rules: the data object's size must be the one its commit records. Its header and its tail
+# (footer and manifest: one request for both, a second only for a manifest larger than the
+# tail read) come first and are checked as a local file's are (fileread.read_manifest); then
+# the data region is read in RANGE-sized GETs, WORKERS at a time, each written where it
+# belongs as it arrives, and on the same thread the CRC-32 of each piece of a blob it holds
+# computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
+# is compared with its manifest's CRC-32 at once, and the first one that fails stops the read
+# (CheckpointCorrupt naming the URL and the blob; the requests still queued are cancelled). So
+# every byte is checked as a local verify checks it, once, while the network is still busy.
+# Where the bytes go: an anonymous memory file (memfd), held under the checkpoint's local path
+# (pitstop.shell.format.untrusted.hold) once every check passed, and vouched for — the
+# resume's read then loads it without checking it again, and every other reader opens it as a
+# file. Nothing is written to a disk and nothing is left behind by a killed process; where
+# there is no memfd (not Linux) a temp file of the cache is written and renamed instead.
+# Memory: the checkpoint's size (the memory file, until its reader is done: the storage holds
+# one at a time per cache, released by the next fetch, by the storage's release() after a
+# resume, or by close()) plus at most WORKERS * RANGE bytes of responses in flight (in the
+# whole process: its downloads share one pool).
+# How: one thread pool of WORKERS per process; obstore's get_range releases the GIL, os.pwrite
+# and the CRC-32 (pitstop.shell.format.checksums) too. A read that fails cancels its queued
+# GETs and waits for the running ones before its memory file is closed.
+
+"""Downloading a checkpoint from object storage into memory, checked as it arrives."""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, Protocol, TypeVar
+
+from pitstop.core.manifest import FOOTER_SIZE, HEADER_SIZE, Manifest, check_footer, check_header
+from pitstop.core.naming import TEMP_PREFIX
+from pitstop.core.objects import Commit, Location, range_reads
+from pitstop.errors import CheckpointCorrupt
+from pitstop.shell.format import fileformat
+from pitstop.shell.format.blobfile import blob_corrupt
+from pitstop.shell.format.checksums import crc32_combine, crc32_update
+from pitstop.shell.format.untrusted import hold, release, vouch
+
+_T = TypeVar("_T")
+
+
+class ObjectStorage(Protocol):
+    """What a download needs of pitstop.shell.store.objectstore.ObjectStorage."""
+
+    location: Location
+    client: Any
+
+    def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T: ...
+    def commit(self, name: str) -> Commit: ...
+    def head(self, name: str) -> dict[str, Any] | None: ...
+
+
+__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_file", "let_go"]
+
+RANGE: Final = 8 << 20
+"""Bytes per ranged GET."""
+
+WORKERS: Final = 16
+"""Ranged GETs in flight at once."""
+
+TAIL: Final = 1 << 20
+"""Bytes read from the end of the object first: the footer and, usually, the whole manifest."""
+
+_HELD: dict[Path, Path] = {}  # cache directory -> the checkpoint held in memory for it
+_HELD_LOCK = threading.Lock()
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []  # the process's GET threads, made once
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The WORKERS threads every download of this process shares (started once: a thread's
+    start costs more than a GET on loopback)."""
+    with _HELD_LOCK:
+        if not _POOL:
+            _POOL.append(concurrent.futures.ThreadPoolExecutor(WORKERS, "pitstop-get"))
+        return _POOL[0]
+
+
+def let_go(cache: Path) -> None:
+    """Free the checkpoint held in memory for ``cache`` (tensors mapped from it keep theirs)."""
+    with _HELD_LOCK:
+        path = _HELD.pop(cache, None)
+    if path is not None:
+        release(path)
+
+
+def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = True) -> Path:
+    """Read checkpoint ``name`` of ``objects`` into memory held at ``target`` (its local path
+    in the cache), every byte checked as it arrives; ``target``. Raises
+    :class:`~pitstop.errors.CheckpointCorrupt` naming the URL (a missing or short data object,
+    a bad manifest, a blob failing its CRC-32, a padding byte not zero) with nothing held.
+    ``memory=False``: into a file of the cache, for other processes to read (ranks that share
+    the directory read rank 0's download), checked the same way as it arrives."""
+    commit = objects.commit(name)
+    url = objects.location.url(name)
+    meta = objects.head(commit.data)
+    if meta is None:
+        raise CheckpointCorrupt(f"{url}: its data object {commit.data} is missing")
+    if int(meta["size"]) != commit.size:
+        raise CheckpointCorrupt(
+            f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
+        )
+    if commit.size < HEADER_SIZE + FOOTER_SIZE:
+        raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
+    let_go(target.parent)
+    memory = memory and hasattr(os, "memfd_create")
+    if memory:
+        fd = os.memfd_create(f"pitstop-{name}", os.MFD_CLOEXEC)
+        where = target
+        hold(where, fd)  # owned there from now on; opened by the manifest's check
+    else:  # no anonymous memory file here: a temp file of the cache, renamed when checked
+        target.parent.mkdir(parents=True, exist_ok=True)
+        where = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{name}")
+        fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, commit.size)
+        _Download(objects, commit.data, fd, url).run(where, commit.size)
+    except BaseException:
+        if memory:
+            release(where)
+        else:
+            os.close(fd)
+            os.unlink(where)
+        raise
+    if memory:
+        vouch(where)
+        with _HELD_LOCK:
+            _HELD[target.parent] = target
+    else:
+        os.close(fd)
+        os.replace(where, target)
+    return target
+
+
+def download_file(objects: ObjectStorage, name: str, data: str, size: int, target: Path) -> None:
+    """Download the data object ``data`` of checkpoint ``name`` to the file ``target`` (a
+    sharded checkpoint's file: its reader checks it against the manifest) by the same ranged,
+    parallel GETs, into a temp file renamed once whole. Raises
+    :class:`~pitstop.errors.CheckpointCorrupt` naming the URL when the object is missing or not
+    ``size`` bytes, with nothing left."""
+    url = objects.location.url(name)
+    meta = objects.head(data)
+    if meta is None:
+        raise CheckpointCorrupt(f"{url}: its data object {data} is missing")
+    if int(meta["size"]) != size:
+        raise CheckpointCorrupt(
+            f"{url}: its data object {data} holds {meta['size']} bytes, its commit says {size}"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    where = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{target.name}")
+    fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        _Download(objects, data, fd, url).spans(
+            list(range_reads(size, RANGE)), lambda _view, _at: None, lambda _seen: None
+        )
+    except BaseException:
+        os.close(fd)
+        os.unlink(where)
+        raise
+    os.close(fd)
+    os.replace(where, target)
+
+
+class _Download:
+    """One checkpoint's read: its manifest, then its data region, checked as it arrives."""
+
+    def __init__(self, objects: ObjectStorage, data: str, fd: int, url: str) -> None:
+        self.objects, self.data, self.fd, self.url = objects, data, fd, url
+        self.key = objects.location.key(data)
+
+    def get(self, start: int, end: int) -> Any:
+        """Bytes ``start..end`` of the data object."""
+        client, key = self.objects.client, self.key
+        return self.objects.call(
+            "read", self.data, lambda o: o.get_range(client, key, start=start, end=end)
+        )
+
+    def put(self, piece: Any, at: int) -> memoryview:
+        """Write ``piece`` at ``at`` in the memory file; its bytes as a view."""
+        view = memoryview(piece).cast("B")
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(self.fd, view[done:], at + done)
+        return view
+
+    def run(self, where: Path, size: int) -> None:
+        """Read and check the whole object into the memory file held at ``where``."""
+        tail = max(HEADER_SIZE, size - TAIL)
+        client, key = self.objects.client, self.key
+        header, end = self.objects.call(
+            "read",
+            self.data,
+            lambda o: o.get_ranges(client, key, starts=[0, tail], ends=[HEADER_SIZE, size]),
+        )
+        self.put(header, 0)
+        self.put(end, tail)
+        try:
+            version = check_header(bytes(header), name=self.url)
+            footer = check_footer(
+                bytes(end)[-FOOTER_SIZE:], name=self.url, size=size, version=version
+            )
+            if footer.manifest_offset < tail:
+                self.put(self.get(footer.manifest_offset, tail), footer.manifest_offset)
+            manifest = fileformat.read_manifest(where)
+        except CheckpointCorrupt as exc:
+            raise CheckpointCorrupt(f"{self.url}: {exc}") from None
+        self.region(manifest)
+
+    def region(self, manifest: Manifest) -> None:
+        """Read the data region (header end .. manifest), WORKERS ranged GETs at a time."""
+        check = _Check(manifest, self.url)
+        start, stop = HEADER_SIZE, manifest.manifest_offset
+        ranges = [(start + a, start + b) for a, b in range_reads(stop - start, RANGE)]
+        self.spans(ranges, check.piece, check.note)
+        check.finish()
+
+    def spans(
+        self,
+        ranges: list[tuple[int, int]],
+        look: Callable[[memoryview, int], _T],
+        seen: Callable[[_T], None],
+    ) -> None:
+        """Read ``ranges``, WORKERS ranged GETs at a time, each written where it belongs and
+        ``look``ed at on its own thread as it arrives; ``seen`` takes what each look found, in
+        the order they end. The first failure stops the read."""
+
+        def arrive(span: tuple[int, int]) -> _T:
+            return look(self.put(self.get(*span), span[0]), span[0])
+
+        futures = [_pool().submit(arrive, r) for r in ranges]
+        try:
+            for done in concurrent.futures.as_completed(futures):
+                seen(done.result())
+        finally:  # none queued starts, and none running still writes, once this returns
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+
+
+class _Check:
+    """The CRC-32s of a manifest's blobs, joined from pieces checked as they arrive."""
+
+    def __init__(self, manifest: Manifest, url: str) -> None:
+        self.manifest, self.url = manifest, url
+        self.order = sorted(range(len(manifest.blobs)), key=lambda i: manifest.blobs[i].offset)
+        self.starts = [manifest.blobs[i].offset for i in self.order]
+        self.pieces: dict[int, dict[int, tuple[int, int]]] = {}  # blob -> at -> (crc, length)
+        self.left = {i: b.length for i, b in enumerate(manifest.blobs)}
+
+    def piece(self, view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
+        """``(blob, offset, crc, length)`` of each blob's piece in ``view`` (the bytes at file
+        offset ``at``); every padding byte in it checked (on the calling thread)."""
+        stop, found = at + view.nbytes, []
+        cursor = at
+        first = max(0, bisect.bisect_right(self.starts, at) - 1)
+        for index in self.order[first:]:
+            blob = self.manifest.blobs[index]
+            if blob.offset >= stop:
+                break
+            if blob.stop <= at or blob.length == 0:
+                continue
+            lo, hi = max(blob.offset, at), min(blob.stop, stop)
+            self.padding(view, at, cursor, lo, index)
+            found.append((index, lo, crc32_update(view[lo - at : hi - at]), hi - lo))
+            cursor = max(cursor, hi)
+        self.padding(view, at, cursor, stop, None)
+        return found
+
+    def padding(self, view: memoryview, at: int, start: int, stop: int, before: int | None) -> None:
+        """Bytes ``start..stop`` (file offsets, inside ``view`` at ``at``) must be zero."""
+        if stop <= start:
+            return
+        raw = view[start - at : stop - at].tobytes()
+        rest = raw.lstrip(b"\0")
+        if rest:
+            where = stop - len(rest)
+            blob = f"before blob {before}" if before is not None else "after the last blob"
+            raise CheckpointCorrupt(
+                f"{self.url}: padding byte at offset {where} ({blob}) is not zero"
+            )
+
+    def note(self, found: list[tuple[int, int, int, int]]) -> None:
+        """Take in a range's pieces; a blob whose bytes are all in is compared at once."""
+        for index, at, crc, length in found:
+            self.pieces.setdefault(index, {})[at] = (crc, length)
+            self.left[index] -= length
+            if self.left[index] == 0:
+                self.compare(index)
+
+    def compare(self, index: int) -> None:
+        crc = 0
+        for at in sorted(self.pieces.get(index, {})):
+            piece, length = self.pieces[index][at]
+            crc = crc32_combine(crc, piece, length)
+        self.pieces.pop(index, None)
+        if crc != self.manifest.blobs[index].crc32:
+            raise CheckpointCorrupt(f"{self.url}: {blob_corrupt(self.manifest, index)}")
+
+    def finish(self) -> None:
+        """Every blob was compared (an empty one: its CRC-32 must be that of no bytes)."""
+        for index, left in self.left.items():
+            if left == 0 and self.manifest.blobs[index].length == 0:
+                self.compare(index)
+            elif left:
+                raise CheckpointCorrupt(f"{self.url}: blob {index} was not read whole")

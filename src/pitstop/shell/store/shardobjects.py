@@ -1,0 +1,160 @@
+# A sharded checkpoint (DCP's files and pitstop's manifest) on object storage.
+#
+# Rules: the objects and the commit record are the core's (pitstop.core.objects). Every rank
+# writes its shards through DCP into a local staging folder of its own (the ObjectStorage's cache
+# directory: DCP's file writer, with its sizes and CRC-32s taken as it writes), then uploads the
+# files it wrote to `.data/<token>/<name>/<file>` inside DCP's write step — so a failed upload is
+# that rank's write failure, which DCP's gather of the results raises on every rank, and a save
+# whose write returned has every rank's shards uploaded (upload_shards). Rank 0 then writes the
+# manifest, uploads it and DCP's `.metadata`, lists the data folder and writes the one commit
+# object only when the core says every file is there at its size (commit_sharded): a create
+# (If-None-Match: *), or the swap of its own earlier commit of that name (If-Match), whose data
+# objects are deleted after. A failed commit deletes this attempt's data objects (what cannot be
+# deleted is an orphan the next writer's open removes). Reading (ObjectStorage.fetch_files): the
+# commit's files, or only those named (a resume's rank: the manifest, then what its read plan
+# needs), are downloaded to a local folder, each checked against its commit's size; the CRC-32s
+# are checked by the reader (pitstop.shell.store.sharddir.verify_sharded) before DCP reads.
+# How: an ObjectStorage's requests; the staging folders are local files of this process.
+
+"""Sharded checkpoints on ``s3://``: upload each rank's shards, commit them."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pitstop.core.objects import (
+    Commit,
+    commit_problem,
+    data_name,
+    deletion_order,
+    encode_commit,
+    sharded_commit,
+)
+from pitstop.core.sharded import MANIFEST_NAME, ShardFile, files_from_wire
+from pitstop.errors import SaveError
+from pitstop.shell.format import fileformat
+from pitstop.shell.format.checksums import crc32
+from pitstop.shell.store.objectstore import ObjectStorage, token_of
+from pitstop.shell.store.storage import FileKind
+
+__all__ = ["commit_sharded", "publish_objects", "upload_shards"]
+
+
+def _final(temp: str) -> str:
+    """The checkpoint name a temp folder ``.tmp-<token>-<name>`` is for."""
+    return temp.rpartition("-")[2]
+
+
+def upload_shards(storage: ObjectStorage, directory: Path, table: Iterable[ShardFile]) -> None:
+    """Every rank, in DCP's write step: upload the files of ``table`` (the ones this rank
+    wrote) from its local staging folder ``directory`` (``.tmp-<token>-<name>``) to the data
+    objects of the checkpoint it will be. Raises ``OSError`` naming the object."""
+    name = _final(directory.name)
+    folder = data_name(name, token_of(directory.name, name))
+    for file in table:
+        storage.put(f"{folder}/{file.name}", directory / file.name, "overwrite")
+
+
+def publish_objects(
+    storage: ObjectStorage,
+    temp: str,
+    name: str,
+    *,
+    replaced: Callable[[], None] | None = None,
+    manifest: Callable[[Path], None] | None = None,
+) -> None:
+    """Rank 0: pitstop.shell.store.sharddir.publish_sharded on object storage — ``manifest``
+    writes the manifest into the staging folder ``temp``, then :func:`commit_sharded` commits
+    it by one conditional PUT, so ``name`` holds the old checkpoint or the new one (then
+    ``replaced()`` is called, if one was there); the staging folder goes either way. Raises
+    :class:`~pitstop.errors.SaveError` naming the checkpoint."""
+    local = storage.path(temp)
+    try:
+        if manifest is not None:
+            manifest(local)
+        replacing = storage.kind(name) is not FileKind.MISSING
+        meta = fileformat.read_manifest(local / MANIFEST_NAME).meta
+        files = files_from_wire(meta.get("sharded"), f"{local / MANIFEST_NAME}: sharded")
+        commit_sharded(storage, temp, name, files, meta)
+    except Exception as exc:
+        shutil.rmtree(local, ignore_errors=True)
+        if isinstance(exc, SaveError):
+            raise
+        raise SaveError(f"could not commit {storage.location.url(name)}: {exc}") from exc
+    if replacing and replaced is not None:
+        replaced()
+
+
+def _listed(storage: ObjectStorage, folder: str) -> dict[str, int]:
+    """``{relative name: size}`` of every object under ``folder`` (relative to the prefix)."""
+    prefix = storage.location.key(folder) + "/"
+    cut = len(storage.location.prefix) + 1 if storage.location.prefix else 0
+
+    def walk(o: Any) -> dict[str, int]:
+        found = o.list(storage.client, prefix)
+        return {str(m["path"])[cut:]: int(m["size"]) for chunk in found for m in chunk}
+
+    return storage.call("list", folder, walk)
+
+
+def commit_sharded(
+    storage: ObjectStorage,
+    temp: str,
+    name: str,
+    files: Iterable[ShardFile],
+    meta: Mapping[str, Any],
+) -> None:
+    """Rank 0: publish the staged checkpoint ``temp`` (every rank's shards uploaded, the
+    manifest written into it last; ``files``: every rank's, as its layout lists them;
+    ``meta``: its manifest's) as ``name``: upload the manifest and what else of rank 0's is
+    not uploaded yet, check the listing, write the commit. The local folder goes either way.
+    Raises :class:`~pitstop.errors.SaveError` naming what is missing, ``FileExistsError``
+    when another writer committed ``name``, ``OSError`` for a request that failed."""
+    local = storage.path(temp)
+    try:
+        data = (local / MANIFEST_NAME).read_bytes()
+        manifest = ShardFile(
+            name=MANIFEST_NAME, size=len(data), crc32=crc32(memoryview(data)), rank=0
+        )
+        commit = sharded_commit(name, token_of(temp, name), (*files, manifest), meta)
+        listed = _listed(storage, commit.data)
+        for file in commit.files:  # rank 0's own: .metadata and the manifest
+            key = f"{commit.data}/{file.name}"
+            if key not in listed and (local / file.name).is_file():
+                storage.put(key, local / file.name, "overwrite")
+                listed[key] = (local / file.name).stat().st_size
+        problem = commit_problem(commit, listed)
+        if problem is not None:
+            raise SaveError(f"{storage.location.url(name)} is not committed: {problem}")
+        _commit(storage, commit)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def _commit(storage: ObjectStorage, commit: Commit) -> None:
+    """Write ``commit`` by one conditional PUT: a create, or the swap of this writer's own
+    earlier commit of its name (by the ETag it saw), whose data objects go after."""
+    name, old = commit.name, None
+    try:
+        seen = storage.etag(name)  # a commit this process read or wrote
+        if seen is not None:
+            with contextlib.suppress(FileNotFoundError):
+                old = storage.commit(name)
+            if old is not None and storage.etag(name) != seen:
+                raise FileExistsError(
+                    f"{storage.location.url(name)} was replaced by another writer"
+                )
+        storage.put(name, encode_commit(commit), "create" if old is None else {"e_tag": seen})
+    except BaseException:
+        for obj in commit.objects():
+            with contextlib.suppress(OSError):
+                storage.delete(obj)
+        raise
+    if old is not None and old.data != commit.data:
+        for obj in deletion_order(old)[1:]:
+            with contextlib.suppress(OSError):
+                storage.delete(obj)

@@ -1,0 +1,404 @@
+# A local checkpoint directory with a remote tier (an s3:// prefix) behind it.
+#
+# Rules: a save publishes to the local directory exactly as without a tier (same path, same
+# speed); once it is published, its file is hard-linked into the tier's cache (a temp entry of
+# the local directory, so on the same filesystem, and removed by the next open if this process
+# dies) — so the local retention may delete it meanwhile — and queued. One thread uploads the
+# queue in order, each through the object store's own publish (the data object, then the
+# conditional-put commit, then the remote pointers and latest.json by compare-and-swap, then the
+# remote retention, commit objects first): the core's plan_arrival says what each arrival does
+# there (the checkpoint keeps its seq; the remote tier's own Policy retires the rest). The
+# remote prefix is opened (its lease taken) by the first upload or resume, never by the
+# constructor. An upload that fails (an unreachable endpoint, refused credentials, a lost lease)
+# loses nothing local: it is logged, kept, and raised by the Checkpointer's next call (the
+# core's waits_for_uploads says which calls wait for the queue first: the run's end and a
+# resume); the next upload tries again. A resume tries the core's tiered_resume_order over both
+# tiers' catalogs until a candidate verifies — a remote one is downloaded into the cache first —
+# and a remote checkpoint it restored is copied into the local directory once the resume has
+# succeeded (adopt), with its own seq, so the next save continues after it in both tiers.
+# After that resume the remote tier catches up, on the upload thread before any later save:
+# the local checkpoints it lacks (an upload failed, or was queued when the process was killed)
+# are uploaded, oldest first, less those its retention would retire at once (plan_catch_up).
+# How: a RemoteTier (the prefix's CheckpointDirectory, a queue, a thread and a condition
+# variable) and TieredDirectory, a CheckpointDirectory that hands each publish to it.
+
+"""The remote tier: local publish first, upload in the background, its own retention."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pitstop.core.naming import temp_name
+from pitstop.core.plan import SavePlan, plan_arrival, plan_catch_up
+from pitstop.core.pointers import Tier, resume_order, tiered_resume_order
+from pitstop.core.records import (
+    NO_CHECKPOINT,
+    Catalog,
+    CheckpointEntry,
+    NoCheckpoint,
+    PointerName,
+    Policy,
+)
+from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.atomic import write_atomically
+from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
+from pitstop.shell.store.lease import ObjectLease
+from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.storage import Storage, fetch
+
+__all__ = ["RemoteTier", "TieredDirectory"]
+
+log = logging.getLogger("pitstop")
+
+_Upload = tuple[CheckpointEntry, Path]  # a published checkpoint and its staged hard link
+
+
+class RemoteTier:
+    """The remote tier of a local checkpoint directory: ``url`` (``s3://bucket/prefix``) with
+    its own lease, pointers and retention (``policy``); its files are cached in ``cache``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        policy: Policy,
+        cache: Path,
+        storage_options: Mapping[str, Any] | None,
+        protect: bool,
+    ) -> None:
+        self.objects = ObjectStorage(url, storage_options=storage_options, cache=cache)
+        self.url = self.objects.url
+        self.cache = cache
+        run_id = uuid.uuid4().hex[:12]
+        lease = ObjectLease(self.objects, run_id)
+        self.directory = CheckpointDirectory(
+            cache, policy=policy, storage=self.objects, run_id=run_id, protect=protect, lock=lease
+        )
+        self._cond = threading.Condition()
+        self._opening = threading.Lock()  # opening takes requests: never under _cond
+        self._queue: collections.deque[_Upload] = collections.deque()
+        self._busy = False  # an upload is under way
+        self._opened = False
+        self._adopted = False
+        self._closed = False
+        self._errors: list[BaseException] = []  # failures not raised yet, oldest first
+        self._thread: threading.Thread | None = None
+        self._staged = 0
+        self._catching: tuple[Catalog, Callable[[str], Path]] | None = None  # a catch-up to do
+
+    # --- the loop's side --------------------------------------------------------------------
+
+    def stage(self, entry: CheckpointEntry, path: Path) -> None:
+        """Queue the upload of ``entry``, just published at ``path`` (never raises: a failure is
+        kept for the next call, the local checkpoint stays)."""
+        try:
+            staged = self._link(entry, path)
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._work, name="pitstop-upload", daemon=True
+                    )
+                    self._thread.start()
+                self._queue.append((entry, staged))
+                self._cond.notify_all()
+        except Exception as exc:
+            self._failed(entry, exc)
+
+    def _link(self, entry: CheckpointEntry, path: Path) -> Path:
+        """``path`` staged in the cache (a hard link: the same filesystem, no copy)."""
+        self._staged += 1
+        staged = self.cache / f"staged-{self._staged}-{entry.name}"
+        self.cache.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, staged)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            shutil.copyfile(path, staged)
+        return staged
+
+    def catch_up(self, local: Catalog, where: Callable[[str], Path]) -> None:
+        """Upload, in the background and before any save queued later, the checkpoints of
+        ``local`` (at ``where(name)``) the remote tier lacks and keeps (the core's
+        plan_catch_up): an upload that failed, or was queued when a process was killed."""
+        with self._cond:
+            self._catching = (local, where)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._work, name="pitstop-upload", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def settle(self, *, block: bool) -> None:
+        """``block``: wait until every queued upload is done; then raise the failure of one that
+        failed (a :class:`~pitstop.errors.SaveError` naming the step and the URL), once."""
+        with self._cond:
+            while block and self._pending():
+                self._cond.wait()
+            errors, self._errors = self._errors, []
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            more = f"; and {len(errors) - 1} more upload(s) failed (see the log)"
+            raise SaveError(f"{errors[0]}{more}") from errors[0]
+
+    def _pending(self) -> bool:
+        """Whether an upload is queued or under way (on a thread still running: under _cond)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and (bool(self._queue) or self._busy or self._catching is not None)
+
+    def opened(self) -> CheckpointDirectory:
+        """The remote prefix's directory, opened (its lease taken, scanned) on first use.
+        Raises :class:`~pitstop.errors.SaveError` naming the URL when it cannot be."""
+        with self._opening:
+            if not self._opened:
+                self.directory.open()
+                self._opened = True
+                if self._adopted:
+                    self.directory.adopt()
+            return self.directory
+
+    def adopt(self) -> None:
+        """The run resumed: the remote checkpoints found are its own to replace and retire."""
+        self._adopted = True
+        if self._opened:
+            self.directory.adopt()
+
+    def tiers(self, name: str, seq: int) -> tuple[str, ...]:
+        """The tiers ``name`` (save ``seq``) is held by as far as this process knows."""
+        entry = self.directory.catalog.get(name)
+        held = entry is not NO_CHECKPOINT and entry.seq == seq
+        return (Tier.LOCAL.value, Tier.REMOTE.value) if held else (Tier.LOCAL.value,)
+
+    def close(self) -> None:
+        """Wait for the queued uploads, stop the thread, release the lease, remove the cache."""
+        with self._cond:
+            while self._pending():
+                self._cond.wait()
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        try:
+            self.directory.close()
+        finally:
+            shutil.rmtree(self.cache, ignore_errors=True)
+
+    # --- the upload thread ------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and self._catching is None and not self._closed:
+                    self._cond.wait()
+                catching, self._catching = self._catching, None
+                if catching is None and not self._queue:
+                    return
+                self._busy = True
+            if catching is not None:
+                self._catch_up(*catching)
+                continue
+            with self._cond:
+                entry, staged = self._queue.popleft()
+            try:
+                self._send(entry, staged)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _send(self, entry: CheckpointEntry, staged: Path) -> None:
+        """Upload one staged checkpoint (a failure kept for the next call); its link removed."""
+        try:
+            self._upload(entry, staged)
+        except Exception as exc:
+            self._failed(entry, exc)
+        finally:
+            with contextlib.suppress(OSError):
+                staged.unlink()
+
+    def _catch_up(self, local: Catalog, where: Callable[[str], Path]) -> None:
+        """The upload thread: upload what plan_catch_up says, oldest first."""
+        todo: tuple[CheckpointEntry, ...] = ()
+        try:
+            directory = self.opened()
+            todo = plan_catch_up(local, directory.catalog, directory.policy)
+        except Exception as exc:  # the remote tier cannot be reached: raised at the next call
+            error = SaveError(f"catching up the remote tier {self.url} failed: {exc}")
+            error.__cause__ = exc
+            log.error("%s", error)
+            with self._cond:
+                self._errors.append(error)
+        for entry in todo:
+            try:
+                staged = self._link(entry, where(entry.name))
+            except FileNotFoundError:
+                continue  # retired locally meanwhile
+            log.info("catching up: %s was not uploaded to %s", entry.name, self.url)
+            self._send(entry, staged)
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def _upload(self, entry: CheckpointEntry, staged: Path) -> None:
+        directory = self.opened()
+        plan = plan_arrival(directory.catalog, entry, directory.policy)
+        self.objects.upload_from(entry.name, staged)
+        try:
+            deleted = directory.execute(plan, lambda file, entry, sync: None)
+        finally:
+            self.objects.upload_from(entry.name, None)
+        retired = f"; retired {', '.join(deleted)}" if deleted else ""
+        log.info("uploaded %s to the remote tier %s%s", entry.name, self.url, retired)
+
+    def _failed(self, entry: CheckpointEntry, exc: Exception) -> None:
+        message = (
+            f"upload of step {entry.step} ({entry.name}) to the remote tier {self.url} failed: "
+            f"{exc}; the local checkpoint is kept"
+        )
+        log.error("%s", message)
+        error = SaveError(message)
+        error.__cause__ = exc
+        with self._cond:
+            self._errors.append(error)
+
+
+class TieredDirectory(CheckpointDirectory):
+    """A local checkpoint directory whose every published checkpoint is also uploaded to
+    ``remote``; a resume chooses from both tiers."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        remote_url: str,
+        remote_policy: Policy,
+        storage_options: Mapping[str, Any] | None,
+        policy: Policy,
+        storage: Storage | None,
+        protect: bool,
+    ) -> None:
+        super().__init__(path, policy=policy, storage=storage, protect=protect)
+        cache = self.path / temp_name("remote-tier", self.run_id)
+        self.remote = RemoteTier(
+            remote_url,
+            policy=remote_policy,
+            cache=cache,
+            storage_options=storage_options,
+            protect=protect,
+        )
+        self._arrived: tuple[CheckpointEntry, Path] | None = None
+        self.uploads = True
+        """Whether this directory's checkpoints are uploaded (``False``: another node's writer
+        uploads the same checkpoints, so that each is uploaded once)."""
+
+    def execute(self, plan: SavePlan, write: WriteCheckpoint) -> list[str]:
+        """Carry ``plan`` out locally; once its checkpoint is published, queue its upload."""
+        try:
+            return super().execute(plan, write)
+        finally:
+            entry = plan.entry
+            if self.uploads and entry is not NO_CHECKPOINT and self.carried_out(plan):
+                self.remote.stage(entry, self.storage.path(entry.name))
+
+    def choose(
+        self, pointer: PointerName, verify: Callable[[Path], None] = verify_any
+    ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
+        """The checkpoint a resume from ``pointer`` restores, from either tier (the core's
+        tiered_resume_order), verified; ``(None, NO_CHECKPOINT)``: neither holds one."""
+        best = self.policy.best
+        local = scan(self.storage, best)
+        remote = self.remote.opened()
+        found = scan(remote.storage, best)
+        tiers = {
+            Tier.LOCAL: (self.storage, local.catalog),
+            Tier.REMOTE: (remote.storage, found.catalog),
+        }
+        order = tiered_resume_order(
+            (local.catalog, local.pointers), (found.catalog, found.pointers), pointer, best
+        )
+        for tier, name in order:
+            storage, catalog = tiers[tier]
+            try:
+                path = fetch(storage, name)  # the remote tier's: downloaded, then checked
+                verify(path)
+            except (CheckpointCorrupt, OSError) as exc:
+                where = f" (the remote tier {self.remote.url})" if tier is Tier.REMOTE else ""
+                log.warning("resume skips a checkpoint that does not verify%s: %s", where, exc)
+                continue
+            entry = catalog.get(name)
+            assert entry is not NO_CHECKPOINT
+            if tier is Tier.REMOTE:
+                log.info("resume takes %s from the remote tier %s", name, self.remote.url)
+                self._arrived = (entry, path)
+            return path, entry
+        return None, NO_CHECKPOINT
+
+    def remote_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry]]:
+        """The remote tier's resume order for ``pointer``, each name with its entry: listed
+        without its lease (a reader's listing; the lease is the uploader's)."""
+        best = self.policy.best
+        found = scan(self.remote.objects, best)
+        order = resume_order(found.catalog, found.pointers, pointer, best)
+        entries = [(name, found.catalog.get(name)) for name in order]
+        return [(name, e) for name, e in entries if isinstance(e, CheckpointEntry)]
+
+    def download(self, name: str) -> Path:
+        """Copy checkpoint ``name`` from the remote tier into this directory (downloaded to
+        the cache, then published atomically with its seq, as a peer's copy is); its local
+        path, unchecked. Reads only: no lease is taken."""
+        path = self.storage.path(name)
+        with self.remote.objects.fetched(name) as fetched:
+
+            def copy(file: BinaryIO) -> None:
+                with open_untrusted(fetched) as source:  # read into memory, checked
+                    shutil.copyfileobj(source, file, 8 << 20)
+
+            write_atomically(path, copy)
+        self.rescan()
+        return path
+
+    def adopt(self) -> None:
+        """The run resumed: both tiers' checkpoints are its own; a remote checkpoint it resumed
+        from is copied into the local directory (with its seq: the next save follows it) by the
+        one atomic writer, then the memory it was read into is freed."""
+        super().adopt()
+        arrived, self._arrived = self._arrived, None
+        try:
+            if arrived is not None:
+                self._copy_in(*arrived)
+        finally:
+            self.remote.adopt()  # frees the remote checkpoint read into memory
+        if self.uploads:  # the one uploader's (rank 0's, on nodes that share no directory)
+            self.remote.catch_up(self.catalog, self.storage.path)
+
+    def _copy_in(self, entry: CheckpointEntry, path: Path) -> None:
+        def copy(file: Any, entry: CheckpointEntry, sync: Callable[[], None]) -> None:
+            with open_untrusted(path) as source:  # the copy the resume read (into memory)
+                shutil.copyfileobj(source, file, 8 << 20)
+
+        try:
+            super().execute(plan_arrival(self.catalog, entry, self.policy), copy)
+        except (SaveError, OSError) as exc:
+            log.warning(
+                "could not copy %s from the remote tier into %s: %s", entry.name, self.path, exc
+            )
+
+    def close(self) -> None:
+        """Wait for the uploads, release the remote lease, then the local lock."""
+        try:
+            self.remote.close()
+        finally:
+            super().close()

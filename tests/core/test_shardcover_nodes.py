@@ -1,0 +1,94 @@
+"""A sharded checkpoint's files across directories the ranks do not share (core.shardcover)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pitstop.core.shardcover import cover_nodes, file_homes, part_here
+
+names = st.lists(
+    st.sampled_from([f"__{r}_0.distcp" for r in range(5)] + [".metadata", "m"]),
+    min_size=1,
+    max_size=7,
+    unique=True,
+)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[list[str], list[set[str]], list[set[str]]]:
+    """A checkpoint's files, what each directory holds whole, and what each one's ranks need."""
+    listed = draw(names)
+    dirs = draw(st.integers(1, 4))
+    held = [set(draw(st.lists(st.sampled_from(listed), max_size=7))) for _ in range(dirs)]
+    needed = [set(draw(st.lists(st.sampled_from(listed), max_size=7))) for _ in range(dirs)]
+    return listed, held, needed
+
+
+@given(cases())
+def test_a_checkpoint_is_complete_exactly_when_every_file_is_whole_somewhere(
+    case: tuple[list[str], list[set[str]], list[set[str]]],
+) -> None:
+    listed, held, needed = case
+    cover = cover_nodes(listed, held, needed)
+    union = set().union(*held)
+    assert cover.missing == tuple(sorted(set(listed) - union))
+    assert cover.complete == (set(listed) <= union)
+    if not cover.complete:
+        assert cover.moves == ()
+
+
+@given(cases())
+def test_each_directory_receives_what_it_needs_and_lacks_from_one_that_holds_it(
+    case: tuple[list[str], list[set[str]], list[set[str]]],
+) -> None:
+    listed, held, needed = case
+    cover = cover_nodes(listed, held, needed)
+    if not cover.complete:
+        return
+    after = [set(h) for h in held]
+    for move in cover.moves:
+        assert move.name in held[move.source]  # sent only by a directory that holds it whole
+        assert move.name not in after[move.target]  # never a file it holds already
+        assert move.name in needed[move.target]  # never a file its ranks do not read
+        after[move.target].add(move.name)
+    for have, want in zip(after, needed, strict=True):
+        assert want <= have
+    sent = [0] * len(held)
+    for move in cover.moves:  # the senders take turns: the one that has sent fewest first
+        holders = [d for d, h in enumerate(held) if move.name in h]
+        assert sent[move.source] == min(sent[d] for d in holders)
+        sent[move.source] += 1
+
+
+def test_a_needed_file_the_checkpoint_does_not_list_is_refused() -> None:
+    with pytest.raises(ValueError, match="x"):
+        cover_nodes(["a"], [{"a"}], [{"x"}])
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6))
+def test_each_file_lies_in_the_directory_of_the_rank_that_wrote_it(layout: list[int]) -> None:
+    labels = sorted(set(layout))
+    groups = [{r for r, label in enumerate(layout) if label == mine} for mine in labels]
+    files = [(f"__{r}_0.distcp", r) for r in range(len(layout))] + [(".metadata", 0)]
+    homes = file_homes(files, groups)
+    assert sorted(n for home in homes for n in home) == sorted(n for n, _ in files)
+    for name, rank in files:
+        assert name in homes[next(d for d, g in enumerate(groups) if rank in g)]
+    with pytest.raises(ValueError, match="rank 9"):
+        file_homes([("y", 9)], groups)
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(0, 3)), unique_by=lambda f: f[0]),
+    st.sets(st.sampled_from("abcdefg")),
+)
+def test_a_directorys_part_counts_what_it_holds_and_names_the_ranks_of_the_rest(
+    files: list[tuple[str, int]], present: set[str]
+) -> None:
+    here, listed, absent = part_here(files, present)
+    assert listed == len(files)
+    assert here == len([n for n, _ in files if n in present])
+    assert set(absent) == {r for n, r in files if n not in present}
+    assert (here == listed) == (absent == ())

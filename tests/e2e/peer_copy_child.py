@@ -1,0 +1,111 @@
+"""One rank of tests/e2e/test_peer_copy.py: what a catch-up copy guards, between real processes.
+
+* Waits far longer than a wait slice: pitstop's slices are made 1 ms here, and a copy of many
+  chunks whose sender starts late still arrives whole (gloo closes a pair whose send or receive
+  outlives a wait, so a point-to-point message is waited for in one piece).
+* A byte flipped in transit: rank 0 speaks the copy's wire protocol (peers' header, chunks,
+  trailer) itself and flips one byte of a chunk after its CRC-32 was taken — loopback TCP never
+  flips one, so the test does; rank 1's receive_file raises the CRC mismatch, nothing is
+  published and no temp file is left.
+* A sender whose file changed on its disk after it was checked: its CRC-32 of the whole is of
+  the changed bytes, so only the format's check of the received copy (before it is published)
+  finds it; nothing is published.
+
+Prints ``ok <n>`` and exits 0, or raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pitstop.errors import SaveError
+from pitstop.shell.format.fileread import verify
+from pitstop.shell.format.filewrite import prepare, write
+from pitstop.shell.ranks import distributed
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.sharded.acrossnodes import receive_file, send_file
+
+rank = int(os.environ["RANK"])
+root = Path(sys.argv[1])
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+ranks = Ranks(rank, 2, group, timeout_s=60)
+CHUNK = 8 << 20  # peers.CHUNK: receive_file uses it
+checked = 0
+
+# Waits far longer than a slice: the sender builds its copy only once rank 1 waits for it.
+distributed.WAIT_SLICE_S = 0.001
+source, target = root / "node0" / "long.bin", root / "node1" / "long.bin"
+if rank == 0:
+    source.parent.mkdir(parents=True)
+    source.write_bytes(bytes(range(256)) * (3 * CHUNK // 256 + 1000))
+    send_file(ranks, 1, source)
+else:
+    receive_file(ranks, 0, target)
+    assert target.read_bytes() == bytes(range(256)) * (3 * CHUNK // 256 + 1000)
+distributed.WAIT_SLICE_S = 1.0
+checked += 1
+
+
+def nothing_published(directory: Path, name: str, work: object) -> str:
+    """Rank 1: the SaveError ``work()`` raises; ``directory`` holds no ``name`` and no temp."""
+    before = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    try:
+        work()  # type: ignore[operator]
+    except SaveError as exc:
+        after = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+        assert after == before, (before, after)
+        assert name not in after, after
+        return str(exc)
+    raise AssertionError(f"receiving {name} raised no SaveError")
+
+
+# A byte flipped in transit: rank 0 sends as peers.send does, one byte flipped after its CRC.
+data = bytes((i * 31 + 7) % 256 for i in range(2 * CHUNK + 5))
+if rank == 0:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), 1, group=group)
+    for offset in range(0, len(data), CHUNK):
+        part = torch.frombuffer(bytearray(data[offset : offset + CHUNK]), dtype=torch.uint8)
+        if offset == CHUNK:
+            part[1234] ^= 0x10
+        dist.send(part, 1, group=group)
+    dist.send(torch.tensor([zlib.crc32(data), 0], dtype=torch.int64), 1, group=group)
+else:
+    said = nothing_published(
+        root / "node1", "flipped.bin", lambda: receive_file(ranks, 0, root / "node1/flipped.bin")
+    )
+    assert "CRC-32" in said, said
+    assert "from rank 0" in said, said
+checked += 1
+
+# The sender's file changed on its disk after it was checked: the receiver's check finds it.
+source, target = root / "node0" / "changed.pitstop", root / "node1" / "changed.pitstop"
+if rank == 0:
+    with open(source, "wb") as file:
+        write(file, prepare({"w": torch.arange(100_000, dtype=torch.float32)}), {})
+    verify(source)
+    with open(source, "r+b") as file:  # one byte of the data region, after the check
+        file.seek(1000)
+        byte = file.read(1)
+        file.seek(1000)
+        file.write(bytes([byte[0] ^ 0x01]))
+    send_file(ranks, 1, source)
+else:
+    said = nothing_published(
+        target.parent, target.name, lambda: receive_file(ranks, 0, target, verify)
+    )
+    assert "changed.pitstop" in said, said
+    print(said, flush=True)
+checked += 1
+
+dist.barrier()
+print(f"ok {checked}", flush=True)
+dist.destroy_process_group()
+os._exit(0)

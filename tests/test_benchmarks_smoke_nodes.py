@@ -1,0 +1,41 @@
+"""Smoke test of benchmarks/multinode.py at a tiny size: it runs, ends its workers and prints
+both rows (the figures themselves are for docs/performance.md, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchkit import load_benchmark
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs gloo",
+)
+
+
+def test_multinode_prints_save_and_catch_up_rows_and_ends_its_workers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    multinode = load_benchmark("multinode")
+    out_json = tmp_path / "rows.json"
+    args = ["--size-mib", "1", "--tensors", "2", "--repeats", "1", "--timeout", "240"]
+    assert multinode.main([*args, "--dir", str(tmp_path), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for call in ("save", "resume"):
+        assert re.search(rf"^\| {call} \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out, re.M), out
+    rows = json.loads(out_json.read_text())
+    assert [(r["call"], r["case"]) for r in rows] == [
+        ("save", "1 node"),
+        ("save", "2 nodes"),
+        ("resume", "local"),
+        ("resume", "catch-up"),
+        ("floor", "write"),
+    ]
+    assert all(r["median_s"] > 0 and r["bytes"] > 1 << 20 for r in rows), rows
+    assert "floor of the catch-up" in out, out
+    assert list(tmp_path.iterdir()) == [out_json]  # the nodes' files are removed
