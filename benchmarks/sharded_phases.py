@@ -78,6 +78,8 @@ RESUME_PHASES = (  # each wrapped where its caller finds it
     ("pitstop.shell.sharded.engine", None, ("verify_sharded", "load_checked", "apply_state")),
     ("pitstop.shell.sharded.engine", None, ("read_staged", "_apply_staged")),
     ("pitstop.shell.sharded.engine", "_Kept", ("__init__", "put_back")),
+    ("pitstop.shell.sharded.rawread", None, ("check_read", "_checked_file", "raw_record")),
+    ("pitstop.shell.sharded.rawread", "Checked", ("copy",)),
     ("pitstop.shell.sharded.dcpread", None, ("load",)),
     ("pitstop.shell.sharded.dcpread", "_Reader", ("read_data", "_read_checking")),
     ("pitstop.shell.sharded.dcpstate", None, ("get_model_state_dict", "get_optimizer_state_dict")),

@@ -47,10 +47,10 @@ for the step-N save raises OSError (every other rank's DCP write has begun); the
 ``--fail-part-at``.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
-``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
-read of the resume sets up, before any rank reads (the read checks it as it reads it: a disk
-failing before the read). ``--refuse-apply-at-resume --fail-rank R``: rank R's optimizer
-refuses the state the resume read (every check and DCP's read passed), raising
+``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as the
+resume's checked read begins, before it is checked (a disk failing before the read).
+``--refuse-apply-at-resume --fail-rank R``: rank R's optimizer refuses the state the resume
+read (every check passed), raising
 CheckpointCorrupt. When the resume raises, each rank prints
 ``untouched model <bool> ema <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its
 local shards (the model's, the EMA's), its optimizer (no state), its schedule and its RNG are
@@ -91,7 +91,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import pitstop
 from pitstop.core.sharded import sharded_name
 from pitstop.shell import resuming, shardsave
-from pitstop.shell.sharded import dcpio, dcpread, dcpstate, shardwrite
+from pitstop.shell.sharded import dcpio, dcpstate, rawread, shardwrite
 from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
@@ -239,20 +239,19 @@ def note_write(step: int, began: list[bool], ended: list[bool]) -> None:
 
 
 def tear_at_resume(rank: int) -> None:
-    """This rank's own shard file loses its second half as DCP's read of the resume sets up
-    (it verified when the checkpoint was chosen), before DCP's first collective of the read:
-    so no rank has begun reading it yet."""
-    real = dcpread._Reader.set_up_storage_reader
+    """This rank's own shard file loses its second half as the resume's checked read of it
+    begins (it verified when the checkpoint was saved): the first candidate only."""
+    real = rawread.check_read
     torn: list[Path] = []
 
-    def set_up_storage_reader(self: Any, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / f"__{rank}_0.distcp"
+    def check_read(directory: Path, *args: Any, **kwargs: Any) -> Any:
+        path = Path(directory) / f"__{rank}_0.distcp"
         if not torn:  # the first checkpoint read only
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
             torn.append(path)
-        return real(self, *args, **kwargs)
+        return real(directory, *args, **kwargs)
 
-    dcpread._Reader.set_up_storage_reader = set_up_storage_reader  # type: ignore[method-assign]
+    rawread.check_read = check_read  # type: ignore[assignment]
 
 
 def refuse_apply_at_resume(rank: int) -> None:

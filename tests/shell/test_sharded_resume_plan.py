@@ -52,7 +52,7 @@ def resume_counting(
     module made, the step resumed, and the model."""
     calls: Counter[str] = Counter()
     counting(monkeypatch, calls, "read_layout")
-    counting(monkeypatch, calls, "_planned_reads")
+    counting(monkeypatch, calls, "_local_plan")
     model, optimizer = sharded_model(step=False)
     with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
         step = ckpt.resume().step
@@ -79,7 +79,7 @@ def test_a_resume_reads_the_layout_and_plans_dcp_s_read_once(
     save_two(root)
     calls, step, _ = resume_counting(root, monkeypatch)
     assert step == 2
-    assert calls == {"read_layout": 1, "_planned_reads": 1}
+    assert calls == {"read_layout": 1, "_local_plan": 1}
 
 
 def test_a_torn_newest_checkpoint_is_planned_then_skipped_and_the_one_before_restored(
@@ -93,7 +93,7 @@ def test_a_torn_newest_checkpoint_is_planned_then_skipped_and_the_one_before_res
     shard.write_bytes(bytes(data))
     calls, step, model = resume_counting(root, monkeypatch)
     assert step == 1
-    assert calls == {"read_layout": 2, "_planned_reads": 2}  # each candidate once
+    assert calls == {"read_layout": 2, "_local_plan": 2}  # each candidate once
     restored = local(model)
     assert restored.keys() == first.keys()
     for key, value in first.items():
@@ -150,7 +150,7 @@ def test_a_damaged_replicated_tree_in_the_newest_manifest_is_found_beside_dcp_s_
     sharded.read_layout(root / sharded_name(2))  # still plans
     calls, step, model = resume_counting(root, monkeypatch)
     assert step == 1
-    assert calls["_planned_reads"] == 2  # DCP's read of step 2 was planned (and made)
+    assert calls["_local_plan"] == 2  # DCP's read of step 2 was planned (and made)
     (warned,) = [r.getMessage() for r in caplog.records if "does not verify" in r.getMessage()]
     assert f"{sharded_name(2)}/{MANIFEST_NAME}" in warned, warned
     restored = local(model)

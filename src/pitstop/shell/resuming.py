@@ -12,11 +12,12 @@
 # world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
 # every rank together: rank 0 sends the resume order, the ranks gather the files their read
 # plans name, each file read is verified once, by one of its readers (pitstop.core.sharded.
-# share_checks) — as DCP reads it into staging tensors, every file read once (pitstop.shell.
-# sharded.engine.read_staged) — and all move to the next candidate, whose files are read only
-# then, when any rank found a problem; its replicated tree is checked and restored as above,
-# and its layout checked on every rank in the same pass, before the staged state is applied
-# (where a rank's state does not fit the layout, the files are verified without DCP's read).
+# share_checks) together with where each item this rank reads lies in its file (pitstop.shell.
+# sharded.rawread.check_read: nothing live touched, DCP's collectives not run) — and all move
+# to the next candidate, whose files are read only then, when any rank found a problem; its
+# replicated tree is checked and restored as above, and its layout checked on every rank in
+# the same pass; then the state is applied and the checked tensors copied in from the same
+# open files (where a rank's state does not fit the layout, the files are verified alone).
 # An optimizer that had no state has none again unless the resume restored it
 # (pitstop.shell.state.freshopt).
 # On object storage (s3://) each rank downloads, into a local folder of its own, the candidate's
@@ -35,6 +36,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +77,7 @@ from pitstop.shell.store.sharddir import prefetch, verify_sharded
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
+    from pitstop.shell.sharded.rawread import Checked
 
 __all__ = ["resume_from"]
 
@@ -102,19 +105,24 @@ def resume_from(
     state: the newest checkpoint complete across them, pitstop.shell.sharded.acrossnodes).
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
-    with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
+    with (
+        FreshOptimizers(sharded_components(live) if sharded else {}) as fresh,
+        ExitStack() as opened,
+    ):
         # checks as it reads: the disk read once
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
-        plan = staged = None
+        plan = checked = None
         across = groups is not None and not groups.shared
         if sharded and pointer is not None and across:  # each node holds its ranks' shards
             assert groups is not None
             planner = partial(_plan, live=live, ranks=ranks)
             path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
         elif sharded and pointer is not None:
-            path, wire, plan, staged = _choose_sharded(directory, pointer, reading, live, ranks)
+            path, wire, plan, checked = _choose_sharded(directory, pointer, reading, live, ranks)
+            if checked is not None:  # its files, open until it is applied or refused
+                opened.callback(checked.close)
         elif across and pointer is not None:
             assert groups is not None
             path, wire = choose_across(directory, pointer, reading, ranks, groups)
@@ -151,7 +159,7 @@ def resume_from(
                 from pitstop.shell.sharded.engine import read_sharded
 
                 # every file was verified when the checkpoint was chosen, with this plan (and
-                # read, into staging tensors, where every rank's state fits its layout)
+                # its read checked, where every rank's state fits its layout)
                 components = sharded_components(live)
                 read_sharded(
                     path,
@@ -160,7 +168,7 @@ def resume_from(
                     ranks=ranks,
                     chosen=plan,
                     ema=live.ema,
-                    staged=staged,
+                    checked=checked,
                 )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
@@ -347,20 +355,23 @@ def _read_checked(
     checks: tuple[str, ...],
     ranks: Ranks,
     beside: Callable[[], str | None] | None = None,
-) -> tuple[dict[str, Any] | None, str | None]:
-    """Every rank: DCP's read of ``plan`` into staging, ``checks`` checked as they stream (and
-    ``beside``, the manifest's read on its thread); the staged state, or what this rank found
-    wrong (``None`` and ``None``: another rank did)."""
-    from pitstop.shell.sharded.dcpread import ReadFailed
-    from pitstop.shell.sharded.engine import read_staged
+) -> tuple[Checked | None, list[str | None]]:
+    """Every rank: ``checks`` verified, ``plan``'s read checked (and ``beside``, the
+    manifest's read on its thread), agreed in one round. The checked read (``None`` where
+    any rank found a problem) and every rank's problem; nothing live is touched."""
+    from pitstop.shell.sharded.rawread import check_read
 
-    try:
-        return read_staged(plan, checks, ranks=ranks, beside=beside), None
-    except ReadFailed as exc:
-        return None, exc.own
-    finally:
-        if beside is not None:  # ended, whatever stopped the read before it asked
-            beside()
+    checked, own, checking = check_read(plan.directory, plan, checks, beside)
+    found = ranks.all_gather((own, checking))
+    if any(problem is not None and by_check for problem, by_check in found):
+        # a check found a file damaged: another rank's read of it says nothing more
+        problems = [problem if by_check else None for problem, by_check in found]
+    else:
+        problems = [problem for problem, _ in found]
+    if checked is not None and any(problems):
+        checked.close()
+        checked = None
+    return checked, problems
 
 
 def _fetched(
@@ -383,7 +394,7 @@ def _choose_sharded(
     reading: ResumeRead,
     live: LiveState,
     ranks: Ranks,
-) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, dict[str, Any] | None]:
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None]:
     """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
     this rank's plan of it, and the state DCP read into staging as it was checked); all ranks
     move on together, rank 0 warning about each one skipped and why (and where)."""
@@ -391,7 +402,7 @@ def _choose_sharded(
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire in candidates:
-        staged = None
+        checked = None
         if remote is not None:  # this rank's own copy: the manifest first; each checks its own
             path, planned = _fetched(remote, path.name, live, ranks)
             files = planned[0].files if planned[0] is not None else ()
@@ -399,23 +410,18 @@ def _choose_sharded(
             problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
         else:
             planned = _planned(path, live, ranks)
-            if planned[0] is not None:  # the disk reads them while the ranks agree and check
-                prefetch(path, planned[0].regions)
+            if planned[0] is not None:  # the disk reads them while the ranks agree
+                prefetch(path, [(name, 0, 0) for name in planned[0].files])  # checked whole
             files = planned[0].files if planned[0] is not None else ()
             gathered = ranks.all_gather((files, _fits(planned)))
             shares = _shares(planned, [f for f, _ in gathered])
             streamed = all(fits for _, fits in gathered)
-            if streamed and shares is not None:  # the rest of the files this rank checks
-                prefetch(path, [(name, 0, 0) for name in shares[ranks.rank]])
             if streamed and planned[0] is not None:  # every check, and the manifest, in the read
                 beside = reading.read_beside(path)
                 checks = _checks(planned[0], shares, ranks)
-                staged, own = _read_checked(planned[0], checks, ranks, beside)
-                if staged is not None:  # DCP's read succeeded on every rank: no round to agree
-                    return path, wire, planned[0], staged
-                problems = ranks.all_gather(own)  # it failed on every rank: whose checks say why
-                if not any(problems):  # DCP failed where no rank says why
-                    problems = [f"{path}: DCP could not read it"] * len(problems)
+                checked, problems = _read_checked(planned[0], checks, ranks, beside)
+                if checked is not None:  # checked on every rank: read when applied
+                    return path, wire, planned[0], checked
             else:
                 problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
@@ -423,7 +429,7 @@ def _choose_sharded(
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
-            return path, wire, planned[0], staged
+            return path, wire, planned[0], checked
         if remote is not None:
             shutil.rmtree(path, ignore_errors=True)
         if ranks.leader or remote is not None:  # one line per problem, with the ranks that found it

@@ -30,7 +30,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,13 @@ from pitstop.shell.sharded.dcpio import SafePlanner, metadata_of
 from pitstop.shell.sharded.dcpread import load_checked
 from pitstop.shell.sharded.dcpstate import (
     EMA,
-    EMA_COUNT,
     MODEL,
     Optimizers,
     apply_state,
     dcp_state,
     local_shard,
 )
+from pitstop.shell.sharded.rawread import Checked
 from pitstop.shell.sharded.shardwrite import (
     PendingShardedWrite,
     WrittenShards,
@@ -96,7 +96,6 @@ __all__ = [
     "publish_sharded",
     "read_layout",
     "read_sharded",
-    "read_staged",
     "verify_sharded",
     "write_manifest",
     "write_sharded",
@@ -116,24 +115,26 @@ def _planned_files(
     directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
 ) -> tuple[str, ...]:
     """Check that ``state`` fits ``layout``; the files DCP's local plan reads on this rank."""
-    return tuple(sorted({file for file, _, _ in _planned_reads(directory, layout, state, rank)}))
+    return tuple(sorted({file for file, _, _ in _local_plan(directory, layout, state, rank)[2]}))
 
 
-def _planned_reads(
+def _local_plan(
     directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
-) -> tuple[tuple[str, int, int], ...]:
-    """Check that ``state`` fits ``layout``; where DCP's local plan reads on this rank:
-    ``(file, start, length)`` each."""
+) -> tuple[SafePlanner, tuple[Any, ...], tuple[tuple[str, int, int], ...]]:
+    """Check that ``state`` fits ``layout``; DCP's planner set up on it, its local plan's
+    items, and where they read: ``(file, start, length)`` each."""
     planner = SafePlanner()
     planner.set_up_planner(state, metadata_of(layout), rank == 0)
     live = {fqn: _live(value) for fqn, value in planner.state_dict.items()}
     problems = layout_differences(layout, live)
     if problems:
         raise IncompatibleCheckpoint(f"{directory}: {p}" for p in problems)
-    reads = [r.storage_index for r in planner.create_local_plan().items]
-    return regions_for(
+    items = tuple(planner.create_local_plan().items)
+    reads = [r.storage_index for r in items]
+    regions = regions_for(
         layout, [(i.fqn, None if i.offset is None else tuple(i.offset)) for i in reads]
     )
+    return planner, items, regions
 
 
 def holds_ema(layout: ShardedLayout) -> bool:
@@ -171,6 +172,11 @@ class ShardedPlan:
     regions: tuple[tuple[str, int, int], ...] = ()
     """Where DCP's read plan reads on this rank, ``(file, start, length)`` each (empty when
     the state does not fit)."""
+    reads: tuple[Any, ...] = ()
+    r"""DCP's local read plan on this rank (its ``ReadItem``\ s; empty when the state does not
+    fit), made by :attr:`planner`."""
+    planner: Any = None
+    """DCP's load planner, set up on :attr:`state` (``None`` when the state does not fit)."""
 
 
 def plan_read(
@@ -188,9 +194,10 @@ def plan_read(
     found = diff_ema(stored=holds_ema(layout), live=ema is not None)
     state: dict[str, Any] = {}
     regions: tuple[tuple[str, int, int], ...] = ()
+    planner, reads = None, ()
     try:
         state = _state(layout, model, optimizers, ema)
-        regions = _planned_reads(root, layout, state, rank)
+        planner, reads, regions = _local_plan(root, layout, state, rank)
         files = tuple(sorted({file for file, _, _ in regions}))
     except IncompatibleCheckpoint as exc:
         found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
@@ -204,6 +211,8 @@ def plan_read(
         files=files,
         differences=tuple(found),
         regions=regions,
+        reads=reads,
+        planner=planner,
     )
 
 
@@ -252,34 +261,6 @@ def _chosen(root: Path, plan: ShardedPlan) -> tuple[ShardedLayout, tuple[str, ..
     return plan.layout, fresh_optimizers(plan.meta), plan.state
 
 
-def read_staged(
-    plan: ShardedPlan,
-    checks: Collection[str],
-    *,
-    ranks: Ranks,
-    group: Any = None,
-    beside: Callable[[], str | None] | None = None,
-) -> dict[str, Any]:
-    """Every rank: DCP's read of ``plan``'s checkpoint into fresh tensors shaped like
-    ``plan.state``, the files ``checks`` checked (size, CRC-32) as they are read, each read
-    once; nothing live is touched. Returns the staged state, for :func:`read_sharded`'s
-    ``staged``. Raises :class:`~pitstop.shell.sharded.dcpread.ReadFailed` on every rank when
-    a check or the read fails on any (its ``own``: what this rank found); ``beside``: a
-    check made beside the read (:func:`~pitstop.shell.sharded.dcpread.load_checked`)."""
-    staged = load_checked(
-        plan.directory,
-        plan.state,
-        plan.layout,
-        checks=sorted(checks),
-        rank=ranks.rank,
-        stage=True,
-        beside=beside,
-        process_group=group,
-    )
-    assert staged is not None  # staged: what it read into
-    return staged
-
-
 def read_sharded(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -289,7 +270,7 @@ def read_sharded(
     group: Any = None,
     chosen: ShardedPlan | None = None,
     ema: nn.Module | None = None,
-    staged: dict[str, Any] | None = None,
+    checked: Checked | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
     directory, all or nothing (the ``ema`` only when the checkpoint holds one).
@@ -305,14 +286,15 @@ def read_sharded(
     a host copy of this rank's tensors kept while DCP reads. Returns the layout.
     ``chosen``: this rank's :func:`plan_read` of ``directory``, made by a resume that has
     compared it with the run and verified every file of it on every rank already: read with
-    it, without reading the manifest or planning again. ``staged``: what :func:`read_staged`
-    read of ``chosen`` (every file checked): applied, DCP reads nothing more.
+    it, without reading the manifest or planning again. ``checked``: the resume's check of
+    ``chosen`` on every rank (:func:`~pitstop.shell.sharded.rawread.check_read`, every file
+    verified): the state is applied, then its tensors copied in; DCP reads nothing.
     """
     root = Path(directory)
-    if staged is not None:
+    if checked is not None:
         if chosen is None:
-            raise ValueError("staged state is applied with the plan it was read with")
-        _apply_staged(root, model, optimizers, ranks, chosen, staged, ema)
+            raise ValueError("a checked read is applied with the plan it was checked with")
+        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema)
         return chosen.layout
     with FreshOptimizers(optimizers) as fresh:
         if chosen is not None:
@@ -335,25 +317,29 @@ def read_sharded(
     return layout
 
 
-def _apply_staged(
+def _apply_checked(
     root: Path,
     model: nn.Module,
     optimizers: Optimizers,
     ranks: Ranks,
     chosen: ShardedPlan,
-    staged: dict[str, Any],
+    checked: Checked,
     ema: nn.Module | None,
 ) -> None:
-    """Every rank: apply ``staged`` (read with ``chosen``), all or nothing."""
+    """Every rank: apply ``chosen``'s state — its tensors the live ones, unwritten yet, its
+    other values as read — all or nothing (each optimizer's own state and groups kept by
+    reference); then the checked read's tensors copied into the live ones."""
     with FreshOptimizers(optimizers) as fresh:
-        _, stored_fresh, state = _chosen(root, chosen)  # it fits: read_staged read it
-        kept = _Kept(state, optimizers, only=(MODEL, EMA, EMA_COUNT))
+        _, stored_fresh, state = _chosen(root, chosen)  # it fits: the resume checked it
+        kept = _Kept(state, optimizers, only=())  # no tensor is written before the copy
         try:
-            live_ema = ema if EMA in staged else None
-            ranks.each(lambda: apply_state(model, optimizers, live_ema, staged, stored_fresh))
+            live_ema = ema if EMA in state else None
+            ranks.each(lambda: apply_state(model, optimizers, live_ema, state, stored_fresh))
         except BaseException:
+            checked.close()
             kept.put_back()
             raise
+        ranks.each(checked.copy)  # verified on every rank: only an I/O error stops it
         fresh.keep()
 
 
