@@ -78,7 +78,7 @@ def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_sharded_phases_clocks_a_resume_phase_by_phase(tmp_path: Path) -> None:
     """benchmarks/sharded_phases.py --resume, tiny: the resume rows, then each rank's clocks:
-    the choice's read checked as DCP reads it, the apply, DCP's own load beside them."""
+    the choice's checked read, the apply and the copy, DCP's own load beside them."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_phases.py"
     args = ["--mib", "1", "--repeats", "1", "--timeout", "120", "--resume"]
     run = subprocess.run(
@@ -93,7 +93,7 @@ def test_sharded_phases_clocks_a_resume_phase_by_phase(tmp_path: Path) -> None:
         assert f"| {candidate} |" in run.stdout, run.stdout
     rank0, rank1 = run.stdout.split("\nrank0: ")[1].split("\nrank1: ")
     for clocks in (rank0, rank1):
-        for phase in ("engine.read_staged", "_Reader._read_checking", "engine._apply_staged"):
+        for phase in ("rawread.check_read", "Checked.copy", "engine._apply_checked"):
             assert f"  Checkpointer.resume[sync] / {phase}\n" in clocks + "\n", clocks
         assert "  state_dict_loader.load / FileSystemReader.read_data\n" in clocks + "\n"
     assert "  thread pitstop-manifest / ResumeRead.verify\n" in rank0 + "\n"  # rank 0 checks it

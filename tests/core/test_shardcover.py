@@ -8,13 +8,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.shardcover import (
-    MAX_DIMS,
-    cover_problem,
-    extent_problem,
-    paths_problem,
-    read_spans,
-)
+from pitstop.core.shardcover import MAX_DIMS, cover_problem, extent_problem, paths_problem
 from strategies import any_boxes, grid_covers
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -83,29 +77,3 @@ def test_key_paths() -> None:
     assert "twice" in str(paths_problem([("model", "w"), ("model", "w")]))
     both = paths_problem([("model", "w", "x"), ("model", "w")])
     assert "['model', 'w'] both a value and holding ['model', 'w', 'x']" in str(both)
-
-
-@given(st.integers(0, 64), st.lists(st.tuples(st.integers(0, 70), st.integers(0, 20)), max_size=8))
-def test_a_checking_read_goes_through_every_byte_once_and_hands_over_each_region(
-    size: int, regions: list[tuple[int, int]]
-) -> None:
-    spans = read_spans(size, regions)
-    wanted = sorted(set(regions))
-    ends = [(s, s + n) for s, n in set(regions)]
-    overlap = any(a < d and c < b for (a, b), (c, d) in itertools.combinations(set(ends), 2))
-    if overlap or any(end > size for _, end in ends) or any(n == 0 for _, n in regions):
-        assert spans is None
-        return
-    assert spans is not None
-    assert sum(n for _, n, _ in spans) == size  # every byte, once, in order
-    assert all(n > 0 for _, n, _ in spans)
-    assert [s for s, _, _ in spans] == [sum(n for _, n, _ in spans[:i]) for i in range(len(spans))]
-    assert [(s, n) for s, n, w in spans if w] == wanted  # each region its own span
-    assert not any(a[2] is False and b[2] is False for a, b in itertools.pairwise(spans))
-
-
-def test_a_checking_read_of_regions_that_overlap_is_refused() -> None:
-    assert read_spans(10, [(0, 4), (2, 4)]) is None
-    assert read_spans(10, [(8, 4)]) is None  # past the end
-    assert read_spans(10, [(8, 0)]) is None  # empty
-    assert read_spans(10, [(2, 3), (2, 3)]) == ((0, 2, False), (2, 3, True), (5, 5, False))

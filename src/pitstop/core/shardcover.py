@@ -6,8 +6,6 @@
 # allocated; each chunk's bytes in its file are at least its elements' bytes (what DCP wrote:
 # raw or torch.save'd), so a shape is bounded by the files' real (verified) sizes; a dtype is
 # one the reader knows; key paths are non-empty, unique, and none is both a leaf and a subtree.
-# A file a rank checks while DCP reads it is read once, start to end: the regions DCP's plan
-# wants, in order, and every byte between and after them only checksummed (read_spans).
 # How: pure functions over the layout's records; the overlap check sweeps along the dimension
 # with the most distinct chunk offsets, comparing only chunks whose extents meet along it.
 #
@@ -22,9 +20,8 @@
 # is counted against the list (part_here), for a listing that says "partial".
 # How: pure functions over file names, directory indexes and ranks.
 
-"""Pure checks of a sharded layout's values (exact cover, dtypes, byte bounds, key paths), the
-spans a checking read of a shard file goes through, and the cover of a sharded checkpoint's
-files by directories the ranks do not share."""
+"""Pure checks of a sharded layout's values (exact cover, dtypes, byte bounds, key paths),
+and the cover of a sharded checkpoint's files by directories the ranks do not share."""
 
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ __all__ = [
     "Box",
     "FileMove",
     "NodeCover",
-    "Span",
     "cover_nodes",
     "cover_problem",
     "directories_of",
@@ -47,7 +43,6 @@ __all__ = [
     "file_homes",
     "part_here",
     "paths_problem",
-    "read_spans",
 ]
 
 DIRECTORIES: Final = "directories"
@@ -143,31 +138,6 @@ def paths_problem(paths: Iterable[tuple[str | int, ...]]) -> str | None:
             if path[:end] in seen:
                 return f"the key path {list(path[:end])} both a value and holding {list(path)}"
     return None
-
-
-Span = tuple[int, int, bool]
-"""A piece of a checking read: ``(start, length, wanted)`` — ``wanted``: a region the read plan
-asks for (its bytes are loaded as well as checksummed), else bytes only checksummed."""
-
-
-def read_spans(size: int, regions: Iterable[tuple[int, int]]) -> tuple[Span, ...] | None:
-    """The spans a read of a file of ``size`` bytes goes through to checksum every byte once
-    and hand over each of ``regions`` (``(start, length)``, repeats counted once): in file
-    order, every byte in exactly one span, no empty span. ``None`` when two distinct regions
-    overlap, one is empty or one reaches past the end (the file is then checked whole before
-    it is read)."""
-    spans: list[Span] = []
-    at = 0
-    for start, length in sorted(set(regions)):
-        if start < at or length <= 0 or start + length > size:
-            return None
-        if start > at:
-            spans.append((at, start - at, False))
-        spans.append((start, length, True))
-        at = start + length
-    if at < size:
-        spans.append((at, size - at, False))
-    return tuple(spans)
 
 
 # --- files across directories the ranks do not share ------------------------------------------

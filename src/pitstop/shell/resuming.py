@@ -350,30 +350,6 @@ def _checks(
     return mine
 
 
-def _read_checked(
-    plan: ShardedPlan,
-    checks: tuple[str, ...],
-    ranks: Ranks,
-    beside: Callable[[], str | None] | None = None,
-) -> tuple[Checked | None, list[str | None]]:
-    """Every rank: ``checks`` verified, ``plan``'s read checked (and ``beside``, the
-    manifest's read on its thread), agreed in one round. The checked read (``None`` where
-    any rank found a problem) and every rank's problem; nothing live is touched."""
-    from pitstop.shell.sharded.rawread import check_read
-
-    checked, own, checking = check_read(plan.directory, plan, checks, beside)
-    found = ranks.all_gather((own, checking))
-    if any(problem is not None and by_check for problem, by_check in found):
-        # a check found a file damaged: another rank's read of it says nothing more
-        problems = [problem if by_check else None for problem, by_check in found]
-    else:
-        problems = [problem for problem, _ in found]
-    if checked is not None and any(problems):
-        checked.close()
-        checked = None
-    return checked, problems
-
-
 def _fetched(
     storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
 ) -> tuple[Path, _Planned]:
@@ -417,9 +393,11 @@ def _choose_sharded(
             shares = _shares(planned, [f for f, _ in gathered])
             streamed = all(fits for _, fits in gathered)
             if streamed and planned[0] is not None:  # every check, and the manifest, in the read
+                from pitstop.shell.sharded.rawread import check_agreed
+
                 beside = reading.read_beside(path)
                 checks = _checks(planned[0], shares, ranks)
-                checked, problems = _read_checked(planned[0], checks, ranks, beside)
+                checked, problems = check_agreed(planned[0], checks, ranks, beside)
                 if checked is not None:  # checked on every rank: read when applied
                     return path, wire, planned[0], checked
             else:

@@ -12,14 +12,16 @@
 # writer on rank 0 takes out before DCP's metadata is made: no round of pitstop's gathers
 # them, and only rank 0 receives them. A failure to make them is that rank's write failure
 # (DCP raises it on every rank; :func:`own_failure` says whose it was). A layout is built only
-# from untransformed files (no DCP extensions). The reader is pitstop.shell.sharded.dcpread's.
-# How: small subclasses of DCP's FileSystemWriter and DefaultLoadPlanner.
+# from untransformed files (no DCP extensions).
+# How: small subclasses of DCP's FileSystemWriter, FileSystemReader and DefaultLoadPlanner.
 
-"""DCP adapters: layout <-> DCP metadata, a writer that notes its files, a safe planner."""
+"""DCP adapters: layout <-> DCP metadata, a writer that notes its files, a safe reader."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -41,10 +43,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
     ReadItem,
     SavePlan,
     SavePlanner,
 )
+from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -64,6 +69,7 @@ __all__ = [
     "SafePlanner",
     "Writer",
     "layout_of",
+    "load_checked",
     "metadata_of",
 ]
 
@@ -262,6 +268,33 @@ def own_failure(exc: CheckpointException, rank: int, writer: Writer) -> BaseExce
     return None
 
 
+class _Reader(FileSystemReader):
+    """DCP's file reader, handed the metadata from pitstop's manifest (``.metadata`` unread)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's ``read_data``, one file at a time, so that an error names the file."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:  # DCP gathers it to every rank (it must pickle)
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise CheckpointCorrupt(f"{name} could not be read: {first}") from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
 class SafePlanner(DefaultLoadPlanner):
     """DCP's load planner, but non-tensor values are loaded with ``weights_only=True``."""
 
@@ -273,3 +306,19 @@ class SafePlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def load_checked(
+    directory: Path, state: dict[str, Any], layout: ShardedLayout, **kwargs: Any
+) -> None:
+    """``dcp.load`` into ``state`` from ``directory``, with metadata from ``layout`` and the
+    safe planner (``kwargs``: ``process_group`` or ``no_dist``). DCP's errors, raised on every
+    rank, become :class:`~pitstop.errors.CheckpointCorrupt`."""
+    reader = _Reader(directory, metadata_of(layout))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
+            load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
+    except CheckpointException as exc:  # a BaseException, raised on every rank
+        why = "; ".join(f"rank {rank}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
+        raise CheckpointCorrupt(f"{directory}: DCP could not read it: {why}") from exc

@@ -15,12 +15,12 @@
 # each rank first keeps a host copy of every tensor it reads into; when the read or the apply that
 # follows fails on any rank (DCP's errors reach every rank, the apply's are agreed), every rank
 # copies its tensors back and hands each optimizer its own state and groups again — and an optimizer
-# that had no state (DCP gives it zeroed state to read into) has none again. A resume reads each
-# file once instead (read_staged): DCP reads into fresh staging tensors while each rank checks its
-# share of the files as they stream (pitstop.shell.sharded.dcpread), so a corrupt shard fails the
-# read on every rank with nothing live touched; the apply then copies the model's (and EMA's)
-# tensors in, after a host copy of those alone, and hands each optimizer the staged tensors (its
-# own state and groups are kept by reference, for a failure). DCP's collectives run
+# that had no state (DCP gives it zeroed state to read into) has none again. A resume reads
+# without DCP's read instead (pitstop.shell.sharded.rawread): its choice checks every file and
+# finds every item on every rank first, nothing live touched; then (read_sharded's `checked`)
+# the state is applied — its tensors the live ones, unwritten yet, each optimizer's own state
+# and groups kept by reference for a failure — and only then are the verified records copied
+# into the live tensors (no host copy: a failure there is an I/O error). DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its own);
 # pitstop's agreement runs on `ranks`, from the calling thread only.
 # How: DCP does the tensor I/O and the resharding; pitstop.shell.store.sharddir the files around it.
@@ -51,8 +51,7 @@ from pitstop.core.sharded import (
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.sharded.dcpio import SafePlanner, metadata_of
-from pitstop.shell.sharded.dcpread import load_checked
+from pitstop.shell.sharded.dcpio import SafePlanner, load_checked, metadata_of
 from pitstop.shell.sharded.dcpstate import (
     EMA,
     MODEL,
@@ -169,9 +168,6 @@ class ShardedPlan:
     differences: tuple[Difference, ...]
     """Every difference between this rank's state and the layout (empty when it fits), an
     EMA on one side only judged as for a file checkpoint."""
-    regions: tuple[tuple[str, int, int], ...] = ()
-    """Where DCP's read plan reads on this rank, ``(file, start, length)`` each (empty when
-    the state does not fit)."""
     reads: tuple[Any, ...] = ()
     r"""DCP's local read plan on this rank (its ``ReadItem``\ s; empty when the state does not
     fit), made by :attr:`planner`."""
@@ -210,7 +206,6 @@ def plan_read(
         state=state,
         files=files,
         differences=tuple(found),
-        regions=regions,
         reads=reads,
         planner=planner,
     )
