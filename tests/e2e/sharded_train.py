@@ -265,20 +265,20 @@ def refuse_apply_at_resume(rank: int) -> None:
 
 def note_checks() -> None:
     """Each verification of shard files in the resume's choice prints the files it checks
-    (before DCP's read, or as it reads them)."""
+    (alone, or with the checked read)."""
     real = resuming.verify_sharded
-    real_read = resuming._read_checked
+    real_read = rawread.check_read
 
     def verify_sharded(root: Path, layout: Any, names: Any = None) -> None:
         say(f"checked {json.dumps(sorted(names))}")
         real(root, layout, names)
 
-    def read_checked(plan: Any, checks: Any, *args: Any) -> Any:
+    def check_read(directory: Path, plan: Any, checks: Any, *args: Any) -> Any:
         say(f"checked {json.dumps(sorted(checks))}")
-        return real_read(plan, checks, *args)
+        return real_read(directory, plan, checks, *args)
 
     resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
-    resuming._read_checked = read_checked  # type: ignore[assignment]
+    rawread.check_read = check_read  # type: ignore[assignment]
 
 
 def local(module: nn.Module | None) -> dict[str, torch.Tensor]:
