@@ -1,4 +1,4 @@
-"""Where a sharded save's time goes: a clock around each phase of ``sharded_save.py``'s saves.
+"""Where a sharded save's or resume's time goes: a clock around each phase of ``sharded_save.py``.
 
 Runs ``benchmarks/sharded_save.py`` (the same FSDP2 state, ranks and rounds) with only the
 ``--candidates`` given, and in every rank wraps the functions a save passes through — the
@@ -12,6 +12,15 @@ waits for the slowest rank). Medians in ms per rank, after the benchmark's own t
 
     .venv/bin/python benchmarks/sharded_phases.py --mib 64 --repeats 15 \\
         --candidates "dcp save,dcp async_save,Checkpointer.save sync"
+
+With ``--resume``, the benchmark's resumes instead (``--candidates`` from its resume
+candidates, ``dcp load`` needed): the Checkpointer's open, ``resume()`` and ``close()``, the
+engine's ``read_sharded``, and DCP's ``load``, ``get_*_state_dict`` / ``set_*_state_dict`` as
+the benchmark calls them (each a call of its own), every phase of pitstop's resume inside them —
+the scan, the plan, the checks, the agreement, DCP's read, the apply, the replicated restore::
+
+    .venv/bin/python benchmarks/sharded_phases.py --mib 42 --repeats 5 --resume \
+        --candidates "dcp load,Checkpointer.resume"
 
 A clock costs about a microsecond a call: the calls wrapped here happen a few dozen times a
 save. Not a benchmark of its own: the durations it prints are the benchmark's, with the clocks.
@@ -45,6 +54,44 @@ TOPS = (  # the calls a phase is counted under: (module, owner or None, name)
     ("pitstop.shell.sharded.shardwrite", None, "write_sharded"),
     ("torch.distributed.checkpoint.state_dict_saver", None, "save"),
     ("torch.distributed.checkpoint.state_dict_saver", None, "async_save"),
+)
+RESUME_TOPS = (  # a resume's calls, and torch's as raw DCP's candidate makes them
+    ("pitstop.shell.manager", "Checkpointer", "__init__"),
+    ("pitstop.shell.manager", "Checkpointer", "resume"),
+    ("pitstop.shell.manager", "Checkpointer", "close"),
+    ("pitstop.shell.sharded.engine", None, "read_sharded"),
+    ("torch.distributed.checkpoint.state_dict_loader", None, "load"),
+    ("torch.distributed.checkpoint.state_dict", None, "get_model_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", None, "get_optimizer_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", None, "set_model_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", None, "set_optimizer_state_dict"),
+)
+RESUME_PHASES = (  # each wrapped where its caller finds it
+    ("pitstop.shell.manager", None, ("scan",)),
+    ("pitstop.shell.resuming", None, ("resume_from", "_candidates", "_plan", "_shares")),
+    ("pitstop.shell.resuming", None, ("_choose_sharded", "_problem", "_load", "verify_sharded")),
+    ("pitstop.shell.resuming", None, ("prefetch", "_planned")),
+    ("pitstop.shell.resuming", None, ("differences",)),
+    ("pitstop.shell.resumeread", "ResumeRead", ("verify", "load")),
+    ("pitstop.shell.state.restore", "Restore", ("prepare", "commit")),
+    ("pitstop.shell.sharded.engine", None, ("plan_read", "read_layout", "_planned_files")),
+    ("pitstop.shell.sharded.engine", None, ("verify_sharded", "load_checked", "apply_state")),
+    ("pitstop.shell.sharded.engine", None, ("_apply_checked",)),
+    ("pitstop.shell.sharded.engine", "_Kept", ("__init__", "put_back")),
+    ("pitstop.shell.sharded.rawread", None, ("check_agreed", "check_read", "_checked_file")),
+    ("pitstop.shell.sharded.rawread", "Checked", ("copy",)),
+    ("pitstop.shell.sharded.dcpio", None, ("load",)),
+    ("pitstop.shell.sharded.dcpstate", None, ("get_model_state_dict", "get_optimizer_state_dict")),
+    ("pitstop.shell.sharded.dcpstate", None, ("set_model_state_dict", "set_optimizer_state_dict")),
+    (
+        "pitstop.shell.ranks.distributed",
+        "Ranks",
+        ("all_gather_each", "gather_then_lead", "lead", "all_gather", "each", "broadcast"),
+    ),
+    ("torch.distributed.checkpoint.utils", "_DistWrapper", ("reduce_scatter", "all_reduce")),
+    ("torch.distributed.checkpoint.utils", "_DistWrapper", ("all_gather", "broadcast_object")),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader", ("read_data",)),
+    ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner", ("set_up_planner",)),
 )
 PHASES = (
     (
@@ -122,12 +169,13 @@ def _wrap(module: str, owner: str | None, name: str, *, top: bool = False) -> No
     setattr(where, name, _clocked(label, fn, top=top))
 
 
-def install() -> None:
-    """Wrap every phase in a clock (a worker, before the benchmark imports what it calls)."""
-    for module, owner, names in PHASES:
+def install(*, resume: bool = False) -> None:
+    """Wrap every phase in a clock (a worker, before the benchmark imports what it calls):
+    a save's, or with ``resume`` a resume's."""
+    for module, owner, names in RESUME_PHASES if resume else PHASES:
         for name in names:
             _wrap(module, owner, name)
-    for module, owner, name in TOPS:
+    for module, owner, name in RESUME_TOPS if resume else TOPS:
         _wrap(module, owner, name, top=True)
 
 
@@ -147,20 +195,30 @@ def _report(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    resume = "--resume" in argv
     if "--worker" in argv:  # a rank, as the benchmark's launcher runs this script
-        bench.CANDIDATES = tuple(os.environ[CHOSEN].split(","))
-        install()
+        if resume:
+            bench.RESUME_CANDIDATES = tuple(os.environ[CHOSEN].split(","))
+        else:
+            bench.CANDIDATES = tuple(os.environ[CHOSEN].split(","))
+        install(resume=resume)
         atexit.register(_dump)
         return bench.main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
-    parser.add_argument("--candidates", default="dcp save,dcp async_save,Checkpointer.save sync")
+    parser.add_argument("--candidates", default=None)
     ours, rest = parser.parse_known_args(argv)
-    chosen = [c.strip() for c in ours.candidates.split(",")]
-    unknown = sorted(set(chosen) - set(bench.CANDIDATES))
-    if unknown or not {"dcp save", "dcp async_save"} <= set(chosen):
+    known, needed = (
+        (bench.RESUME_CANDIDATES, ("dcp load",))
+        if resume
+        else (bench.CANDIDATES, ("dcp save", "dcp async_save"))
+    )
+    default = ",".join(known if resume else (*needed, "Checkpointer.save sync"))
+    chosen = [c.strip() for c in (ours.candidates or default).split(",")]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown or not set(needed) <= set(chosen):
         raise SystemExit(
-            f"--candidates: unknown {unknown}; 'dcp save' and 'dcp async_save' are needed "
-            f"(the ratios); the others: {', '.join(bench.CANDIDATES[2:])}"
+            f"--candidates: unknown {unknown}; {' and '.join(map(repr, needed))} needed "
+            f"(the ratios); the others: {', '.join(c for c in known if c not in needed)}"
         )
     bench.__file__ = os.path.abspath(__file__)  # the launcher runs this script as each rank
     with tempfile.TemporaryDirectory(prefix="sharded-phases-") as out:

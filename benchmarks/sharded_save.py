@@ -35,8 +35,9 @@ instead, from a cold page cache (rank 0 drops every file's pages with
   against its layout, every file this rank reads verified (size, CRC-32), a host copy of the
   rank's tensors kept for a failure, DCP's read, the apply;
 * ``Checkpointer.resume``: the public path, ``pitstop.Checkpointer(...).resume()`` and
-  ``close()`` — the lock, the scan, the choice (every rank verifies its files), the checks,
-  the replicated state, the same restore.
+  ``close()`` — the lock, the scan, the choice (DCP reads the candidate into staging tensors,
+  each rank checking its share of the files as they stream), the checks, the replicated
+  state, the apply of what was staged.
 
 Figures, in seconds from the call (the ranks leave a barrier just before it), the worse rank's:
 *blocking* — until the call returns and the state is staged; *durable* — until the checkpoint
@@ -58,7 +59,9 @@ are killed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -275,9 +278,11 @@ def _resume_rounds(
     assert saved is not None
     checkpoint = saved.path
 
-    def run(candidate: str) -> float:
+    def run(candidate: str) -> tuple[float, float]:
         if ranks.leader:
             _drop_cache(checkpoint)
+        gc.collect()
+        base = _peak_reset()
         dist.barrier()
         start = time.perf_counter()
         if candidate == "dcp load":
@@ -295,20 +300,49 @@ def _resume_rounds(
                 directory, model=model, state=state, timeout_s=args.timeout
             ) as again:
                 assert again.resume().step == 1
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        return elapsed, (_status_kib("VmHWM") - base) / 1024
 
     figures: dict[str, list[float]] = {c: [] for c in RESUME_CANDIDATES}
+    peaks: dict[str, list[float]] = {c: [] for c in RESUME_CANDIDATES}
     for round_ in range(args.repeats + 1):  # round 0 warms up
         for i in range(len(RESUME_CANDIDATES)):
             candidate = RESUME_CANDIDATES[(i + round_) % len(RESUME_CANDIDATES)]
-            worst = max(ranks.all_gather(run(candidate)))
+            gathered = ranks.all_gather(run(candidate))
             if round_:
-                figures[candidate].append(worst)
+                figures[candidate].append(max(s for s, _ in gathered))
+                peaks[candidate].append(max(m for _, m in gathered))
     dist.barrier()
     if not ranks.leader:
         return []
     shutil.rmtree(directory)
-    return [{"candidate": c, "resume_s": statistics.median(r)} for c, r in figures.items()]
+    return [
+        {
+            "candidate": c,
+            "resume_s": statistics.median(r),
+            "peak_mib": statistics.median(peaks[c]),
+        }
+        for c, r in figures.items()
+    ]
+
+
+def _status_kib(field: str) -> int:
+    """This process's ``field`` of /proc/self/status, in KiB (0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _peak_reset() -> int:
+    """Reset this process's peak resident size to its current one (Linux: clear_refs 5);
+    the resident size now, in KiB, which a later peak is counted above."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
 
 
 def _free_port() -> int:
@@ -398,11 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     reference = {r["candidate"]: r for r in rows}
     print(f"{args.ranks} ranks, FSDP2, ~{args.mib:g} MiB of state, median of {args.repeats}")
     if args.resume:
-        print("| candidate | resume s (cold cache) | / dcp load |")
-        print("|---|---:|---:|")
+        print("| candidate | resume s (cold cache) | / dcp load | peak RSS above start, MiB |")
+        print("|---|---:|---:|---:|")
         for row in rows:
             ratio = row["resume_s"] / reference["dcp load"]["resume_s"]
-            print(f"| {row['candidate']} | {row['resume_s']:.4f} | {ratio:.2f} |")
+            peak = row["peak_mib"]
+            print(f"| {row['candidate']} | {row['resume_s']:.4f} | {ratio:.2f} | {peak:.1f} |")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0

@@ -72,3 +72,29 @@ def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: 
     assert "  Checkpointer.save[async] / shardstage.stage_sharded\n" in rank0
     assert "  Checkpointer.wait[async] / PendingShardedWrite.written\n" in rank0
     assert list((tmp_path / "w").iterdir()) == []
+
+
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_sharded_phases_clocks_a_resume_phase_by_phase(tmp_path: Path) -> None:
+    """benchmarks/sharded_phases.py --resume, tiny: the resume rows, then each rank's clocks:
+    the choice's checked read, the apply and the copy, DCP's own load beside them."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_phases.py"
+    args = ["--mib", "1", "--repeats", "1", "--timeout", "120", "--resume"]
+    run = subprocess.run(
+        [sys.executable, str(script), *args, "--dir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for candidate in ("dcp load", "pitstop read_sharded", "Checkpointer.resume"):
+        assert f"| {candidate} |" in run.stdout, run.stdout
+    rank0, rank1 = run.stdout.split("\nrank0: ")[1].split("\nrank1: ")
+    for clocks in (rank0, rank1):
+        for phase in ("rawread.check_read", "Checked.copy", "engine._apply_checked"):
+            assert f"  Checkpointer.resume[sync] / {phase}\n" in clocks + "\n", clocks
+        assert "  state_dict_loader.load / FileSystemReader.read_data\n" in clocks + "\n"
+    assert "  thread pitstop-manifest / ResumeRead.verify\n" in rank0 + "\n"  # rank 0 checks it
+    assert list((tmp_path / "w").iterdir()) == []

@@ -13,7 +13,7 @@ sharded the same way, updated after each step (``--no-ema``: none).
         [--no-ema]
         [--die-in-shards-at N] [--fail-shards-at N --fail-rank R] [--fail-part-at N]
         [--fail-stage-at N] [--fail-start-at N] [--fail-table-at N]
-        [--tear-at-resume --fail-rank R]
+        [--tear-at-resume --fail-rank R] [--refuse-apply-at-resume --fail-rank R]
         [--note-checks]
 
 ``--die-at N``: right after the step-N save returns, every rank SIGKILLs itself.
@@ -47,9 +47,11 @@ for the step-N save raises OSError (every other rank's DCP write has begun); the
 ``--fail-part-at``.
 ``--fail-stage-at N --fail-rank R`` (with ``--async``): rank R's staging of the step-N save
 (DCP's stager copying its shards) raises OSError; the same lines as ``--fail-part-at``.
-``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as DCP's
-read of the resume sets up, before any rank reads (it verified when the checkpoint was chosen:
-a disk failing between the check and the read); when the resume raises, each rank prints
+``--tear-at-resume --fail-rank R``: rank R's own shard file loses its second half as the
+resume's checked read begins, before it is checked (a disk failing before the read).
+``--refuse-apply-at-resume --fail-rank R``: rank R's optimizer refuses the state the resume
+read (every check passed), raising
+CheckpointCorrupt. When the resume raises, each rank prints
 ``untouched model <bool> ema <bool> optimizer <bool> schedule <bool> rng <bool>``: whether its
 local shards (the model's, the EMA's), its optimizer (no state), its schedule and its RNG are
 as they were before.
@@ -97,7 +99,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import pitstop
 from pitstop.core.sharded import sharded_name
 from pitstop.shell import resuming, shardsave
-from pitstop.shell.sharded import dcpio, shardwrite
+from pitstop.shell.sharded import dcpio, dcpstate, rawread, shardwrite
 from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
@@ -245,28 +247,46 @@ def note_write(step: int, began: list[bool], ended: list[bool]) -> None:
 
 
 def tear_at_resume(rank: int) -> None:
-    """This rank's own shard file loses its second half as DCP's read of the resume sets up
-    (it verified when the checkpoint was chosen), before DCP's first collective of the read:
-    so no rank has begun reading it yet."""
-    real = dcpio._Reader.set_up_storage_reader
+    """This rank's own shard file loses its second half as the resume's checked read of it
+    begins (it verified when the checkpoint was saved): the first candidate only."""
+    real = rawread.check_read
+    torn: list[Path] = []
 
-    def set_up_storage_reader(self: Any, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / f"__{rank}_0.distcp"
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        return real(self, *args, **kwargs)
+    def check_read(directory: Path, *args: Any, **kwargs: Any) -> Any:
+        path = Path(directory) / f"__{rank}_0.distcp"
+        if not torn:  # the first checkpoint read only
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+            torn.append(path)
+        return real(directory, *args, **kwargs)
 
-    dcpio._Reader.set_up_storage_reader = set_up_storage_reader  # type: ignore[method-assign]
+    rawread.check_read = check_read  # type: ignore[assignment]
+
+
+def refuse_apply_at_resume(rank: int) -> None:
+    """This rank's optimizer refuses the state the resume read, once every check passed."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise pitstop.CheckpointCorrupt(f"optimizer refused its state on rank {rank}")
+
+    dcpstate.set_optimizer_state_dict = refuse  # type: ignore[assignment]
 
 
 def note_checks() -> None:
-    """Each verification of shard files in the resume's choice prints the files it checks."""
+    """Each verification of shard files in the resume's choice prints the files it checks
+    (alone, or with the checked read)."""
     real = resuming.verify_sharded
+    real_read = rawread.check_read
 
     def verify_sharded(root: Path, layout: Any, names: Any = None) -> None:
         say(f"checked {json.dumps(sorted(names))}")
         real(root, layout, names)
 
+    def check_read(directory: Path, plan: Any, checks: Any, *args: Any) -> Any:
+        say(f"checked {json.dumps(sorted(checks))}")
+        return real_read(directory, plan, checks, *args)
+
     resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
+    rawread.check_read = check_read  # type: ignore[assignment]
 
 
 def local(module: nn.Module | None) -> dict[str, torch.Tensor]:
@@ -364,6 +384,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
             say(f"strict error {json.dumps(str(exc))}")
     if args.tear_at_resume and rank == args.fail_rank:
         tear_at_resume(rank)
+    if args.refuse_apply_at_resume and rank == args.fail_rank:
+        refuse_apply_at_resume(rank)
     if args.note_checks:
         note_checks()
     before = as_before(model, optimizer, schedule, ema)
@@ -455,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-start-at", type=int)
     parser.add_argument("--fail-table-at", type=int)
     parser.add_argument("--tear-at-resume", action="store_true")
+    parser.add_argument("--refuse-apply-at-resume", action="store_true")
     parser.add_argument("--note-checks", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--remote")

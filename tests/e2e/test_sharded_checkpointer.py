@@ -229,16 +229,15 @@ def test_a_run_whose_every_checkpoint_is_torn_starts_fresh_as_the_straight_run_d
         assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
 
 
-def test_a_read_that_fails_on_one_rank_after_the_checks_leaves_every_rank_as_it_was(
+def test_an_apply_that_fails_on_one_rank_after_the_read_leaves_every_rank_as_it_was(
     straight: Run, tmp_path: Path
 ) -> None:
-    """Rank 1's shard file of step 6 is cut in half after it verified, as DCP's read sets up
-    (rank 0 reads its own file whole, and a few values from rank 1's). Both ranks raise
-    CheckpointCorrupt naming rank 1 and the file, with the model, the optimizer (no state),
-    the schedule and the RNG as before the resume on both. The next resume finds the torn
-    file and falls back to step 4."""
+    """Every file of step 6 checks out as DCP reads it into staging, then rank 1's optimizer
+    refuses the state (rank 0's apply went through). Both ranks raise CheckpointCorrupt naming
+    rank 1, with the model, the EMA, the optimizer (no state), the schedule and the RNG as
+    before the resume on both. Nothing was wrong with the files: the next resume takes step 6."""
     directory = copy_run(straight, tmp_path)
-    failed = train(directory, tmp_path / "failed", "--tear-at-resume", code=3)
+    failed = train(directory, tmp_path / "failed", "--refuse-apply-at-resume", code=3)
     for rank in range(2):
         lines = failed.finished.lines(rank)
         assert "untouched model True ema True optimizer True schedule True rng True" in lines, (
@@ -246,12 +245,25 @@ def test_a_read_that_fails_on_one_rank_after_the_checks_leaves_every_rank_as_it_
         )
         (error,) = [line for line in lines if line.startswith("error ")]
         assert error.startswith("error CheckpointCorrupt "), error
-        message = json.loads(error.split(" ", 2)[2])
-        assert f"{sharded_name(6)}: DCP could not read it: " in message, message
-        assert "rank 1: __1_0.distcp could not be read: " in message, message
+        assert "optimizer refused its state on rank 1" in error, error
     again = train(directory, tmp_path / "again")
+    assert not [line for line in again.finished.lines(0) if "does not verify" in line]
+    for rank in range(2):
+        assert again.ranks[rank]["resumed"] == 6
+        assert_same(trained(again.ranks[rank]), trained(straight.ranks[rank]), f"rank {rank}")
+
+
+def test_a_shard_torn_as_dcp_reads_it_falls_back_on_every_rank(
+    straight: Run, tmp_path: Path
+) -> None:
+    """Rank 1's shard file of step 6 is cut in half as DCP's read sets up (rank 0 reads its own
+    file whole, and a few values from rank 1's, which rank 1 checks as it reads it): the read
+    fails on every rank before anything live is touched, and every rank resumes step 4."""
+    directory = copy_run(straight, tmp_path)
+    again = train(directory, tmp_path / "again", "--tear-at-resume")
     warned = [line for line in again.finished.lines(0) if "does not verify" in line]
     assert len(warned) == 1, again.finished.describe()
+    assert "(rank 1)" in warned[0], warned[0]
     assert f"{sharded_name(6)}: __1_0.distcp is " in warned[0]  # its size: cut in half
     for rank in range(2):
         assert again.ranks[rank]["resumed"] == 4

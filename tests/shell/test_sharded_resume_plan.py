@@ -22,7 +22,7 @@ from torch import nn
 import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.compat import Kind
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharded import MANIFEST_NAME, sharded_name
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded import engine as sharded
@@ -52,7 +52,7 @@ def resume_counting(
     module made, the step resumed, and the model."""
     calls: Counter[str] = Counter()
     counting(monkeypatch, calls, "read_layout")
-    counting(monkeypatch, calls, "_planned_files")
+    counting(monkeypatch, calls, "_local_plan")
     model, optimizer = sharded_model(step=False)
     with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
         step = ckpt.resume().step
@@ -79,7 +79,7 @@ def test_a_resume_reads_the_layout_and_plans_dcp_s_read_once(
     save_two(root)
     calls, step, _ = resume_counting(root, monkeypatch)
     assert step == 2
-    assert calls == {"read_layout": 1, "_planned_files": 1}
+    assert calls == {"read_layout": 1, "_local_plan": 1}
 
 
 def test_a_torn_newest_checkpoint_is_planned_then_skipped_and_the_one_before_restored(
@@ -93,7 +93,7 @@ def test_a_torn_newest_checkpoint_is_planned_then_skipped_and_the_one_before_res
     shard.write_bytes(bytes(data))
     calls, step, model = resume_counting(root, monkeypatch)
     assert step == 1
-    assert calls == {"read_layout": 2, "_planned_files": 2}  # each candidate once
+    assert calls == {"read_layout": 2, "_local_plan": 2}  # each candidate once
     restored = local(model)
     assert restored.keys() == first.keys()
     for key, value in first.items():
@@ -134,3 +134,25 @@ def test_read_sharded_refuses_a_plan_for_another_directory_or_one_that_does_not_
     after = local(model)
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+def test_a_damaged_replicated_tree_in_the_newest_manifest_is_found_beside_dcp_s_read(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manifest's layout reads back, so DCP reads the shards; the check of the whole
+    manifest, made on its own thread beside that read, fails it: the run resumes step 1."""
+    root = tmp_path / "checkpoints"
+    first = save_two(root)
+    manifest = root / sharded_name(2) / MANIFEST_NAME
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 4] ^= 0xFF  # in the replicated tree, not the meta that holds the layout
+    manifest.write_bytes(bytes(data))
+    sharded.read_layout(root / sharded_name(2))  # still plans
+    calls, step, model = resume_counting(root, monkeypatch)
+    assert step == 1
+    assert calls["_local_plan"] == 2  # DCP's read of step 2 was planned (and made)
+    (warned,) = [r.getMessage() for r in caplog.records if "does not verify" in r.getMessage()]
+    assert f"{sharded_name(2)}/{MANIFEST_NAME}" in warned, warned
+    restored = local(model)
+    for key, value in first.items():
+        assert torch.equal(restored[key], value), key

@@ -50,6 +50,7 @@ __all__ = [
     "layout_from_wire",
     "layout_to_wire",
     "parse_sharded_name",
+    "regions_for",
     "sharded_name",
     "share_checks",
 ]
@@ -190,18 +191,26 @@ def files_for(
 ) -> tuple[str, ...]:
     """The files holding the chunks ``reads`` names, as ``(fqn, offsets)`` (``None``: a
     non-tensor value), sorted: what a rank that reads them must verify first."""
+    return tuple(sorted({file for file, _, _ in regions_for(layout, reads)}))
+
+
+def regions_for(
+    layout: ShardedLayout, reads: Iterable[tuple[str, tuple[int, ...] | None]]
+) -> tuple[tuple[str, int, int], ...]:
+    """Where the chunks ``reads`` names (as for :func:`files_for`) are: ``(file, start,
+    length)`` each, in the order of ``reads``."""
     where = {
-        (v.fqn, c.offsets if v.dtype is not None else None): c.file
+        (v.fqn, c.offsets if v.dtype is not None else None): (c.file, c.start, c.length)
         for v in layout.values
         for c in v.chunks
     }
-    names = set()
+    found = []
     for fqn, offsets in reads:
         key = (fqn, tuple(offsets) if offsets is not None else None)
         if key not in where:
             raise CheckpointCorrupt(f"sharded layout has no chunk {fqn} at {offsets}")
-        names.add(where[key])
-    return tuple(sorted(names))
+        found.append(where[key])
+    return tuple(found)
 
 
 def share_checks(

@@ -14,12 +14,16 @@
 # one process, the optimizer's bytes leave the page cache as they are read, or are read past
 # it where the pass runs on several threads (the core's drop_behind; pitstop.shell.format.blobfile):
 # the file's copy of the state is not held beside the state itself.
+# A sharded checkpoint's manifest is read beside DCP's read of its shards (read_beside: rank 0
+# checks it whole, the others load it), on a thread of its own, joined before the read ends.
 # How: an object whose verify() is choose_resume's check and keeps what it loaded for load().
 
 """The resume's read: check and load a checkpoint in one pass, each tensor where it ends."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import torch
 from pitstop.core.pointers import drop_behind
 from pitstop.core.schema import RANKED, STATE
 from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.fileread import KeyPath, load
 from pitstop.shell.format.untrusted import checked
 from pitstop.shell.state.capture import LiveState
@@ -95,6 +100,33 @@ class ResumeRead:
         else:
             self._tree = load(path, verify="file", place=self.place, drop_placed=self._drop)
         self._path = known_as or path
+
+    def read_beside(self, path: Path) -> Callable[[], str | None]:
+        """Start reading the manifest of the sharded checkpoint ``path`` on a thread (rank 0:
+        checked whole, as :meth:`verify` with ``shards=False``; another rank: loaded as
+        :meth:`load` would); the function returned waits for it and says what was wrong
+        (rank 0's check; another rank's failure is left for :meth:`load` to raise)."""
+        problem: list[str] = []
+
+        def read() -> None:
+            try:
+                if self._rank == 0:
+                    self.verify(path, shards=False)
+                else:
+                    tree = load(path / MANIFEST_NAME, verify=False)
+                    self._path, self._tree = path, tree
+            except (CheckpointCorrupt, OSError) as exc:
+                problem.append(str(exc))
+
+        self._path = self._tree = None
+        thread = threading.Thread(target=read, name="pitstop-manifest", daemon=True)
+        thread.start()
+
+        def join() -> str | None:
+            thread.join()
+            return problem[0] if problem and self._rank == 0 else None
+
+        return join
 
     def load(self, path: Path) -> Any:
         """The tree of ``path``: as :meth:`verify` loaded it, or (on another rank) unchecked."""

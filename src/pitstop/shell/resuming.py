@@ -12,10 +12,14 @@
 # world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
 # every rank together: rank 0 sends the resume order, the ranks gather the files their read
 # plans name, each file read is verified once, by one of its readers (pitstop.core.sharded.
-# share_checks), and all move to the next candidate when any rank found a problem; its
+# share_checks) together with where each item this rank reads lies in its file (pitstop.shell.
+# sharded.rawread.check_read: nothing live touched, DCP's collectives not run) — and all move
+# to the next candidate, whose files are read only then, when any rank found a problem; its
 # replicated tree is checked and restored as above, and its layout checked on every rank in
-# the same pass, before DCP reads (resharding) the model and the optimizers. An optimizer
-# that had no state has none again unless the resume restored it (pitstop.shell.state.freshopt).
+# the same pass; then the state is applied and the checked tensors copied in from the same
+# open files (where a rank's state does not fit the layout, the files are verified alone).
+# An optimizer that had no state has none again unless the resume restored it
+# (pitstop.shell.state.freshopt).
 # On object storage (s3://) each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
 # too) and checks each itself (size, CRC-32) — its copy is its own; the outcome is agreed as
@@ -35,6 +39,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import nn
 
-from pitstop.core.compat import Difference, judge
+from pitstop.core.compat import Difference, Kind, judge
 from pitstop.core.objects import is_object_url
 from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
@@ -72,11 +77,12 @@ from pitstop.shell.state.restore import Restore, differences
 from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.resolve import find_resume, own_pointer
-from pitstop.shell.store.sharddir import verify_sharded
+from pitstop.shell.store.sharddir import prefetch, verify_sharded
 from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
+    from pitstop.shell.sharded.rawread import Checked
 
 __all__ = ["resume_from"]
 
@@ -104,19 +110,24 @@ def resume_from(
     state: the newest checkpoint complete across them, pitstop.shell.sharded.acrossnodes).
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
-    with FreshOptimizers(sharded_components(live) if sharded else {}) as fresh:
+    with (
+        FreshOptimizers(sharded_components(live) if sharded else {}) as fresh,
+        ExitStack() as opened,
+    ):
         # checks as it reads: the disk read once
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
-        plan = None
+        plan = checked = None
         across = groups is not None and not groups.shared
         if sharded and pointer is not None and across:  # each node holds its ranks' shards
             assert groups is not None
             planner = partial(_plan, live=live, ranks=ranks)
             path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
         elif sharded and pointer is not None:
-            path, wire, plan = _choose_sharded(directory, pointer, reading, live, ranks)
+            path, wire, plan, checked = _choose_sharded(directory, pointer, reading, live, ranks)
+            if checked is not None:  # its files, open until it is applied or refused
+                opened.callback(checked.close)
         elif across and pointer is not None:
             assert groups is not None
             path, wire = choose_across(directory, pointer, reading, ranks, groups)
@@ -132,7 +143,8 @@ def resume_from(
             if ranks.leader:
                 log.info("resume: %s holds no checkpoint; starting fresh", directory.path)
             return None, NO_CHECKPOINT
-        is_directory = ranks.each(partial(is_sharded_path, path))
+        # a chosen plan: a directory, on every rank
+        is_directory = plan is not None or ranks.each(partial(is_sharded_path, path))
         if is_directory != sharded:
             held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
             run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
@@ -156,9 +168,18 @@ def resume_from(
             if sharded:  # checked and verified on every rank before DCP touches a tensor
                 from pitstop.shell.sharded.engine import read_sharded
 
-                # every file was verified when the checkpoint was chosen, with this plan
+                # every file was verified when the checkpoint was chosen, with this plan (and
+                # its read checked, where every rank's state fits its layout)
                 components = sharded_components(live)
-                read_sharded(path, live.model, components, ranks=ranks, chosen=plan, ema=live.ema)
+                read_sharded(
+                    path,
+                    live.model,
+                    components,
+                    ranks=ranks,
+                    chosen=plan,
+                    ema=live.ema,
+                    checked=checked,
+                )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
             raise
@@ -295,6 +316,12 @@ def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str,
         return None
 
 
+def _fits(planned: _Planned) -> bool:
+    """Whether this rank planned the candidate's DCP read (its state fits the layout)."""
+    plan = planned[0]
+    return plan is not None and not any(d.kind is Kind.SHAPE for d in plan.differences)
+
+
 def _problem(
     path: Path,
     reading: ResumeRead,
@@ -303,7 +330,8 @@ def _problem(
     ranks: Ranks,
     remote: ObjectStorage | None = None,
 ) -> str | None:
-    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies).
+    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies), where
+    its files are not checked as DCP reads them (a file checkpoint, a state that does not fit).
 
     Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
     file some rank's DCP read plan names is checked by one of those ranks, in parallel (on
@@ -315,17 +343,26 @@ def _problem(
         if ranks.leader:
             reading.verify(path, shards=False)
         if plan is not None:
-            from pitstop.shell.sharded.dcpio import DCP_METADATA
-
-            mine = shares[ranks.rank] if shares is not None else plan.files
-            if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
-                mine += tuple(f.name for f in plan.layout.files if f.name == DCP_METADATA)
+            mine = _checks(plan, shares, ranks)
             if remote is not None:
                 remote.fetch_files(path.name, mine)
             verify_sharded(path, plan.layout, mine)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None
+
+
+def _checks(
+    plan: ShardedPlan, shares: tuple[tuple[str, ...], ...] | None, ranks: Ranks
+) -> tuple[str, ...]:
+    """The files this rank verifies of ``plan``'s checkpoint: its share, and (rank 0) DCP's
+    own metadata, which no rank reads (a DCP tool would)."""
+    from pitstop.shell.sharded.dcpio import DCP_METADATA
+
+    mine = shares[ranks.rank] if shares is not None else plan.files
+    if ranks.leader:
+        mine = (*mine, *(f.name for f in plan.layout.files if f.name == DCP_METADATA))
+    return mine
 
 
 def _fetched(
@@ -348,14 +385,15 @@ def _choose_sharded(
     reading: ResumeRead,
     live: LiveState,
     ranks: Ranks,
-) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None]:
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None]:
     """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
-    this rank's plan of it); all ranks move on together, rank 0 warning about each one
-    skipped and why (and where)."""
+    this rank's plan of it, and the state DCP read into staging as it was checked); all ranks
+    move on together, rank 0 warning about each one skipped and why (and where)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire, tiered in candidates:
+        checked = None
         if tiered:  # the remote tier's: rank 0 copies it into the directory first
             assert isinstance(directory, TieredDirectory)
             problem = ranks.lead(partial(directory.bring_sharded, path.name))
@@ -363,21 +401,35 @@ def _choose_sharded(
                 if ranks.leader:
                     log.warning("resume skips a checkpoint that does not verify: %s", problem)
                 continue
-        if remote is not None:  # this rank's own copy: the manifest first
+        if remote is not None:  # this rank's own copy: the manifest first; each checks its own
             path, planned = _fetched(remote, path.name, live, ranks)
+            files = planned[0].files if planned[0] is not None else ()
+            ranks.all_gather(files)
+            problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
         else:
             planned = _planned(path, live, ranks)
-        files = planned[0].files if planned[0] is not None else ()
-        shares = _shares(planned, ranks.all_gather(files))
-        if remote is not None:  # each rank checks every file it downloaded
-            shares = None
-        problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks, remote))
+            if planned[0] is not None:  # the disk reads them while the ranks agree
+                prefetch(path, [(name, 0, 0) for name in planned[0].files])  # checked whole
+            files = planned[0].files if planned[0] is not None else ()
+            gathered = ranks.all_gather((files, _fits(planned)))
+            shares = _shares(planned, [f for f, _ in gathered])
+            streamed = all(fits for _, fits in gathered)
+            if streamed and planned[0] is not None:  # every check, and the manifest, in the read
+                from pitstop.shell.sharded.rawread import check_agreed
+
+                beside = reading.read_beside(path)
+                checks = _checks(planned[0], shares, ranks)
+                checked, problems = check_agreed(planned[0], checks, ranks, beside)
+                if checked is not None:  # checked on every rank: read when applied
+                    return path, wire, planned[0], checked
+            else:
+                problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
-            return path, wire, planned[0]
+            return path, wire, planned[0], checked
         if remote is not None:
             shutil.rmtree(path, ignore_errors=True)
         if ranks.leader or remote is not None:  # one line per problem, with the ranks that found it
@@ -390,7 +442,7 @@ def _choose_sharded(
                 )
     if pointer is not PointerName.LAST and any_found:
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
-    return None, None, None
+    return None, None, None, None
 
 
 def _find_portable(

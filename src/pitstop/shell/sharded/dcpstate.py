@@ -81,11 +81,14 @@ def apply_state(
     fresh: tuple[str, ...],
 ) -> None:
     """Load what DCP read into ``state`` (made by :func:`dcp_state`); the optimizers named in
-    ``fresh`` had no state when it was saved and get none. An AveragedModel's count was read
-    in place."""
+    ``fresh`` had no state when it was saved and get none. An AveragedModel's count is
+    copied in (read in place, it is copied onto itself)."""
     set_model_state_dict(model, state[MODEL])
     if ema is not None:
         set_model_state_dict(unwrap_model(ema), state[EMA])
+        if isinstance(ema, AveragedModel) and EMA_COUNT in state:
+            with torch.no_grad():
+                ema.n_averaged.copy_(state[EMA_COUNT]["n_averaged"])
     for name, optimizer in optimizers.items():
         set_optimizer_state_dict(model, optimizer, state[name])
         if name in fresh:

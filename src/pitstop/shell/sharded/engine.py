@@ -15,7 +15,12 @@
 # each rank first keeps a host copy of every tensor it reads into; when the read or the apply that
 # follows fails on any rank (DCP's errors reach every rank, the apply's are agreed), every rank
 # copies its tensors back and hands each optimizer its own state and groups again — and an optimizer
-# that had no state (DCP gives it zeroed state to read into) has none again. DCP's collectives run
+# that had no state (DCP gives it zeroed state to read into) has none again. A resume reads
+# without DCP's read instead (pitstop.shell.sharded.rawread): its choice checks every file and
+# finds every item on every rank first, nothing live touched; then (read_sharded's `checked`)
+# the state is applied — its tensors the live ones, unwritten yet, each optimizer's own state
+# and groups kept by reference for a failure — and only then are the verified records copied
+# into the live tensors (no host copy: a failure there is an I/O error). DCP's collectives run
 # on `group` (async: on DCP's upload thread, so then `group` must be a process group of its own);
 # pitstop's agreement runs on `ranks`, from the calling thread only.
 # How: DCP does the tensor I/O and the resharding; pitstop.shell.store.sharddir the files around it.
@@ -38,19 +43,15 @@ from pitstop.core.compat import Difference, Kind, diff_ema
 from pitstop.core.sharded import (
     LiveValue,
     ShardedLayout,
-    files_for,
     fresh_optimizers,
     layout_differences,
+    regions_for,
     share_checks,
 )
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.sharded.dcpio import (
-    SafePlanner,
-    load_checked,
-    metadata_of,
-)
+from pitstop.shell.sharded.dcpio import SafePlanner, load_checked, metadata_of
 from pitstop.shell.sharded.dcpstate import (
     EMA,
     MODEL,
@@ -59,6 +60,7 @@ from pitstop.shell.sharded.dcpstate import (
     dcp_state,
     local_shard,
 )
+from pitstop.shell.sharded.rawread import Checked
 from pitstop.shell.sharded.shardwrite import (
     PendingShardedWrite,
     WrittenShards,
@@ -112,16 +114,26 @@ def _planned_files(
     directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
 ) -> tuple[str, ...]:
     """Check that ``state`` fits ``layout``; the files DCP's local plan reads on this rank."""
+    return tuple(sorted({file for file, _, _ in _local_plan(directory, layout, state, rank)[2]}))
+
+
+def _local_plan(
+    directory: Path, layout: ShardedLayout, state: dict[str, Any], rank: int
+) -> tuple[SafePlanner, tuple[Any, ...], tuple[tuple[str, int, int], ...]]:
+    """Check that ``state`` fits ``layout``; DCP's planner set up on it, its local plan's
+    items, and where they read: ``(file, start, length)`` each."""
     planner = SafePlanner()
     planner.set_up_planner(state, metadata_of(layout), rank == 0)
     live = {fqn: _live(value) for fqn, value in planner.state_dict.items()}
     problems = layout_differences(layout, live)
     if problems:
         raise IncompatibleCheckpoint(f"{directory}: {p}" for p in problems)
-    reads = [r.storage_index for r in planner.create_local_plan().items]
-    return files_for(
+    items = tuple(planner.create_local_plan().items)
+    reads = [r.storage_index for r in items]
+    regions = regions_for(
         layout, [(i.fqn, None if i.offset is None else tuple(i.offset)) for i in reads]
     )
+    return planner, items, regions
 
 
 def holds_ema(layout: ShardedLayout) -> bool:
@@ -156,6 +168,11 @@ class ShardedPlan:
     differences: tuple[Difference, ...]
     """Every difference between this rank's state and the layout (empty when it fits), an
     EMA on one side only judged as for a file checkpoint."""
+    reads: tuple[Any, ...] = ()
+    r"""DCP's local read plan on this rank (its ``ReadItem``\ s; empty when the state does not
+    fit), made by :attr:`planner`."""
+    planner: Any = None
+    """DCP's load planner, set up on :attr:`state` (``None`` when the state does not fit)."""
 
 
 def plan_read(
@@ -172,9 +189,12 @@ def plan_read(
     layout, meta = read_layout(root)
     found = diff_ema(stored=holds_ema(layout), live=ema is not None)
     state: dict[str, Any] = {}
+    regions: tuple[tuple[str, int, int], ...] = ()
+    planner, reads = None, ()
     try:
         state = _state(layout, model, optimizers, ema)
-        files = _planned_files(root, layout, state, rank)
+        planner, reads, regions = _local_plan(root, layout, state, rank)
+        files = tuple(sorted({file for file, _, _ in regions}))
     except IncompatibleCheckpoint as exc:
         found += [Difference(kind=Kind.SHAPE, message=p) for p in exc.differences]
         names = [f.name for f in layout.files]
@@ -186,14 +206,20 @@ def plan_read(
         state=state,
         files=files,
         differences=tuple(found),
+        reads=reads,
+        planner=planner,
     )
 
 
 class _Kept:
     """This rank's sharded state before DCP reads into it: a host copy of every tensor of
-    ``state`` (a DTensor's local shard) and each optimizer's own state and groups."""
+    ``state`` (a DTensor's local shard) and each optimizer's own state and groups. ``only``:
+    copy the tensors under these top-level keys alone (what an apply of staged state writes
+    into in place: an optimizer is handed new tensors, its own are kept by reference)."""
 
-    def __init__(self, state: dict[str, Any], optimizers: Optimizers) -> None:
+    def __init__(
+        self, state: dict[str, Any], optimizers: Optimizers, only: Collection[str] | None = None
+    ) -> None:
         self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._optimizers = [(o, o.state, o.param_groups) for o in optimizers.values()]
 
@@ -202,7 +228,8 @@ class _Kept:
                 local = local_shard(value)
                 self._tensors.append((local, local.detach().to("cpu", copy=True)))
 
-        traverse_state_dict(state, keep)
+        copied = state if only is None else {k: v for k, v in state.items() if k in only}
+        traverse_state_dict(copied, keep)
 
     def put_back(self) -> None:
         """Everything as it was when kept."""
@@ -238,6 +265,7 @@ def read_sharded(
     group: Any = None,
     chosen: ShardedPlan | None = None,
     ema: nn.Module | None = None,
+    checked: Checked | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
     directory, all or nothing (the ``ema`` only when the checkpoint holds one).
@@ -253,9 +281,16 @@ def read_sharded(
     a host copy of this rank's tensors kept while DCP reads. Returns the layout.
     ``chosen``: this rank's :func:`plan_read` of ``directory``, made by a resume that has
     compared it with the run and verified every file of it on every rank already: read with
-    it, without reading the manifest or planning again.
+    it, without reading the manifest or planning again. ``checked``: the resume's check of
+    ``chosen`` on every rank (:func:`~pitstop.shell.sharded.rawread.check_read`, every file
+    verified): the state is applied, then its tensors copied in; DCP reads nothing.
     """
     root = Path(directory)
+    if checked is not None:
+        if chosen is None:
+            raise ValueError("a checked read is applied with the plan it was checked with")
+        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema)
+        return chosen.layout
     with FreshOptimizers(optimizers) as fresh:
         if chosen is not None:
             layout, stored_fresh, state = ranks.each(lambda: _chosen(root, chosen))
@@ -275,6 +310,32 @@ def read_sharded(
             raise
         fresh.keep()
     return layout
+
+
+def _apply_checked(
+    root: Path,
+    model: nn.Module,
+    optimizers: Optimizers,
+    ranks: Ranks,
+    chosen: ShardedPlan,
+    checked: Checked,
+    ema: nn.Module | None,
+) -> None:
+    """Every rank: apply ``chosen``'s state — its tensors the live ones, unwritten yet, its
+    other values as read — all or nothing (each optimizer's own state and groups kept by
+    reference); then the checked read's tensors copied into the live ones."""
+    with FreshOptimizers(optimizers) as fresh:
+        _, stored_fresh, state = _chosen(root, chosen)  # it fits: the resume checked it
+        kept = _Kept(state, optimizers, only=())  # no tensor is written before the copy
+        try:
+            live_ema = ema if EMA in state else None
+            ranks.each(lambda: apply_state(model, optimizers, live_ema, state, stored_fresh))
+        except BaseException:
+            checked.close()
+            kept.put_back()
+            raise
+        ranks.each(checked.copy)  # verified on every rank: only an I/O error stops it
+        fresh.keep()
 
 
 def full_state_dict(

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -65,6 +66,7 @@ __all__ = [
     "clear_leftover",
     "file_table",
     "part_held",
+    "prefetch",
     "publish_sharded",
     "read_layout",
     "verify_sharded",
@@ -159,6 +161,35 @@ def verify_sharded(
                 problem = file_problem(expected, size, crc)
             if problem is not None:
                 raise CheckpointCorrupt(f"{root}: {problem}")
+
+
+def prefetch(
+    directory: str | os.PathLike[str], regions: Iterable[tuple[str, int, int]]
+) -> threading.Thread | None:
+    """Ask the OS to start reading ``regions`` of the files of ``directory`` — ``(name,
+    start, length)``, a length of 0 to the end — into the page cache now
+    (``POSIX_FADV_WILLNEED``, where it has it), from a thread of its own, returned (the
+    hint itself can take milliseconds: the caller goes on with other work before it reads
+    them). Only a hint: a file that cannot be opened is left for the read to name."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    root = Path(directory)
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for name, start, length in regions:
+        wanted.setdefault(name, []).append((start, length))
+
+    def hint() -> None:
+        for name, spans in wanted.items():
+            try:
+                with open_untrusted(root / name, follow_symlinks=False) as file:
+                    for start, length in spans:
+                        os.posix_fadvise(file.fileno(), start, length, os.POSIX_FADV_WILLNEED)
+            except (OSError, ValueError):
+                continue
+
+    thread = threading.Thread(target=hint, name="pitstop-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 # --- publishing -------------------------------------------------------------------------------
