@@ -305,9 +305,9 @@ def _problem(
             mine = shares[ranks.rank] if shares is not None else plan.files
             if ranks.leader:  # DCP's own metadata: no rank reads it, a DCP tool would
                 mine += tuple(f.name for f in plan.layout.files if f.name == DCP_METADATA)
-            if remote is not None:
-                remote.fetch_files(path.name, mine)
-            verify_sharded(path, plan.layout, mine)
+            # downloaded: each file checksummed as it arrived, compared here, not read again
+            arrived = remote.fetch_files(path.name, mine) if remote is not None else None
+            verify_sharded(path, plan.layout, mine, arrived=arrived)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc)
     return None

@@ -19,6 +19,12 @@
 # one at a time per cache, released by the next fetch, by the storage's release() after a
 # resume, or by close()) plus at most WORKERS * RANGE bytes of responses in flight (in the
 # whole process: its downloads share one pool).
+# A sharded checkpoint's files (download_files) are read the same way, every part of every
+# file in flight at once, into temp files of its local folder, each renamed once whole: each
+# part's CRC-32 computed on its thread as it arrives, the file's joined from its parts in
+# order and compared with the commit's record (size, CRC-32) when its last part is in, the
+# first that fails stopping the read. The (size, CRC-32) of what arrived is returned, so the
+# resume compares it with the manifest without reading the files again.
 # How: one thread pool of WORKERS per process; obstore's get_range releases the GIL, os.pwrite
 # and the CRC-32 (pitstop.shell.format.checksums) too. A read that fails cancels its queued
 # GETs and waits for the running ones before its memory file is closed.
@@ -32,13 +38,14 @@ import concurrent.futures
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
 from pitstop.core.manifest import FOOTER_SIZE, HEADER_SIZE, Manifest, check_footer, check_header
 from pitstop.core.naming import TEMP_PREFIX
 from pitstop.core.objects import Commit, Location, range_reads
+from pitstop.core.sharded import ShardFile, file_problem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.blobfile import blob_corrupt
@@ -46,6 +53,7 @@ from pitstop.shell.format.checksums import crc32_combine, crc32_update
 from pitstop.shell.format.untrusted import hold, release, vouch
 
 _T = TypeVar("_T")
+_J = TypeVar("_J")
 
 
 class ObjectStorage(Protocol):
@@ -59,7 +67,7 @@ class ObjectStorage(Protocol):
     def head(self, name: str) -> dict[str, Any] | None: ...
 
 
-__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_file", "let_go"]
+__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go"]
 
 RANGE: Final = 8 << 20
 """Bytes per ranged GET."""
@@ -140,34 +148,38 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
     return target
 
 
-def download_file(objects: ObjectStorage, name: str, data: str, size: int, target: Path) -> None:
-    """Download the data object ``data`` of checkpoint ``name`` to the file ``target`` (a
-    sharded checkpoint's file: its reader checks it against the manifest) by the same ranged,
-    parallel GETs, into a temp file renamed once whole. Raises
-    :class:`~pitstop.errors.CheckpointCorrupt` naming the URL when the object is missing or not
-    ``size`` bytes, with nothing left."""
-    url = objects.location.url(name)
-    meta = objects.head(data)
-    if meta is None:
-        raise CheckpointCorrupt(f"{url}: its data object {data} is missing")
-    if int(meta["size"]) != size:
-        raise CheckpointCorrupt(
-            f"{url}: its data object {data} holds {meta['size']} bytes, its commit says {size}"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    where = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{target.name}")
-    fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+def download_files(
+    objects: ObjectStorage, name: str, folder: str, files: Sequence[ShardFile], target: Path
+) -> dict[str, tuple[int, int]]:
+    """Download the data objects ``folder/<file>`` of checkpoint ``name`` (a sharded one's
+    ``files``, as its commit lists them) into the folder ``target``: every part of every file
+    in flight at once (WORKERS ranged GETs), each part's CRC-32 computed on its own thread as
+    it arrives and the file's, joined in order, compared with the commit's once its last part
+    is in; each file written to a temp file renamed once whole and checked. ``{file: (size,
+    CRC-32)}`` of what arrived, so a reader checks it against the manifest without reading it
+    again. Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file (one
+    missing, of another size, or failing its checksum), with no temp file left."""
+    url, names = objects.location.url(name), [f"{folder}/{f.name}" for f in files]
+    sizes = list(_pool().map(objects.head, names))  # every HEAD at once
+    for file, meta in zip(files, sizes, strict=True):
+        size = None if meta is None else int(meta["size"])
+        if size != file.size:
+            raise CheckpointCorrupt(f"{url}: {file_problem(file, size, None, 'its commit')}")
+    target.mkdir(parents=True, exist_ok=True)
+    temps = {f.name: target / f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{f.name}" for f in files}
+    fds: dict[str, int] = {}
     try:
-        os.ftruncate(fd, size)
-        _Download(objects, data, fd, url).spans(
-            list(range_reads(size, RANGE)), lambda _view, _at: None, lambda _seen: None
-        )
-    except BaseException:
-        os.close(fd)
-        os.unlink(where)
-        raise
-    os.close(fd)
-    os.replace(where, target)
+        for file in files:
+            fds[file.name] = os.open(
+                temps[file.name], os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
+            )
+            os.ftruncate(fds[file.name], file.size)
+        _Files(objects, url, folder, files, fds).run(lambda f: os.replace(temps[f], target / f))
+    finally:
+        for done, fd in fds.items():
+            os.close(fd)
+            temps[done].unlink(missing_ok=True)  # renamed once whole and checked
+    return {f.name: (f.size, f.crc32) for f in files}
 
 
 class _Download:
@@ -229,21 +241,75 @@ class _Download:
         look: Callable[[memoryview, int], _T],
         seen: Callable[[_T], None],
     ) -> None:
-        """Read ``ranges``, WORKERS ranged GETs at a time, each written where it belongs and
-        ``look``ed at on its own thread as it arrives; ``seen`` takes what each look found, in
-        the order they end. The first failure stops the read."""
+        """Read ``ranges``, each written where it belongs and ``look``ed at on its own thread
+        as it arrives; ``seen`` takes what each look found (:func:`_spans`)."""
+        _spans(ranges, lambda span: look(self.put(self.get(*span), span[0]), span[0]), seen)
 
-        def arrive(span: tuple[int, int]) -> _T:
-            return look(self.put(self.get(*span), span[0]), span[0])
 
-        futures = [_pool().submit(arrive, r) for r in ranges]
-        try:
-            for done in concurrent.futures.as_completed(futures):
-                seen(done.result())
-        finally:  # none queued starts, and none running still writes, once this returns
-            for future in futures:
-                future.cancel()
-            concurrent.futures.wait(futures)
+def _spans(jobs: Sequence[_J], arrive: Callable[[_J], _T], seen: Callable[[_T], None]) -> None:
+    """``arrive(job)`` for every job, WORKERS at a time on the process's GET threads; ``seen``
+    takes what each returned, on this thread, in the order they end. The first failure stops
+    the rest: none queued starts, and none running still writes, once this returns."""
+    futures = [_pool().submit(arrive, job) for job in jobs]
+    try:
+        for done in concurrent.futures.as_completed(futures):
+            seen(done.result())
+    finally:
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
+
+
+class _Files:
+    """Several files' ranged GETs at once, each file's CRC-32 joined from its parts in order."""
+
+    def __init__(
+        self,
+        objects: ObjectStorage,
+        url: str,
+        folder: str,
+        files: Sequence[ShardFile],
+        fds: dict[str, int],
+    ) -> None:
+        self.url, self.files = url, {f.name: f for f in files}
+        self.reads = {
+            f.name: _Download(objects, f"{folder}/{f.name}", fds[f.name], url) for f in files
+        }
+        self.parts: dict[str, dict[int, tuple[int, int]]] = {f.name: {} for f in files}
+        self.left = {f.name: f.size for f in files}
+
+    def run(self, done: Callable[[str], None]) -> None:
+        """Read every file; ``done(file)`` once each is whole and checked."""
+        for name, left in self.left.items():
+            if left == 0:
+                self.check(name, done)
+        jobs = [(n, r) for n, f in self.files.items() for r in range_reads(f.size, RANGE)]
+
+        def arrive(job: tuple[str, tuple[int, int]]) -> tuple[str, int, int, int]:
+            name, (start, end) = job
+            read = self.reads[name]
+            return name, start, crc32_update(read.put(read.get(start, end), start)), end - start
+
+        def seen(found: tuple[str, int, int, int]) -> None:
+            name, start, crc, length = found
+            self.parts[name][start] = (crc, length)
+            self.left[name] -= length
+            if self.left[name] == 0:
+                self.check(name, done)
+
+        _spans(jobs, arrive, seen)
+
+    def check(self, name: str, done: Callable[[str], None]) -> None:
+        """The file's CRC-32, joined from its parts in order, against its commit's."""
+        crc = 0
+        for at in sorted(self.parts[name]):
+            piece, length = self.parts[name][at]
+            crc = crc32_combine(crc, piece, length)
+        expected = self.files[name]
+        problem = file_problem(expected, expected.size, crc, "its commit")
+        if problem is not None:
+            raise CheckpointCorrupt(f"{self.url}: {problem}")
+        done(name)
 
 
 class _Check:
