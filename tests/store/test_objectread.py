@@ -5,7 +5,8 @@ A resume reads by ranged GETs straight into memory (no file of the checkpoint on
 exact when its ranges cut blobs and when its manifest is longer than the tail read first; a
 flipped byte in a blob or in the padding makes the checkpoint fail (the resume falls back with
 a warning, the model untouched by the damaged one, and ``verify`` names the URL); the memory is
-freed once the resume is done.
+freed once the resume is done; a data object of another size than its commit records, or
+missing, is named (the size read from the tail's GET).
 """
 
 from __future__ import annotations
@@ -130,3 +131,39 @@ def test_without_memory_files_a_checked_temp_file_is_read_and_none_is_left(
         assert [n for n in left if n.startswith(".tmp-")] == []  # the damaged one's is gone
     finally:
         ckpt.close()
+
+
+def test_a_data_object_not_the_size_its_commit_says_fails_without_a_request_of_its_own(
+    s3_url: str,
+) -> None:
+    """The size check rides on the tail's GET (no HEAD): a data object shorter or longer than
+    its commit records, or missing, is named; the resume falls back to the previous one."""
+    history = saved(s3_url)
+    storage = ObjectStorage(s3_url)
+    try:
+        key = parse_url(s3_url).key(storage.commit(checkpoint_name(3)).data)
+        whole = bytes(obstore.get(storage.client, key).bytes())
+        url = f"{s3_url}/{checkpoint_name(3)}"
+        for body, said in [
+            (
+                whole[:-100],
+                rf"its data object holds {len(whole) - 100} bytes, its commit says {len(whole)}",
+            ),
+            (
+                whole + b"\0" * 100,
+                rf"its data object holds {len(whole) + 100} bytes, its commit says",
+            ),
+            (None, "its data object .* is missing"),
+        ]:
+            if body is None:
+                obstore.delete(storage.client, key)
+            else:
+                obstore.put(storage.client, key, body)
+            with pytest.raises(CheckpointCorrupt, match=rf"{url}: {said}"):
+                pitstop.verify(url)
+        step, now, ckpt = resumed(s3_url)
+        ckpt.close()
+        assert step == 2
+        assert same(now, history[1])
+    finally:
+        storage.close()

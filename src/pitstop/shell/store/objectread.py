@@ -109,13 +109,6 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
     the directory read rank 0's download), checked the same way as it arrives."""
     commit = objects.commit(name)
     url = objects.location.url(name)
-    meta = objects.head(commit.data)
-    if meta is None:
-        raise CheckpointCorrupt(f"{url}: its data object {commit.data} is missing")
-    if int(meta["size"]) != commit.size:
-        raise CheckpointCorrupt(
-            f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
-        )
     if commit.size < HEADER_SIZE + FOOTER_SIZE:
         raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
     let_go(target.parent)
@@ -205,53 +198,111 @@ class _Download:
         return view
 
     def run(self, where: Path, size: int) -> None:
-        """Read and check the whole object into the memory file held at ``where``."""
+        """Read and check the whole object (``size`` bytes, as its commit says) into the memory
+        file held at ``where``: its tail and header requested first, the data region's GETs
+        right after them, all at once; the manifest checked on this thread once the first two
+        are in (:meth:`manifest`), each range that arrived before it waiting for it, on its own
+        thread, to be checked."""
         tail = max(HEADER_SIZE, size - TAIL)
-        client, key = self.objects.client, self.key
-        header, end = self.objects.call(
-            "read",
-            self.data,
-            lambda o: o.get_ranges(client, key, starts=[0, tail], ends=[HEADER_SIZE, size]),
-        )
-        self.put(header, 0)
-        self.put(end, tail)
+        ends = _pool().submit(self.tail, tail, size)
+        start = _pool().submit(self.get, 0, HEADER_SIZE)
+        ready, checks = threading.Event(), list[_Check]()
+
+        def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
+            ready.wait()  # set once the manifest is checked or has failed
+            stop = checks[0].manifest.manifest_offset if checks else at
+            return checks[0].piece(view[: stop - at], at) if stop > at else []
+
+        def first() -> None:
+            try:
+                end = self.put(self.size(ends, size), tail)
+                manifest = self.manifest(where, size, tail, self.put(start.result(), 0), end)
+                checks.append(_Check(manifest, self.url))
+            finally:
+                ready.set()
+            if manifest.manifest_offset > tail:  # the tail read holds data bytes too
+                checks[0].note(checks[0].piece(end[: manifest.manifest_offset - tail], tail))
+
+        region = range_reads(tail - HEADER_SIZE, RANGE)
+        ranges = [(HEADER_SIZE + a, HEADER_SIZE + b) for a, b in region]
         try:
-            version = check_header(bytes(header), name=self.url)
+            self.spans(ranges, look, lambda found: checks[0].note(found), first)
+        finally:
+            ready.set()
+            concurrent.futures.wait([ends, start])
+        checks[0].finish()
+
+    def tail(self, tail: int, size: int) -> Any:
+        """obstore's response to the GET of bytes ``tail..size`` (it says the object's size)."""
+        client, key = self.objects.client, self.key
+        return self.objects.call(
+            "read", self.data, lambda o: o.get(client, key, options={"range": (tail, size)})
+        )
+
+    def size(self, ends: concurrent.futures.Future[Any], size: int) -> Any:
+        """The tail's bytes, once its response says the object is ``size`` bytes long."""
+        try:
+            found = ends.result()
+            held = int(found.meta["size"])
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{self.url}: its data object {self.data} is missing") from None
+        except OSError:  # a range past its end: shorter than its commit says?
+            meta = self.objects.head(self.data)
+            if meta is None or int(meta["size"]) == size:
+                raise
+            held = int(meta["size"])
+        if held != size:
+            raise CheckpointCorrupt(
+                f"{self.url}: its data object holds {held} bytes, its commit says {size}"
+            )
+        return self.objects.call("read", self.data, lambda o: found.bytes())
+
+    def manifest(
+        self, where: Path, size: int, tail: int, header: memoryview, end: memoryview
+    ) -> Manifest:
+        """The manifest, with ``header`` and ``end`` (the bytes from ``tail``) in the memory
+        file: header, footer and manifest checked as a local file's."""
+        try:
+            version = check_header(header.tobytes(), name=self.url)
             footer = check_footer(
-                bytes(end)[-FOOTER_SIZE:], name=self.url, size=size, version=version
+                end[-FOOTER_SIZE:].tobytes(), name=self.url, size=size, version=version
             )
             if footer.manifest_offset < tail:
                 self.put(self.get(footer.manifest_offset, tail), footer.manifest_offset)
-            manifest = fileformat.read_manifest(where)
+            return fileformat.read_manifest(where)
         except CheckpointCorrupt as exc:
             raise CheckpointCorrupt(f"{self.url}: {exc}") from None
-        self.region(manifest)
-
-    def region(self, manifest: Manifest) -> None:
-        """Read the data region (header end .. manifest), WORKERS ranged GETs at a time."""
-        check = _Check(manifest, self.url)
-        start, stop = HEADER_SIZE, manifest.manifest_offset
-        ranges = [(start + a, start + b) for a, b in range_reads(stop - start, RANGE)]
-        self.spans(ranges, check.piece, check.note)
-        check.finish()
 
     def spans(
         self,
         ranges: list[tuple[int, int]],
         look: Callable[[memoryview, int], _T],
         seen: Callable[[_T], None],
+        first: Callable[[], None] | None = None,
     ) -> None:
         """Read ``ranges``, each written where it belongs and ``look``ed at on its own thread
         as it arrives; ``seen`` takes what each look found (:func:`_spans`)."""
-        _spans(ranges, lambda span: look(self.put(self.get(*span), span[0]), span[0]), seen)
+
+        def arrive(span: tuple[int, int]) -> _T:
+            return look(self.put(self.get(*span), span[0]), span[0])
+
+        _spans(ranges, arrive, seen, first)
 
 
-def _spans(jobs: Sequence[_J], arrive: Callable[[_J], _T], seen: Callable[[_T], None]) -> None:
+def _spans(
+    jobs: Sequence[_J],
+    arrive: Callable[[_J], _T],
+    seen: Callable[[_T], None],
+    first: Callable[[], None] | None = None,
+) -> None:
     """``arrive(job)`` for every job, WORKERS at a time on the process's GET threads; ``seen``
-    takes what each returned, on this thread, in the order they end. The first failure stops
-    the rest: none queued starts, and none running still writes, once this returns."""
+    takes what each returned, on this thread, in the order they end, after ``first()`` (run
+    here while the jobs run). The first failure stops the rest: none queued starts, and none
+    running still writes, once this returns."""
     futures = [_pool().submit(arrive, job) for job in jobs]
     try:
+        if first is not None:
+            first()
         for done in concurrent.futures.as_completed(futures):
             seen(done.result())
     finally:
