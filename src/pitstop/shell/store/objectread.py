@@ -1,12 +1,14 @@
 # Reading a checkpoint from object storage: ranged, parallel GETs into memory, each blob's
 # CRC-32 checked as its bytes arrive.
 #
-# Rules: the data object's size must be the one its commit records. Its header and its tail
-# (footer and manifest: one request for both, a second only for a manifest larger than the
-# tail read) come first and are checked as a local file's are (fileread.read_manifest); then
-# the data region is read in RANGE-sized GETs, WORKERS at a time, each written where it
-# belongs as it arrives, and on the same thread the CRC-32 of each piece of a blob it holds
-# computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
+# Rules: the data object's size must be the one its commit records (the tail's response says
+# it: no request of its own). Its tail (footer and manifest; a second GET only for a manifest
+# larger than the tail read) and its header are requested first, and the data region's
+# RANGE-sized GETs right after them, without waiting (WORKERS at a time); header, footer and
+# manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
+# range is written where it belongs as it arrives and, on the same thread (once the manifest is
+# checked: a range that arrived first waits for it), the CRC-32 of each piece of a blob it
+# holds computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
 # is compared with its manifest's CRC-32 at once, and the first one that fails stops the read
 # (CheckpointCorrupt naming the URL and the blob; the requests still queued are cancelled). So
 # every byte is checked as a local verify checks it, once, while the network is still busy.
@@ -33,8 +35,8 @@
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
+import mmap
 import os
 import threading
 import uuid
@@ -48,9 +50,9 @@ from pitstop.core.objects import Commit, Location, range_reads
 from pitstop.core.sharded import ShardFile, file_problem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
-from pitstop.shell.format.blobfile import blob_corrupt
+from pitstop.shell.format.blobfile import PieceCheck
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
-from pitstop.shell.format.untrusted import hold, release, vouch
+from pitstop.shell.format.untrusted import hold, premap, release, vouch
 
 _T = TypeVar("_T")
 _J = TypeVar("_J")
@@ -77,6 +79,8 @@ WORKERS: Final = 16
 
 TAIL: Final = 1 << 20
 """Bytes read from the end of the object first: the footer and, usually, the whole manifest."""
+
+_POPULATE_READ: Final = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.13 names it
 
 _HELD: dict[Path, Path] = {}  # cache directory -> the checkpoint held in memory for it
 _HELD_LOCK = threading.Lock()
@@ -123,7 +127,10 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
         fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, commit.size)
-        _Download(objects, commit.data, fd, url).run(where, commit.size)
+        read = _Download(objects, commit.data, fd, url)
+        if memory:  # the first load's map, its pages mapped as they are written (premap)
+            read.mapping = mmap.mmap(fd, commit.size, access=mmap.ACCESS_COPY)
+        read.run(where, commit.size)
     except BaseException:
         if memory:
             release(where)
@@ -133,6 +140,8 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
         raise
     if memory:
         vouch(where)
+        if read.mapping is not None:
+            premap(where, read.mapping)
         with _HELD_LOCK:
             _HELD[target.parent] = target
     else:
@@ -180,6 +189,7 @@ class _Download:
 
     def __init__(self, objects: ObjectStorage, data: str, fd: int, url: str) -> None:
         self.objects, self.data, self.fd, self.url = objects, data, fd, url
+        self.mapping: mmap.mmap | None = None  # a private map of the file, pages mapped as written
         self.key = objects.location.key(data)
 
     def get(self, start: int, end: int) -> Any:
@@ -195,6 +205,13 @@ class _Download:
         done = 0
         while done < view.nbytes:
             done += os.pwrite(self.fd, view[done:], at + done)
+        mapping = self.mapping
+        if mapping is not None:  # map its pages now, not by faults in the load's copy
+            start = at - at % mmap.PAGESIZE
+            try:
+                mapping.madvise(_POPULATE_READ, start, at + view.nbytes - start)
+            except (OSError, ValueError):  # a kernel before 5.14: the load's faults map them
+                self.mapping = None
         return view
 
     def run(self, where: Path, size: int) -> None:
@@ -206,7 +223,7 @@ class _Download:
         tail = max(HEADER_SIZE, size - TAIL)
         ends = _pool().submit(self.tail, tail, size)
         start = _pool().submit(self.get, 0, HEADER_SIZE)
-        ready, checks = threading.Event(), list[_Check]()
+        ready, checks = threading.Event(), list[PieceCheck]()
 
         def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
             ready.wait()  # set once the manifest is checked or has failed
@@ -217,7 +234,7 @@ class _Download:
             try:
                 end = self.put(self.size(ends, size), tail)
                 manifest = self.manifest(where, size, tail, self.put(start.result(), 0), end)
-                checks.append(_Check(manifest, self.url))
+                checks.append(PieceCheck(manifest, self.url))
             finally:
                 ready.set()
             if manifest.manifest_offset > tail:  # the tail read holds data bytes too
@@ -361,71 +378,3 @@ class _Files:
         if problem is not None:
             raise CheckpointCorrupt(f"{self.url}: {problem}")
         done(name)
-
-
-class _Check:
-    """The CRC-32s of a manifest's blobs, joined from pieces checked as they arrive."""
-
-    def __init__(self, manifest: Manifest, url: str) -> None:
-        self.manifest, self.url = manifest, url
-        self.order = sorted(range(len(manifest.blobs)), key=lambda i: manifest.blobs[i].offset)
-        self.starts = [manifest.blobs[i].offset for i in self.order]
-        self.pieces: dict[int, dict[int, tuple[int, int]]] = {}  # blob -> at -> (crc, length)
-        self.left = {i: b.length for i, b in enumerate(manifest.blobs)}
-
-    def piece(self, view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
-        """``(blob, offset, crc, length)`` of each blob's piece in ``view`` (the bytes at file
-        offset ``at``); every padding byte in it checked (on the calling thread)."""
-        stop, found = at + view.nbytes, []
-        cursor = at
-        first = max(0, bisect.bisect_right(self.starts, at) - 1)
-        for index in self.order[first:]:
-            blob = self.manifest.blobs[index]
-            if blob.offset >= stop:
-                break
-            if blob.stop <= at or blob.length == 0:
-                continue
-            lo, hi = max(blob.offset, at), min(blob.stop, stop)
-            self.padding(view, at, cursor, lo, index)
-            found.append((index, lo, crc32_update(view[lo - at : hi - at]), hi - lo))
-            cursor = max(cursor, hi)
-        self.padding(view, at, cursor, stop, None)
-        return found
-
-    def padding(self, view: memoryview, at: int, start: int, stop: int, before: int | None) -> None:
-        """Bytes ``start..stop`` (file offsets, inside ``view`` at ``at``) must be zero."""
-        if stop <= start:
-            return
-        raw = view[start - at : stop - at].tobytes()
-        rest = raw.lstrip(b"\0")
-        if rest:
-            where = stop - len(rest)
-            blob = f"before blob {before}" if before is not None else "after the last blob"
-            raise CheckpointCorrupt(
-                f"{self.url}: padding byte at offset {where} ({blob}) is not zero"
-            )
-
-    def note(self, found: list[tuple[int, int, int, int]]) -> None:
-        """Take in a range's pieces; a blob whose bytes are all in is compared at once."""
-        for index, at, crc, length in found:
-            self.pieces.setdefault(index, {})[at] = (crc, length)
-            self.left[index] -= length
-            if self.left[index] == 0:
-                self.compare(index)
-
-    def compare(self, index: int) -> None:
-        crc = 0
-        for at in sorted(self.pieces.get(index, {})):
-            piece, length = self.pieces[index][at]
-            crc = crc32_combine(crc, piece, length)
-        self.pieces.pop(index, None)
-        if crc != self.manifest.blobs[index].crc32:
-            raise CheckpointCorrupt(f"{self.url}: {blob_corrupt(self.manifest, index)}")
-
-    def finish(self) -> None:
-        """Every blob was compared (an empty one: its CRC-32 must be that of no bytes)."""
-        for index, left in self.left.items():
-            if left == 0 and self.manifest.blobs[index].length == 0:
-                self.compare(index)
-            elif left:
-                raise CheckpointCorrupt(f"{self.url}: blob {index} was not read whole")
