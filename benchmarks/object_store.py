@@ -13,6 +13,11 @@ checkpoint through its fsspec writer and reader (``FsspecWriter`` / ``FsspecRead
 defaults, one process) saves and loads the same model state on the same endpoint too, against
 the same two references; without it those rows are skipped with a message.
 
+Each resume is also clocked by phase (medians printed under the table): ``requests`` (listing,
+commit objects, pointers: from the call until the download starts), ``read`` (the download:
+its header and tail, its ranged GETs, every blob checked), ``copy`` (the restore's copy of the
+checked bytes into the model) and ``rest`` (the remainder: the load's decode, freeing memory).
+
 The endpoint is a SeaweedFS ``weed mini`` on loopback that the benchmark starts and stops
 (tests/s3server.py's launcher): it writes at 14-30 MB/s, so the absolute times say little and
 the ratios are what to read.
@@ -23,6 +28,7 @@ the ratios are what to read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,7 +38,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +66,45 @@ def _timed(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+PHASES = ("requests", "read", "copy", "rest")
+
+
+@contextlib.contextmanager
+def _clocked(into: dict[str, list[float]]) -> Iterator[None]:
+    """Clock the phases of the resume run inside the block (appended to ``into``): the
+    download (ObjectStorage.fetch) and the restore's copy (Restore.commit) timed in place."""
+    from pitstop.shell.state.restore import Restore
+
+    spans: dict[str, tuple[float, float]] = {}
+
+    def timing(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spans[name] = (began, time.perf_counter())
+
+        return timed
+
+    originals = (ObjectStorage.fetch, Restore.commit)
+    ObjectStorage.fetch = timing("read", ObjectStorage.fetch)  # type: ignore[method-assign]
+    Restore.commit = timing("copy", Restore.commit)  # type: ignore[method-assign]
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        ObjectStorage.fetch, Restore.commit = originals  # type: ignore[method-assign]
+    total = time.perf_counter() - began
+    (read_start, read_end), (copy_start, copy_end) = spans["read"], spans["copy"]
+    into["requests"].append(read_start - began)
+    into["read"].append(read_end - read_start)
+    into["copy"].append(copy_end - copy_start)
+    into["rest"].append(
+        total - (read_start - began) - (read_end - read_start) - (copy_end - copy_start)
+    )
+
+
 def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]:
     """``{candidate: [seconds per repeat]}`` for ``size`` bytes."""
     import obstore
@@ -77,7 +122,7 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
         client_options={"allow_http": True},
     )
     times: dict[str, list[float]] = {
-        k: [] for k in ("save", "put", "resume", "get", "dcp-save", "dcp-resume")
+        k: [] for k in ("save", "put", "resume", "get", "dcp-save", "dcp-resume", *PHASES)
     }
     for repeat in range(repeats):
         url = f"s3://{BUCKET}/bench-{uuid.uuid4().hex[:8]}"
@@ -88,7 +133,7 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
                 times["save"].append(_timed(lambda: ckpt.save(pitstop.Progress(step=1))))
 
         def resume(url: str = url) -> None:
-            with pitstop.Checkpointer(url, model=_model(size)) as ckpt:
+            with pitstop.Checkpointer(url, model=_model(size)) as ckpt, _clocked(times):
                 times["resume"].append(_timed(ckpt.resume))
 
         save()
@@ -178,13 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     if not _has_s3fs():
         print("# s3fs is not installed: the DCP-through-fsspec rows are skipped (pip install s3fs)")
     rows: list[dict[str, Any]] = []
+    phases: list[tuple[float, dict[str, list[float]]]] = []
     with tempfile.TemporaryDirectory(prefix="pitstop-s3-bench-") as tmp:
         server = S3Server.start(Path(tmp))
         saved = {k: os.environ.get(k) for k in server.env()}
         os.environ.update(server.env())
         try:
             for size in sizes:
-                rows += rows_of(size, measure(server, int(size * MIB), args.repeats))
+                measured = measure(server, int(size * MIB), args.repeats)
+                rows += rows_of(size, measured)
+                phases.append((size, measured))
         finally:
             server.stop()
             for k, v in saved.items():
@@ -200,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['size_mib']:g} | {r['op']} vs {theirs} | {r['pitstop_s']:.2f} | "
             f"{r['obstore_s']:.2f} | {r['ratio']:.2f} |"
         )
+    print()
+    print("| MiB | resume s | requests | read | copy | rest | obstore get_ranges s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size, measured in phases:
+        cells = " | ".join(f"{statistics.median(measured[p]):.3f}" for p in ("resume", *PHASES))
+        print(f"| {size:g} | {cells} | {statistics.median(measured['get']):.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     sys.stdout.flush()

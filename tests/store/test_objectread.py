@@ -5,7 +5,9 @@ A resume reads by ranged GETs straight into memory (no file of the checkpoint on
 exact when its ranges cut blobs and when its manifest is longer than the tail read first; a
 flipped byte in a blob or in the padding makes the checkpoint fail (the resume falls back with
 a warning, the model untouched by the damaged one, and ``verify`` names the URL); the memory is
-freed once the resume is done.
+freed once the resume is done, and the map the download leaves for the first load of it is
+that load's alone; a data object of another size than its commit records, or missing, is
+named (the size read from the tail's GET).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import obstore
 import pytest
@@ -23,7 +26,7 @@ import pitstop
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.objects import parse_url
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell.format import fileformat
+from pitstop.shell.format import fileformat, fileread
 from pitstop.shell.format.untrusted import held
 from pitstop.shell.store import objectread
 from pitstop.shell.store.objectstore import ObjectStorage
@@ -100,6 +103,20 @@ def test_a_resume_reads_into_memory_and_frees_it(s3_url: str) -> None:
         assert not held(Path(cache) / checkpoint_name(3))  # freed once the resume was done
     finally:
         ckpt.close()
+    # the download leaves a copy-on-write map of the memory file for its first load: a tensor
+    # of that load written to changes nothing a later load of the file reads
+    storage = ObjectStorage(s3_url)
+    try:
+        with storage.fetched(checkpoint_name(2)) as path:
+            first = weights_of(fileread.load(path, verify=False))  # takes the download's map
+            second = weights_of(fileread.load(path, verify=False))
+            name, kept = next(iter(second.items()))
+            kept = kept.clone()
+            first[name].add_(1.0)
+            assert torch.equal(second[name], kept)
+            assert torch.equal(weights_of(fileread.load(path, verify=False))[name], kept)
+    finally:
+        storage.close()
 
 
 def test_ranges_that_cut_blobs_and_a_manifest_past_the_tail_read_exactly(
@@ -130,3 +147,44 @@ def test_without_memory_files_a_checked_temp_file_is_read_and_none_is_left(
         assert [n for n in left if n.startswith(".tmp-")] == []  # the damaged one's is gone
     finally:
         ckpt.close()
+
+
+def test_a_data_object_not_the_size_its_commit_says_fails_without_a_request_of_its_own(
+    s3_url: str,
+) -> None:
+    """The size check rides on the tail's GET (no HEAD): a data object shorter or longer than
+    its commit records, or missing, is named; the resume falls back to the previous one."""
+    history = saved(s3_url)
+    storage = ObjectStorage(s3_url)
+    try:
+        key = parse_url(s3_url).key(storage.commit(checkpoint_name(3)).data)
+        whole = bytes(obstore.get(storage.client, key).bytes())
+        url = f"{s3_url}/{checkpoint_name(3)}"
+        for body, said in [
+            (
+                whole[:-100],
+                rf"its data object holds {len(whole) - 100} bytes, its commit says {len(whole)}",
+            ),
+            (
+                whole + b"\0" * 100,
+                rf"its data object holds {len(whole) + 100} bytes, its commit says",
+            ),
+            (None, "its data object .* is missing"),
+        ]:
+            if body is None:
+                obstore.delete(storage.client, key)
+            else:
+                obstore.put(storage.client, key, body)
+            with pytest.raises(CheckpointCorrupt, match=rf"{url}: {said}"):
+                pitstop.verify(url)
+        step, now, ckpt = resumed(s3_url)
+        ckpt.close()
+        assert step == 2
+        assert same(now, history[1])
+    finally:
+        storage.close()
+
+
+def weights_of(tree: Any) -> dict[str, torch.Tensor]:
+    """The model's tensors in a loaded checkpoint tree."""
+    return dict(tree["weights"]["raw"])

@@ -248,15 +248,18 @@ def fresh_optimizers(meta: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(value)
 
 
-def file_problem(expected: ShardFile, size: int | None, crc32: int | None) -> str | None:
-    """What is wrong with a file found with ``size`` and ``crc32`` (``None``: missing)."""
+def file_problem(
+    expected: ShardFile, size: int | None, crc32: int | None, said: str = "the manifest"
+) -> str | None:
+    """What is wrong with a file found with ``size`` and ``crc32`` (``None``: missing);
+    ``said``: where ``expected`` comes from (the manifest, or a commit object)."""
     if size is None:
         return f"{expected.name} (written by rank {expected.rank}) is missing"
     if size != expected.size:
-        return f"{expected.name} is {size} bytes, the manifest says {expected.size}"
+        return f"{expected.name} is {size} bytes, {said} says {expected.size}"
     if crc32 != expected.crc32:
         return (
-            f"{expected.name} fails its checksum: CRC-32 {crc32:#010x}, the manifest says "
+            f"{expected.name} fails its checksum: CRC-32 {crc32:#010x}, {said} says "
             f"{expected.crc32:#010x}"
         )
     return None

@@ -17,13 +17,17 @@
 # (never by name, which another writer may have replaced) and checked to be the same inode;
 # where the OS or the filesystem refuses, or a read is refused part-way (an alignment the
 # device wants bigger), the bytes are read through the page cache instead.
+# PieceCheck checks a file that arrives in pieces, in any order (a download's ranged GETs):
+# each piece's blob CRC-32s and padding on the thread that got it, joined per blob in order.
 # How: os.preadv into a memoryview over a tensor's own memory (a ctypes array over its data
 # pointer); posix_fadvise(POSIX_FADV_DONTNEED) where the OS has it.
 
-"""An open checkpoint file's blobs: whole reads, padding checks, dropping from the cache."""
+"""An open checkpoint file's blobs: whole reads, padding checks, dropping from the cache;
+blobs checked from pieces as they arrive."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import os
@@ -32,11 +36,12 @@ from typing import TYPE_CHECKING, Final
 
 from pitstop.core.manifest import Manifest
 from pitstop.errors import CheckpointCorrupt
+from pitstop.shell.format.checksums import crc32_combine, crc32_update
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Advance", "BlobFile", "blob_corrupt", "byte_view", "drop_cached"]
+__all__ = ["Advance", "BlobFile", "PieceCheck", "blob_corrupt", "byte_view", "drop_cached"]
 
 Advance = Callable[[int], None]
 
@@ -164,3 +169,74 @@ class BlobFile:
         """Tell ``advance`` of ``nbytes`` more read."""
         if self.advance is not None:
             self.advance(nbytes)
+
+
+class PieceCheck:
+    """The CRC-32s of a manifest's blobs, joined from pieces of the file checked as they
+    arrive, in any order (a download's ranges): :meth:`piece` on any thread, :meth:`note` and
+    :meth:`finish` on one."""
+
+    def __init__(self, manifest: Manifest, url: str) -> None:
+        self.manifest, self.url = manifest, url
+        self.order = sorted(range(len(manifest.blobs)), key=lambda i: manifest.blobs[i].offset)
+        self.starts = [manifest.blobs[i].offset for i in self.order]
+        self.pieces: dict[int, dict[int, tuple[int, int]]] = {}  # blob -> at -> (crc, length)
+        self.left = {i: b.length for i, b in enumerate(manifest.blobs)}
+
+    def piece(self, view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
+        """``(blob, offset, crc, length)`` of each blob's piece in ``view`` (the bytes at file
+        offset ``at``); every padding byte in it checked (on the calling thread)."""
+        stop, found = at + view.nbytes, []
+        cursor = at
+        first = max(0, bisect.bisect_right(self.starts, at) - 1)
+        for index in self.order[first:]:
+            blob = self.manifest.blobs[index]
+            if blob.offset >= stop:
+                break
+            if blob.stop <= at or blob.length == 0:
+                continue
+            lo, hi = max(blob.offset, at), min(blob.stop, stop)
+            self.padding(view, at, cursor, lo, index)
+            found.append((index, lo, crc32_update(view[lo - at : hi - at]), hi - lo))
+            cursor = max(cursor, hi)
+        self.padding(view, at, cursor, stop, None)
+        return found
+
+    def padding(self, view: memoryview, at: int, start: int, stop: int, before: int | None) -> None:
+        """Bytes ``start..stop`` (file offsets, inside ``view`` at ``at``) must be zero."""
+        if stop <= start:
+            return
+        raw = view[start - at : stop - at].tobytes()
+        rest = raw.lstrip(b"\0")
+        if rest:
+            where = stop - len(rest)
+            blob = f"before blob {before}" if before is not None else "after the last blob"
+            raise CheckpointCorrupt(
+                f"{self.url}: padding byte at offset {where} ({blob}) is not zero"
+            )
+
+    def note(self, found: list[tuple[int, int, int, int]]) -> None:
+        """Take in a range's pieces; a blob whose bytes are all in is compared at once."""
+        for index, at, crc, length in found:
+            self.pieces.setdefault(index, {})[at] = (crc, length)
+            self.left[index] -= length
+            if self.left[index] == 0:
+                self.compare(index)
+
+    def compare(self, index: int) -> None:
+        """Blob ``index``'s CRC-32, joined from its pieces in order, against the manifest's."""
+        crc = 0
+        for at in sorted(self.pieces.get(index, {})):
+            piece, length = self.pieces[index][at]
+            crc = crc32_combine(crc, piece, length)
+        self.pieces.pop(index, None)
+        if crc != self.manifest.blobs[index].crc32:
+            raise CheckpointCorrupt(f"{self.url}: {blob_corrupt(self.manifest, index)}")
+
+    def finish(self) -> None:
+        """Every blob was compared (an empty one: its CRC-32 must be that of no bytes)."""
+        for index, left in self.left.items():
+            if left == 0 and self.manifest.blobs[index].length == 0:
+                self.compare(index)
+            elif left:
+                raise CheckpointCorrupt(f"{self.url}: blob {index} was not read whole")

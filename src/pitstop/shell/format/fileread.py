@@ -50,7 +50,7 @@ from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.treecheck import TensorRef, check_tree, resolve, subtree
 from pitstop.shell.format.treecodec import manifest_budget, unpack, unpacker
 from pitstop.shell.format.treewalk import ITEMSIZES, MAPPINGS, SEQUENCES, tensor_dtypes
-from pitstop.shell.format.untrusted import NotRegularFile, open_untrusted
+from pitstop.shell.format.untrusted import NotRegularFile, open_untrusted, take_map
 
 if TYPE_CHECKING:
     import torch
@@ -393,11 +393,11 @@ def _materialize(
     # ACCESS_COPY: a private, writable mapping, so torch.frombuffer does not warn and writes to
     # loaded tensors never reach the file. Each blob becomes its own storage; torch keeps the
     # mapping alive for as long as any tensor over it lives.
-    mapped = (
-        mmap.mmap(file.fileno(), manifest.manifest_offset, access=mmap.ACCESS_COPY)
-        if mapped_blobs
-        else None
-    )
+    mapped = None
+    if mapped_blobs:  # a memory file's writer may have left a map of it, its pages mapped
+        mapped = take_map(manifest.path) or mmap.mmap(
+            file.fileno(), manifest.manifest_offset, access=mmap.ACCESS_COPY
+        )
     for index in blobs:
         blob = manifest.blobs[index]
         if index in storages:

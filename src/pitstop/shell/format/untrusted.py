@@ -21,12 +21,16 @@
 # object storage) is opened under the path it was held at, by reopening its descriptor: every
 # reader works on it unchanged, and nothing of it is on a disk or left behind by a killed
 # process. vouch() records that every byte of one was checked as it arrived (checked() asks).
+# Its writer may also leave a private, copy-on-write map of it whose pages it mapped as they
+# were written (premap): the first load takes it (take_map) and copies from it without a page
+# fault; later loads map the file afresh, so what one load's tensors change no other sees.
 
 """open_untrusted and read_untrusted: the one way pitstop opens a file it reads."""
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 import threading
@@ -43,8 +47,10 @@ __all__ = [
     "held",
     "hold",
     "open_untrusted",
+    "premap",
     "read_untrusted",
     "release",
+    "take_map",
     "vouch",
 ]
 
@@ -53,6 +59,7 @@ _LINK_RULE = "inside a checkpoint directory only the pointers last, best and fin
 
 
 _HELD: dict[str, tuple[int, bool]] = {}  # path -> (descriptor of a memory file, checked)
+_MAPS: dict[str, mmap.mmap] = {}  # path -> a private map of the memory file held there
 _HELD_LOCK = threading.Lock()
 
 
@@ -61,6 +68,7 @@ def hold(path: str | os.PathLike[str], fd: int) -> None:
     ``path`` opens from now on, until :func:`release`. Not checked yet."""
     with _HELD_LOCK:
         old = _HELD.pop(os.fspath(path), None)
+        _MAPS.pop(os.fspath(path), None)
         _HELD[os.fspath(path)] = (fd, False)
     if old is not None:
         os.close(old[0])
@@ -71,6 +79,20 @@ def vouch(path: str | os.PathLike[str]) -> None:
     with _HELD_LOCK:
         fd, _ = _HELD[os.fspath(path)]
         _HELD[os.fspath(path)] = (fd, True)
+
+
+def premap(path: str | os.PathLike[str], mapping: mmap.mmap) -> None:
+    """Keep ``mapping`` (private, copy-on-write: ``mmap.ACCESS_COPY``'s flags) of the memory
+    file held at ``path`` for the first load of it (:func:`take_map`)."""
+    with _HELD_LOCK:
+        _MAPS[os.fspath(path)] = mapping
+
+
+def take_map(path: str | os.PathLike[str]) -> mmap.mmap | None:
+    """The map :func:`premap` left for the memory file held at ``path``, once (``None``:
+    none, or taken)."""
+    with _HELD_LOCK:
+        return _MAPS.pop(os.fspath(path), None)
 
 
 def held(path: str | os.PathLike[str]) -> bool:
@@ -90,6 +112,7 @@ def release(path: str | os.PathLike[str]) -> None:
     The close, which frees its memory (about 0.1 s for 512 MiB), runs on a thread of its own."""
     with _HELD_LOCK:
         found = _HELD.pop(os.fspath(path), None)
+        _MAPS.pop(os.fspath(path), None)  # unmapped once no tensor over it is left
     if found is not None:
         threading.Thread(target=os.close, args=(found[0],), name="pitstop-free").start()
 

@@ -1,12 +1,14 @@
 # Reading a checkpoint from object storage: ranged, parallel GETs into memory, each blob's
 # CRC-32 checked as its bytes arrive.
 #
-# Rules: the data object's size must be the one its commit records. Its header and its tail
-# (footer and manifest: one request for both, a second only for a manifest larger than the
-# tail read) come first and are checked as a local file's are (fileread.read_manifest); then
-# the data region is read in RANGE-sized GETs, WORKERS at a time, each written where it
-# belongs as it arrives, and on the same thread the CRC-32 of each piece of a blob it holds
-# computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
+# Rules: the data object's size must be the one its commit records (the tail's response says
+# it: no request of its own). Its tail (footer and manifest; a second GET only for a manifest
+# larger than the tail read) and its header are requested first, and the data region's
+# RANGE-sized GETs right after them, without waiting (WORKERS at a time); header, footer and
+# manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
+# range is written where it belongs as it arrives and, on the same thread (once the manifest is
+# checked: a range that arrived first waits for it), the CRC-32 of each piece of a blob it
+# holds computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
 # is compared with its manifest's CRC-32 at once, and the first one that fails stops the read
 # (CheckpointCorrupt naming the URL and the blob; the requests still queued are cancelled). So
 # every byte is checked as a local verify checks it, once, while the network is still busy.
@@ -19,6 +21,12 @@
 # one at a time per cache, released by the next fetch, by the storage's release() after a
 # resume, or by close()) plus at most WORKERS * RANGE bytes of responses in flight (in the
 # whole process: its downloads share one pool).
+# A sharded checkpoint's files (download_files) are read the same way, every part of every
+# file in flight at once, into temp files of its local folder, each renamed once whole: each
+# part's CRC-32 computed on its thread as it arrives, the file's joined from its parts in
+# order and compared with the commit's record (size, CRC-32) when its last part is in, the
+# first that fails stopping the read. The (size, CRC-32) of what arrived is returned, so the
+# resume compares it with the manifest without reading the files again.
 # How: one thread pool of WORKERS per process; obstore's get_range releases the GIL, os.pwrite
 # and the CRC-32 (pitstop.shell.format.checksums) too. A read that fails cancels its queued
 # GETs and waits for the running ones before its memory file is closed.
@@ -27,25 +35,27 @@
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
+import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
 from pitstop.core.manifest import FOOTER_SIZE, HEADER_SIZE, Manifest, check_footer, check_header
 from pitstop.core.naming import TEMP_PREFIX
 from pitstop.core.objects import Commit, Location, range_reads
+from pitstop.core.sharded import ShardFile, file_problem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
-from pitstop.shell.format.blobfile import blob_corrupt
+from pitstop.shell.format.blobfile import PieceCheck
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
-from pitstop.shell.format.untrusted import hold, release, vouch
+from pitstop.shell.format.untrusted import hold, premap, release, vouch
 
 _T = TypeVar("_T")
+_J = TypeVar("_J")
 
 
 class ObjectStorage(Protocol):
@@ -59,7 +69,7 @@ class ObjectStorage(Protocol):
     def head(self, name: str) -> dict[str, Any] | None: ...
 
 
-__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_file", "let_go"]
+__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go"]
 
 RANGE: Final = 8 << 20
 """Bytes per ranged GET."""
@@ -69,6 +79,8 @@ WORKERS: Final = 16
 
 TAIL: Final = 1 << 20
 """Bytes read from the end of the object first: the footer and, usually, the whole manifest."""
+
+_POPULATE_READ: Final = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.13 names it
 
 _HELD: dict[Path, Path] = {}  # cache directory -> the checkpoint held in memory for it
 _HELD_LOCK = threading.Lock()
@@ -101,13 +113,6 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
     the directory read rank 0's download), checked the same way as it arrives."""
     commit = objects.commit(name)
     url = objects.location.url(name)
-    meta = objects.head(commit.data)
-    if meta is None:
-        raise CheckpointCorrupt(f"{url}: its data object {commit.data} is missing")
-    if int(meta["size"]) != commit.size:
-        raise CheckpointCorrupt(
-            f"{url}: its data object holds {meta['size']} bytes, its commit says {commit.size}"
-        )
     if commit.size < HEADER_SIZE + FOOTER_SIZE:
         raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
     let_go(target.parent)
@@ -122,7 +127,10 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
         fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, commit.size)
-        _Download(objects, commit.data, fd, url).run(where, commit.size)
+        read = _Download(objects, commit.data, fd, url)
+        if memory:  # the first load's map, its pages mapped as they are written (premap)
+            read.mapping = mmap.mmap(fd, commit.size, access=mmap.ACCESS_COPY)
+        read.run(where, commit.size)
     except BaseException:
         if memory:
             release(where)
@@ -132,6 +140,8 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
         raise
     if memory:
         vouch(where)
+        if read.mapping is not None:
+            premap(where, read.mapping)
         with _HELD_LOCK:
             _HELD[target.parent] = target
     else:
@@ -140,34 +150,38 @@ def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = 
     return target
 
 
-def download_file(objects: ObjectStorage, name: str, data: str, size: int, target: Path) -> None:
-    """Download the data object ``data`` of checkpoint ``name`` to the file ``target`` (a
-    sharded checkpoint's file: its reader checks it against the manifest) by the same ranged,
-    parallel GETs, into a temp file renamed once whole. Raises
-    :class:`~pitstop.errors.CheckpointCorrupt` naming the URL when the object is missing or not
-    ``size`` bytes, with nothing left."""
-    url = objects.location.url(name)
-    meta = objects.head(data)
-    if meta is None:
-        raise CheckpointCorrupt(f"{url}: its data object {data} is missing")
-    if int(meta["size"]) != size:
-        raise CheckpointCorrupt(
-            f"{url}: its data object {data} holds {meta['size']} bytes, its commit says {size}"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    where = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{target.name}")
-    fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+def download_files(
+    objects: ObjectStorage, name: str, folder: str, files: Sequence[ShardFile], target: Path
+) -> dict[str, tuple[int, int]]:
+    """Download the data objects ``folder/<file>`` of checkpoint ``name`` (a sharded one's
+    ``files``, as its commit lists them) into the folder ``target``: every part of every file
+    in flight at once (WORKERS ranged GETs), each part's CRC-32 computed on its own thread as
+    it arrives and the file's, joined in order, compared with the commit's once its last part
+    is in; each file written to a temp file renamed once whole and checked. ``{file: (size,
+    CRC-32)}`` of what arrived, so a reader checks it against the manifest without reading it
+    again. Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file (one
+    missing, of another size, or failing its checksum), with no temp file left."""
+    url, names = objects.location.url(name), [f"{folder}/{f.name}" for f in files]
+    sizes = list(_pool().map(objects.head, names))  # every HEAD at once
+    for file, meta in zip(files, sizes, strict=True):
+        size = None if meta is None else int(meta["size"])
+        if size != file.size:
+            raise CheckpointCorrupt(f"{url}: {file_problem(file, size, None, 'its commit')}")
+    target.mkdir(parents=True, exist_ok=True)
+    temps = {f.name: target / f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{f.name}" for f in files}
+    fds: dict[str, int] = {}
     try:
-        os.ftruncate(fd, size)
-        _Download(objects, data, fd, url).spans(
-            list(range_reads(size, RANGE)), lambda _view, _at: None, lambda _seen: None
-        )
-    except BaseException:
-        os.close(fd)
-        os.unlink(where)
-        raise
-    os.close(fd)
-    os.replace(where, target)
+        for file in files:
+            fds[file.name] = os.open(
+                temps[file.name], os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
+            )
+            os.ftruncate(fds[file.name], file.size)
+        _Files(objects, url, folder, files, fds).run(lambda f: os.replace(temps[f], target / f))
+    finally:
+        for done, fd in fds.items():
+            os.close(fd)
+            temps[done].unlink(missing_ok=True)  # renamed once whole and checked
+    return {f.name: (f.size, f.crc32) for f in files}
 
 
 class _Download:
@@ -175,6 +189,7 @@ class _Download:
 
     def __init__(self, objects: ObjectStorage, data: str, fd: int, url: str) -> None:
         self.objects, self.data, self.fd, self.url = objects, data, fd, url
+        self.mapping: mmap.mmap | None = None  # a private map of the file, pages mapped as written
         self.key = objects.location.key(data)
 
     def get(self, start: int, end: int) -> Any:
@@ -190,125 +205,176 @@ class _Download:
         done = 0
         while done < view.nbytes:
             done += os.pwrite(self.fd, view[done:], at + done)
+        mapping = self.mapping
+        if mapping is not None:  # map its pages now, not by faults in the load's copy
+            start = at - at % mmap.PAGESIZE
+            try:
+                mapping.madvise(_POPULATE_READ, start, at + view.nbytes - start)
+            except (OSError, ValueError):  # a kernel before 5.14: the load's faults map them
+                self.mapping = None
         return view
 
     def run(self, where: Path, size: int) -> None:
-        """Read and check the whole object into the memory file held at ``where``."""
+        """Read and check the whole object (``size`` bytes, as its commit says) into the memory
+        file held at ``where``: its tail and header requested first, the data region's GETs
+        right after them, all at once; the manifest checked on this thread once the first two
+        are in (:meth:`manifest`), each range that arrived before it waiting for it, on its own
+        thread, to be checked."""
         tail = max(HEADER_SIZE, size - TAIL)
-        client, key = self.objects.client, self.key
-        header, end = self.objects.call(
-            "read",
-            self.data,
-            lambda o: o.get_ranges(client, key, starts=[0, tail], ends=[HEADER_SIZE, size]),
-        )
-        self.put(header, 0)
-        self.put(end, tail)
+        ends = _pool().submit(self.tail, tail, size)
+        start = _pool().submit(self.get, 0, HEADER_SIZE)
+        ready, checks = threading.Event(), list[PieceCheck]()
+
+        def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
+            ready.wait()  # set once the manifest is checked or has failed
+            stop = checks[0].manifest.manifest_offset if checks else at
+            return checks[0].piece(view[: stop - at], at) if stop > at else []
+
+        def first() -> None:
+            try:
+                end = self.put(self.size(ends, size), tail)
+                manifest = self.manifest(where, size, tail, self.put(start.result(), 0), end)
+                checks.append(PieceCheck(manifest, self.url))
+            finally:
+                ready.set()
+            if manifest.manifest_offset > tail:  # the tail read holds data bytes too
+                checks[0].note(checks[0].piece(end[: manifest.manifest_offset - tail], tail))
+
+        region = range_reads(tail - HEADER_SIZE, RANGE)
+        ranges = [(HEADER_SIZE + a, HEADER_SIZE + b) for a, b in region]
         try:
-            version = check_header(bytes(header), name=self.url)
+            self.spans(ranges, look, lambda found: checks[0].note(found), first)
+        finally:
+            ready.set()
+            concurrent.futures.wait([ends, start])
+        checks[0].finish()
+
+    def tail(self, tail: int, size: int) -> Any:
+        """obstore's response to the GET of bytes ``tail..size`` (it says the object's size)."""
+        client, key = self.objects.client, self.key
+        return self.objects.call(
+            "read", self.data, lambda o: o.get(client, key, options={"range": (tail, size)})
+        )
+
+    def size(self, ends: concurrent.futures.Future[Any], size: int) -> Any:
+        """The tail's bytes, once its response says the object is ``size`` bytes long."""
+        try:
+            found = ends.result()
+            held = int(found.meta["size"])
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{self.url}: its data object {self.data} is missing") from None
+        except OSError:  # a range past its end: shorter than its commit says?
+            meta = self.objects.head(self.data)
+            if meta is None or int(meta["size"]) == size:
+                raise
+            held = int(meta["size"])
+        if held != size:
+            raise CheckpointCorrupt(
+                f"{self.url}: its data object holds {held} bytes, its commit says {size}"
+            )
+        return self.objects.call("read", self.data, lambda o: found.bytes())
+
+    def manifest(
+        self, where: Path, size: int, tail: int, header: memoryview, end: memoryview
+    ) -> Manifest:
+        """The manifest, with ``header`` and ``end`` (the bytes from ``tail``) in the memory
+        file: header, footer and manifest checked as a local file's."""
+        try:
+            version = check_header(header.tobytes(), name=self.url)
             footer = check_footer(
-                bytes(end)[-FOOTER_SIZE:], name=self.url, size=size, version=version
+                end[-FOOTER_SIZE:].tobytes(), name=self.url, size=size, version=version
             )
             if footer.manifest_offset < tail:
                 self.put(self.get(footer.manifest_offset, tail), footer.manifest_offset)
-            manifest = fileformat.read_manifest(where)
+            return fileformat.read_manifest(where)
         except CheckpointCorrupt as exc:
             raise CheckpointCorrupt(f"{self.url}: {exc}") from None
-        self.region(manifest)
-
-    def region(self, manifest: Manifest) -> None:
-        """Read the data region (header end .. manifest), WORKERS ranged GETs at a time."""
-        check = _Check(manifest, self.url)
-        start, stop = HEADER_SIZE, manifest.manifest_offset
-        ranges = [(start + a, start + b) for a, b in range_reads(stop - start, RANGE)]
-        self.spans(ranges, check.piece, check.note)
-        check.finish()
 
     def spans(
         self,
         ranges: list[tuple[int, int]],
         look: Callable[[memoryview, int], _T],
         seen: Callable[[_T], None],
+        first: Callable[[], None] | None = None,
     ) -> None:
-        """Read ``ranges``, WORKERS ranged GETs at a time, each written where it belongs and
-        ``look``ed at on its own thread as it arrives; ``seen`` takes what each look found, in
-        the order they end. The first failure stops the read."""
+        """Read ``ranges``, each written where it belongs and ``look``ed at on its own thread
+        as it arrives; ``seen`` takes what each look found (:func:`_spans`)."""
 
         def arrive(span: tuple[int, int]) -> _T:
             return look(self.put(self.get(*span), span[0]), span[0])
 
-        futures = [_pool().submit(arrive, r) for r in ranges]
-        try:
-            for done in concurrent.futures.as_completed(futures):
-                seen(done.result())
-        finally:  # none queued starts, and none running still writes, once this returns
-            for future in futures:
-                future.cancel()
-            concurrent.futures.wait(futures)
+        _spans(ranges, arrive, seen, first)
 
 
-class _Check:
-    """The CRC-32s of a manifest's blobs, joined from pieces checked as they arrive."""
+def _spans(
+    jobs: Sequence[_J],
+    arrive: Callable[[_J], _T],
+    seen: Callable[[_T], None],
+    first: Callable[[], None] | None = None,
+) -> None:
+    """``arrive(job)`` for every job, WORKERS at a time on the process's GET threads; ``seen``
+    takes what each returned, on this thread, in the order they end, after ``first()`` (run
+    here while the jobs run). The first failure stops the rest: none queued starts, and none
+    running still writes, once this returns."""
+    futures = [_pool().submit(arrive, job) for job in jobs]
+    try:
+        if first is not None:
+            first()
+        for done in concurrent.futures.as_completed(futures):
+            seen(done.result())
+    finally:
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
 
-    def __init__(self, manifest: Manifest, url: str) -> None:
-        self.manifest, self.url = manifest, url
-        self.order = sorted(range(len(manifest.blobs)), key=lambda i: manifest.blobs[i].offset)
-        self.starts = [manifest.blobs[i].offset for i in self.order]
-        self.pieces: dict[int, dict[int, tuple[int, int]]] = {}  # blob -> at -> (crc, length)
-        self.left = {i: b.length for i, b in enumerate(manifest.blobs)}
 
-    def piece(self, view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
-        """``(blob, offset, crc, length)`` of each blob's piece in ``view`` (the bytes at file
-        offset ``at``); every padding byte in it checked (on the calling thread)."""
-        stop, found = at + view.nbytes, []
-        cursor = at
-        first = max(0, bisect.bisect_right(self.starts, at) - 1)
-        for index in self.order[first:]:
-            blob = self.manifest.blobs[index]
-            if blob.offset >= stop:
-                break
-            if blob.stop <= at or blob.length == 0:
-                continue
-            lo, hi = max(blob.offset, at), min(blob.stop, stop)
-            self.padding(view, at, cursor, lo, index)
-            found.append((index, lo, crc32_update(view[lo - at : hi - at]), hi - lo))
-            cursor = max(cursor, hi)
-        self.padding(view, at, cursor, stop, None)
-        return found
+class _Files:
+    """Several files' ranged GETs at once, each file's CRC-32 joined from its parts in order."""
 
-    def padding(self, view: memoryview, at: int, start: int, stop: int, before: int | None) -> None:
-        """Bytes ``start..stop`` (file offsets, inside ``view`` at ``at``) must be zero."""
-        if stop <= start:
-            return
-        raw = view[start - at : stop - at].tobytes()
-        rest = raw.lstrip(b"\0")
-        if rest:
-            where = stop - len(rest)
-            blob = f"before blob {before}" if before is not None else "after the last blob"
-            raise CheckpointCorrupt(
-                f"{self.url}: padding byte at offset {where} ({blob}) is not zero"
-            )
+    def __init__(
+        self,
+        objects: ObjectStorage,
+        url: str,
+        folder: str,
+        files: Sequence[ShardFile],
+        fds: dict[str, int],
+    ) -> None:
+        self.url, self.files = url, {f.name: f for f in files}
+        self.reads = {
+            f.name: _Download(objects, f"{folder}/{f.name}", fds[f.name], url) for f in files
+        }
+        self.parts: dict[str, dict[int, tuple[int, int]]] = {f.name: {} for f in files}
+        self.left = {f.name: f.size for f in files}
 
-    def note(self, found: list[tuple[int, int, int, int]]) -> None:
-        """Take in a range's pieces; a blob whose bytes are all in is compared at once."""
-        for index, at, crc, length in found:
-            self.pieces.setdefault(index, {})[at] = (crc, length)
-            self.left[index] -= length
-            if self.left[index] == 0:
-                self.compare(index)
+    def run(self, done: Callable[[str], None]) -> None:
+        """Read every file; ``done(file)`` once each is whole and checked."""
+        for name, left in self.left.items():
+            if left == 0:
+                self.check(name, done)
+        jobs = [(n, r) for n, f in self.files.items() for r in range_reads(f.size, RANGE)]
 
-    def compare(self, index: int) -> None:
+        def arrive(job: tuple[str, tuple[int, int]]) -> tuple[str, int, int, int]:
+            name, (start, end) = job
+            read = self.reads[name]
+            return name, start, crc32_update(read.put(read.get(start, end), start)), end - start
+
+        def seen(found: tuple[str, int, int, int]) -> None:
+            name, start, crc, length = found
+            self.parts[name][start] = (crc, length)
+            self.left[name] -= length
+            if self.left[name] == 0:
+                self.check(name, done)
+
+        _spans(jobs, arrive, seen)
+
+    def check(self, name: str, done: Callable[[str], None]) -> None:
+        """The file's CRC-32, joined from its parts in order, against its commit's."""
         crc = 0
-        for at in sorted(self.pieces.get(index, {})):
-            piece, length = self.pieces[index][at]
+        for at in sorted(self.parts[name]):
+            piece, length = self.parts[name][at]
             crc = crc32_combine(crc, piece, length)
-        self.pieces.pop(index, None)
-        if crc != self.manifest.blobs[index].crc32:
-            raise CheckpointCorrupt(f"{self.url}: {blob_corrupt(self.manifest, index)}")
-
-    def finish(self) -> None:
-        """Every blob was compared (an empty one: its CRC-32 must be that of no bytes)."""
-        for index, left in self.left.items():
-            if left == 0 and self.manifest.blobs[index].length == 0:
-                self.compare(index)
-            elif left:
-                raise CheckpointCorrupt(f"{self.url}: blob {index} was not read whole")
+        expected = self.files[name]
+        problem = file_problem(expected, expected.size, crc, "its commit")
+        if problem is not None:
+            raise CheckpointCorrupt(f"{self.url}: {problem}")
+        done(name)

@@ -16,8 +16,9 @@
 # URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
 # file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
 # A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
-# are fetched into a local folder by the same ranged GETs (fetch_files: checked by the sharded
-# reader against the manifest); its upload and commit are pitstop.shell.store.shardobjects'.
+# are fetched into a local folder by the same ranged GETs, all at once (fetch_files: each
+# file's size and CRC-32 checked against its commit as it arrives); its upload and commit are
+# pitstop.shell.store.shardobjects'.
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
@@ -57,7 +58,7 @@ from pitstop.core.objects import (
 from pitstop.core.ranks import DirectoryGroups
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
-from pitstop.shell.store.objectread import download, download_file, let_go
+from pitstop.shell.store.objectread import download, download_files, let_go
 from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
@@ -351,21 +352,26 @@ class ObjectStorage:
         URL when it does not verify (its data missing or not the size its commit records). A
         sharded checkpoint: its local folder, every file fetched (:meth:`fetch_files`)."""
         if _is_sharded(name):
-            return self.fetch_files(name)
+            self.fetch_files(name)
+            return self._local.path(name)
         return download(self, name, self._local.path(name), memory=self.in_memory)
 
-    def fetch_files(self, name: str, files: Collection[str] | None = None) -> Path:
-        """The committed sharded checkpoint ``name``'s local folder (the cache's ``name``),
-        with ``files`` of it downloaded (default: every one, the manifest among them), each
-        checked against its commit's size; ``CheckpointCorrupt`` for one it does not list."""
+    def fetch_files(
+        self, name: str, files: Collection[str] | None = None
+    ) -> dict[str, tuple[int, int]]:
+        """Download ``files`` of the committed sharded checkpoint ``name`` (default: every one,
+        the manifest among them) into its local folder (the cache's ``name``), all at once,
+        each file's size and CRC-32 checked against its commit as it arrives; ``{file: (size,
+        CRC-32)}`` of what arrived. ``CheckpointCorrupt`` naming the URL and the file for one
+        the commit does not list, or one missing, short or failing its checksum."""
         commit = self.commit(name)
         listed = {f.name: f for f in commit.files}
-        for wanted in sorted(listed if files is None else set(files)):
-            if wanted not in listed:
-                raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {wanted}")
-            target = self._local.path(name) / wanted
-            download_file(self, name, f"{commit.data}/{wanted}", listed[wanted].size, target)
-        return self._local.path(name)
+        wanted = sorted(listed if files is None else set(files))
+        for file in wanted:
+            if file not in listed:
+                raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {file}")
+        chosen = [listed[f] for f in wanted]
+        return download_files(self, name, commit.data, chosen, self._local.path(name))
 
     def release(self) -> None:
         """Free the checkpoint the last fetch holds in memory (tensors loaded from it keep

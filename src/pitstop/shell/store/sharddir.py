@@ -133,21 +133,33 @@ def file_table(
 
 
 def verify_sharded(
-    directory: str | os.PathLike[str], layout: ShardedLayout, names: Iterable[str] | None = None
+    directory: str | os.PathLike[str],
+    layout: ShardedLayout,
+    names: Iterable[str] | None = None,
+    *,
+    arrived: Mapping[str, tuple[int, int]] | None = None,
 ) -> None:
     """Check the size and CRC-32 of the files ``names`` (default: every file ``layout`` lists).
 
-    Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the first file that is missing,
-    has another size, fails its checksum, or is not in the layout at all.
+    ``arrived``: ``{file: (size, CRC-32)}`` of files whose bytes were checksummed as they were
+    downloaded (pitstop.shell.store.objectread.download_files): compared with the layout
+    without reading them again. Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the
+    first file that is missing, has another size, fails its checksum, or is not in the layout.
     """
     root = Path(directory)
     wanted = [f.name for f in layout.files] if names is None else sorted(set(names))
+    arrived = arrived or {}
     with Checksummer(default_threads()) as pool:
         for name in wanted:
             try:
                 expected = layout.file(name)
             except KeyError:
                 raise CheckpointCorrupt(f"{root}: the manifest lists no file {name}") from None
+            if name in arrived:
+                problem = file_problem(expected, *arrived[name])
+                if problem is not None:
+                    raise CheckpointCorrupt(f"{root}: {problem}")
+                continue
             try:
                 file = open_untrusted(root / name, follow_symlinks=False)
             except FileNotFoundError:
