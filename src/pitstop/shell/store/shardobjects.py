@@ -45,7 +45,7 @@ from pitstop.core.sharded import MANIFEST_NAME, ShardFile, file_problem, files_f
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32
-from pitstop.shell.store.objectread import download_file
+from pitstop.shell.store.objectread import download_files
 from pitstop.shell.store.objectstore import ObjectStorage, token_of
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
@@ -203,19 +203,18 @@ def download_sharded(
     file_table: Callable[[Path, list[str], int], Iterable[ShardFile]],
 ) -> None:
     """Download the committed sharded checkpoint ``name`` into the new local folder ``root``,
-    ready to be published by a rename: every file by the checked download (its size), then
-    fsynced and its CRC-32 compared with the commit's (``file_table``: sharddir's, which
-    fsyncs and checksums files), then the folder fsynced. Raises
+    ready to be published by a rename: every file by the checked download (its size and
+    CRC-32 as it arrives), then fsynced and its CRC-32 compared with the commit's again as it
+    lies on the disk (``file_table``: sharddir's, which fsyncs and checksums files), then the
+    folder fsynced. Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file, ``OSError`` or
     :class:`~pitstop.errors.SaveError` (a file that could not be fsynced); ``root`` goes then."""
     commit = storage.commit(name)
     expected = {f.name: f for f in commit.files}
     root.mkdir(parents=True)
     try:
-        for file in commit.files:
-            target = root / file.name
-            download_file(storage, name, f"{commit.data}/{file.name}", file.size, target)
-        for found in file_table(root, list(expected), 0):
+        download_files(storage, name, commit.data, commit.files, root)  # checked as they arrive
+        for found in file_table(root, list(expected), 0):  # fsynced, and checked as they lie
             problem = file_problem(expected[found.name], found.size, found.crc32)
             if problem is not None:
                 raise CheckpointCorrupt(f"{storage.location.url(name)}: {problem}")
