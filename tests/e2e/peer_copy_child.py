@@ -10,6 +10,8 @@
 * A sender whose file changed on its disk after it was checked: its CRC-32 of the whole is of
   the changed bytes, so only the format's check of the received copy (before it is published)
   finds it; nothing is published.
+* A directory that caught up (each rank a directory of its own, rank 1's deleted before the
+  resume) holds its pointers, as a save would leave them: the next open finds ``last``.
 
 Prints ``ok <n>`` and exits 0, or raises.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import sys
 import zlib
 from pathlib import Path
@@ -25,12 +28,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import pitstop
 from pitstop.errors import SaveError
 from pitstop.shell.format.fileread import verify
 from pitstop.shell.format.filewrite import prepare, write
 from pitstop.shell.ranks import distributed
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded.acrossnodes import receive_file, send_file
+from pitstop.shell.store.directory import CheckpointDirectory
 
 rank = int(os.environ["RANK"])
 root = Path(sys.argv[1])
@@ -103,6 +108,27 @@ else:
     )
     assert "changed.pitstop" in said, said
     print(said, flush=True)
+checked += 1
+
+# A directory that caught up gets its pointers, as a save would: the next open finds `last`.
+node = root / f"run{rank}"  # a directory of each rank's own: the ranks share none
+model = torch.nn.Linear(4, 4)
+ckpt = pitstop.Checkpointer(node, model=model)
+ckpt.save(pitstop.Progress(step=3))
+ckpt.close()
+dist.barrier()
+if rank == 1:
+    shutil.rmtree(node)  # a new machine
+ckpt = pitstop.Checkpointer(node, model=model)
+assert ckpt.resume() is not None
+ckpt.close()
+directory = CheckpointDirectory(node)
+found = directory.open()
+directory.close()
+assert found.pointers.last == "step_000000000003.pitstop", found.pointers
+assert not found.warnings, found.warnings  # not "pointer last is missing"
+assert (node / "last").is_symlink()
+assert (node / "latest.json").exists()
 checked += 1
 
 dist.barrier()

@@ -307,7 +307,7 @@ def _move(
                     path.parent.mkdir(parents=True, exist_ok=True)
                 # the copy received, every byte, before it is published: and loaded for the read
                 receive_file(ranks, move.source, path, partial(reading.verify, known_as=path))
-                directory.rescan()
+                directory.rescan(repoint=path == directory.storage.path(path.name))
         except Exception as exc:
             failed = failed or exc
     if failed is not None:

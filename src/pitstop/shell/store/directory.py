@@ -178,11 +178,22 @@ class CheckpointDirectory:
             if problem is not None:
                 raise SaveError(problem)
 
-    def rescan(self) -> None:
+    def rescan(self, *, repoint: bool = False) -> None:
         """Read the catalog and pointers again: a checkpoint was put here from elsewhere (a
-        peer's copy, received before a resume)."""
+        peer's copy, received before a resume); ``repoint``: and write the pointers the core
+        derives from it (``last``: the newest), as a save would."""
         found = scan(self.storage, self.policy.best)
         self.catalog, self.pointers = found.catalog, found.pointers
+        if repoint and found.catalog:
+            self._symlinks = publish_pointers(
+                self.storage,
+                self.catalog,
+                self.pointers,
+                token=self._token(),
+                policy=self.policy,
+                symlinks=self._symlinks,
+            )
+            self._had_latest = True
 
     def adopt(self) -> None:
         """The run resumed (or asked to): the checkpoints found at open are its own to replace;
