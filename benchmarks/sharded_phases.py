@@ -68,6 +68,8 @@ RESUME_TOPS = (  # a resume's calls, and torch's as raw DCP's candidate makes th
 )
 RESUME_PHASES = (  # each wrapped where its caller finds it
     ("pitstop.shell.manager", None, ("scan",)),
+    ("pitstop.shell.ranks.distributed", "Ranks", ("current",)),
+    ("pitstop.shell.nodes", None, ("probe_groups", "_open")),
     ("pitstop.shell.resuming", None, ("resume_from", "_candidates", "_plan", "_shares")),
     ("pitstop.shell.resuming", None, ("_choose_sharded", "_problem", "_load", "verify_sharded")),
     ("pitstop.shell.resuming", None, ("prefetch", "_planned")),

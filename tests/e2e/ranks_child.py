@@ -135,5 +135,13 @@ stopped = raised(
 assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
 assert not ran  # the work did not run
 checked += 2
+
+# A later Checkpointer's Ranks with the same timeout talk on the same group (a gloo group costs
+# its connections each time one is made); another timeout gets a group of its own.
+again, other = Ranks.current(timeout_s=60), Ranks.current(timeout_s=61)
+assert again._group is ranks._group
+assert other._group is not ranks._group
+assert again.all_gather(rank) == other.all_gather(rank) == list(range(world))
+checked += 2
 print(f"ok {checked}", flush=True)
 dist.destroy_process_group()
