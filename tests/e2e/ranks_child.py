@@ -4,7 +4,8 @@ Each rank all-gathers (with the default box and with ``PART_BOX``), gathers to r
 broadcasts values from empty to far past each box (``pitstop.shell.ranks.distributed``), the ranks'
 sizes differing, and checks what it got; then ``gather_then_lead`` (and the same round begun
 by ``begin`` on rank 0 before any other rank's value is sent) with a failure on each side, and
-a Ctrl-C in a round's work on one rank, which every rank raises.
+a Ctrl-C in a round's work on one rank, which every rank raises; later Ranks share the group,
+and a Checkpointer whose directory rank 0 cannot lock raises on every rank, the next one opens.
 It prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
 """
 
@@ -13,12 +14,18 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from pitstop.errors import ConfigError, SaveError
+import pitstop
+from pitstop.errors import ConfigError, DirectoryLocked, SaveError
 from pitstop.shell.ranks.distributed import BROADCAST_BOX, GATHER_BOX, PART_BOX, Ranks
+from pitstop.shell.store.lock import DirectoryLock
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -143,5 +150,21 @@ assert again._group is ranks._group
 assert other._group is not ranks._group
 assert again.all_gather(rank) == other.all_gather(rank) == list(range(world))
 checked += 2
+
+# A Checkpointer whose directory rank 0 cannot lock (another run holds it) raises the same class
+# on every rank; the next one, on the same shared group, opens, saves and leaves nothing locked.
+root = ranks.broadcast(tempfile.mkdtemp(prefix="pitstop-ranks-") if rank == 0 else None)
+other_run = DirectoryLock(root, "another run")
+if rank == 0:
+    other_run.acquire()
+model = torch.nn.Linear(1, 1)
+locked = raised(lambda: pitstop.Checkpointer(root, model=model, timeout_s=60), DirectoryLocked)
+assert type(locked) is DirectoryLocked, repr(locked)
+other_run.release()
+with pitstop.Checkpointer(root, model=model, timeout_s=60) as opened:
+    opened.save(pitstop.Progress(step=1))
+assert [p.name for p in Path(root).iterdir() if p.name == ".lock"] == []
+checked += 2
+ranks.each(lambda: shutil.rmtree(root) if rank == 0 else None)
 print(f"ok {checked}", flush=True)
 dist.destroy_process_group()
