@@ -165,6 +165,8 @@ with pitstop.Checkpointer(root, model=model, timeout_s=60) as opened:
     opened.save(pitstop.Progress(step=1))
 assert [p.name for p in Path(root).iterdir() if p.name == ".lock"] == []
 checked += 2
-ranks.each(lambda: shutil.rmtree(root) if rank == 0 else None)
+ranks.all_gather(None)  # every rank has looked: rank 0 removes the directory
+if rank == 0:
+    shutil.rmtree(root)
 print(f"ok {checked}", flush=True)
 dist.destroy_process_group()
