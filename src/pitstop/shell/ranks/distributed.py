@@ -1,9 +1,7 @@
 # The ranks of a job, as the Checkpointer talks to them.
 #
 # Rules: pitstop's collectives run on a process group of its own (gloo, so CPU objects travel
-# whatever backend the loop uses), created when every rank constructs its first Checkpointer
-# (and shared by the later ones with the same timeout, until a collective of pitstop's fails
-# here or the job's group is destroyed: then each makes its own again), and
+# whatever backend the loop uses), created when every rank constructs its Checkpointer, and
 # only ever from the loop's thread — never from the background writer, so a collective of
 # pitstop can never interleave with the loop's own on one group (KempnerForge #104). Every
 # collective has a timeout: a rank that never arrives becomes an error, not a hang. Rank 0 is
@@ -106,24 +104,6 @@ _GROUPS = itertools.count(1)
 """Numbers pitstop's process groups in the order they are made (the same on every rank)."""
 
 
-_KEPT: dict[float, tuple[Any, int]] = {}
-"""pitstop's group of each timeout, and its number, shared by every Ranks made later with it:
-a gloo group costs its connections (about 2 ms on 2 ranks) each time it is made."""
-
-_FAILED: list[int] = []
-"""The groups in which a collective of pitstop failed here: once one did, every Ranks made
-later makes a group of its own again (as every one did before groups were shared)."""
-
-
-def _registered(group: Any) -> bool:
-    """Whether ``group`` is still one of torch.distributed's (not destroyed with the job's)."""
-    try:
-        torch.distributed.get_process_group_ranks(group)
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
-
-
 class Ranks:
     """This process's place in the job, and pitstop's collectives."""
 
@@ -169,8 +149,6 @@ class Ranks:
                 group=str(self._number),
                 timeout_s=self._timeout.total_seconds(),
             )
-            _FAILED.append(self._number)  # no Ranks made later shares a group again
-            _KEPT.clear()
             raise self.failed from exc
 
     def _wait(self, work: Any, *, sliced: bool = True) -> None:
@@ -210,16 +188,8 @@ class Ranks:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(0, 1)
         timeout = datetime.timedelta(seconds=timeout_s)
-        kept = _KEPT.get(timeout_s)
-        if kept is not None and not _FAILED and _registered(kept[0]):
-            ranks = cls(dist.get_rank(), dist.get_world_size(), kept[0], timeout_s=timeout_s)
-            ranks._number = kept[1]
-            return ranks
         group = dist.new_group(backend="gloo", timeout=timeout)
-        ranks = cls(dist.get_rank(), dist.get_world_size(), group, timeout_s=timeout_s)
-        if not _FAILED:
-            _KEPT[timeout_s] = (group, ranks._number)
-        return ranks
+        return cls(dist.get_rank(), dist.get_world_size(), group, timeout_s=timeout_s)
 
     @property
     def leader(self) -> bool:
