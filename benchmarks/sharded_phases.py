@@ -17,7 +17,8 @@ With ``--resume``, the benchmark's resumes instead (``--candidates`` from its re
 candidates, ``dcp load`` needed): the Checkpointer's open, ``resume()`` and ``close()``, the
 engine's ``read_sharded``, and DCP's ``load``, ``get_*_state_dict`` / ``set_*_state_dict`` as
 the benchmark calls them (each a call of its own), every phase of pitstop's resume inside them —
-the scan, the plan, the checks, the agreement, DCP's read, the apply, the replicated restore::
+the open's gloo group, directory probe and lock, the scan, the plan, the checks, the agreement,
+DCP's read, the apply, the replicated restore::
 
     .venv/bin/python benchmarks/sharded_phases.py --mib 42 --repeats 5 --resume \
         --candidates "dcp load,Checkpointer.resume"
