@@ -17,7 +17,8 @@ With ``--resume``, the benchmark's resumes instead (``--candidates`` from its re
 candidates, ``dcp load`` needed): the Checkpointer's open, ``resume()`` and ``close()``, the
 engine's ``read_sharded``, and DCP's ``load``, ``get_*_state_dict`` / ``set_*_state_dict`` as
 the benchmark calls them (each a call of its own), every phase of pitstop's resume inside them —
-the scan, the plan, the checks, the agreement, DCP's read, the apply, the replicated restore::
+the open's gloo group, directory probe and lock, the scan, the plan, the checks, the agreement,
+DCP's read, the apply, the replicated restore::
 
     .venv/bin/python benchmarks/sharded_phases.py --mib 42 --repeats 5 --resume \
         --candidates "dcp load,Checkpointer.resume"
@@ -68,6 +69,8 @@ RESUME_TOPS = (  # a resume's calls, and torch's as raw DCP's candidate makes th
 )
 RESUME_PHASES = (  # each wrapped where its caller finds it
     ("pitstop.shell.manager", None, ("scan",)),
+    ("pitstop.shell.ranks.distributed", "Ranks", ("current",)),
+    ("pitstop.shell.nodes", None, ("probe_groups", "_open")),
     ("pitstop.shell.resuming", None, ("resume_from", "_candidates", "_plan", "_shares")),
     ("pitstop.shell.resuming", None, ("_choose_sharded", "_problem", "_load", "verify_sharded")),
     ("pitstop.shell.resuming", None, ("prefetch", "_planned")),

@@ -4,7 +4,8 @@ Each rank all-gathers (with the default box and with ``PART_BOX``), gathers to r
 broadcasts values from empty to far past each box (``pitstop.shell.ranks.distributed``), the ranks'
 sizes differing, and checks what it got; then ``gather_then_lead`` (and the same round begun
 by ``begin`` on rank 0 before any other rank's value is sent) with a failure on each side, and
-a Ctrl-C in a round's work on one rank, which every rank raises.
+a Ctrl-C in a round's work on one rank, which every rank raises; a Checkpointer whose directory
+rank 0 cannot lock raises on every rank, and the next one opens.
 It prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
 """
 
@@ -13,12 +14,18 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from pitstop.errors import ConfigError, SaveError
+import pitstop
+from pitstop.errors import ConfigError, DirectoryLocked, SaveError
 from pitstop.shell.ranks.distributed import BROADCAST_BOX, GATHER_BOX, PART_BOX, Ranks
+from pitstop.shell.store.lock import DirectoryLock
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -135,5 +142,23 @@ stopped = raised(
 assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
 assert not ran  # the work did not run
 checked += 2
+
+# A Checkpointer whose directory rank 0 cannot lock (another run holds it) raises the same class
+# on every rank; once it is free, the next one opens, saves and leaves nothing locked.
+root = ranks.broadcast(tempfile.mkdtemp(prefix="pitstop-ranks-") if rank == 0 else None)
+other_run = DirectoryLock(root, "another run")
+if rank == 0:
+    other_run.acquire()
+model = torch.nn.Linear(1, 1)
+locked = raised(lambda: pitstop.Checkpointer(root, model=model, timeout_s=60), DirectoryLocked)
+assert type(locked) is DirectoryLocked, repr(locked)
+other_run.release()
+with pitstop.Checkpointer(root, model=model, timeout_s=60) as opened:
+    opened.save(pitstop.Progress(step=1))
+assert [p.name for p in Path(root).iterdir() if p.name == ".lock"] == []
+checked += 2
+ranks.all_gather(None)  # every rank has looked: rank 0 removes the directory
+if rank == 0:
+    shutil.rmtree(root)
 print(f"ok {checked}", flush=True)
 dist.destroy_process_group()

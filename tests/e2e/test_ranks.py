@@ -25,7 +25,7 @@ def test_values_of_every_size_travel_whole_between_ranks(ranks: int) -> None:
     with Job(Path(__file__).with_name("ranks_child.py"), ranks=ranks, timeout=240) as job:
         finished = job.wait()
     finished.check()
-    assert {finished.lines(rank)[-1] for rank in range(ranks)} == {"ok 583"}
+    assert {finished.lines(rank)[-1] for rank in range(ranks)} == {"ok 585"}
 
 
 def test_a_copy_travels_whole_between_two_writers_and_a_failure_ends_both_sides() -> None:
