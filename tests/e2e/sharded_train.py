@@ -98,8 +98,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
 from pitstop.core.sharded import sharded_name
-from pitstop.shell import resuming, shardsave
-from pitstop.shell.sharded import dcpio, dcpstate, rawread, shardwrite
+from pitstop.shell import shardsave
+from pitstop.shell.sharded import choice, dcpio, dcpstate, rawread, shardwrite
 from pitstop.shell.store import sharddir
 
 EXIT_PITSTOP_ERROR = 3
@@ -274,7 +274,7 @@ def refuse_apply_at_resume(rank: int) -> None:
 def note_checks() -> None:
     """Each verification of shard files in the resume's choice prints the files it checks
     (alone, or with the checked read)."""
-    real = resuming.verify_sharded
+    real = choice.verify_sharded
     real_read = rawread.check_read
 
     def verify_sharded(root: Path, layout: Any, names: Any = None) -> None:
@@ -285,7 +285,7 @@ def note_checks() -> None:
         say(f"checked {json.dumps(sorted(checks))}")
         return real_read(directory, plan, checks, *args)
 
-    resuming.verify_sharded = verify_sharded  # type: ignore[assignment]
+    choice.verify_sharded = verify_sharded  # type: ignore[assignment]
     rawread.check_read = check_read  # type: ignore[assignment]
 
 

@@ -10,23 +10,14 @@
 # rank failed. Components the checkpoint holds but the run has not registered are kept in the
 # live state (deferred) for register() to apply; per-rank state is handed back only when the
 # world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
-# every rank together: rank 0 sends the resume order, the ranks gather the files their read
-# plans name, each file read is verified once, by one of its readers (pitstop.core.sharded.
-# share_checks) together with where each item this rank reads lies in its file (pitstop.shell.
-# sharded.rawread.check_read: nothing live touched, DCP's collectives not run) — and all move
-# to the next candidate, whose files are read only then, when any rank found a problem; its
-# replicated tree is checked and restored as above, and its layout checked on every rank in
-# the same pass; then the state is applied and the checked tensors copied in from the same
-# open files (where a rank's state does not fit the layout, the files are verified alone).
-# An optimizer that had no state has none again unless the resume restored it
+# every rank together (pitstop.shell.sharded.choice: each file read is checked once, by one
+# of its readers, nothing live touched; on object storage each rank downloads and checks its
+# own copy as it arrives; with a remote tier rank 0 copies a remote candidate in first; across
+# directories the ranks do not share, pitstop.shell.sharded.acrossnodes); its replicated tree
+# is checked and restored as above, and its layout checked on every rank in the same pass;
+# then the state is applied and the checked tensors copied in from the same open files. An
+# optimizer that had no state has none again unless the resume restored it
 # (pitstop.shell.state.freshopt).
-# On object storage (s3://) each rank downloads, into a local folder of its own, the candidate's
-# manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
-# too) and checks each itself (size, CRC-32) — its copy is its own; the outcome is agreed as
-# above, every rank warns about a candidate skipped, and its folder is removed. With a remote
-# tier (remote=) rank 0 lists both tiers (the local copy of a step first), and a remote
-# candidate is copied into the directory by rank 0 (checked, published by its rename) before the
-# ranks try it as a local one.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -36,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -48,16 +38,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import nn
 
-from pitstop.core.compat import Difference, Kind, judge
+from pitstop.core.compat import Difference, judge
 from pitstop.core.objects import is_object_url
-from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.schema import STATE
-from pitstop.core.sharded import MANIFEST_NAME, share_checks
 from pitstop.errors import (
-    CheckpointCorrupt,
-    CheckpointNotFound,
     IncompatibleCheckpoint,
     ResumeWarning,
 )
@@ -66,6 +52,7 @@ from pitstop.shell.nodes import choose_across, choose_path_across, fetch_for_rea
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import choose_sharded_across
+from pitstop.shell.sharded.choice import choose_sharded, plan_of
 from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,
@@ -75,15 +62,11 @@ from pitstop.shell.state.capture import (
 )
 from pitstop.shell.state.freshopt import FreshOptimizers
 from pitstop.shell.state.restore import Restore, differences
-from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
-from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path
 from pitstop.shell.store.resolve import find_resume, own_pointer
-from pitstop.shell.store.sharddir import prefetch, verify_sharded
-from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
-    from pitstop.shell.sharded.rawread import Checked
 
 __all__ = ["resume_from"]
 
@@ -123,10 +106,10 @@ def resume_from(
         across = groups is not None and not groups.shared
         if sharded and pointer is not None and across:  # each node holds its ranks' shards
             assert groups is not None
-            planner = partial(_plan, live=live, ranks=ranks)
+            planner = partial(plan_of, live=live, ranks=ranks)
             path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
         elif sharded and pointer is not None:
-            path, wire, plan, checked = _choose_sharded(directory, pointer, reading, live, ranks)
+            path, wire, plan, checked = choose_sharded(directory, pointer, reading, live, ranks)
             if checked is not None:  # its files, open until it is applied or refused
                 opened.callback(checked.close)
         elif across and pointer is not None:
@@ -238,7 +221,7 @@ def _load(
     (made here when the checkpoint was named by path), which the read then uses."""
     if is_sharded_path(path):
         if plan is None:
-            plan = _plan(path, live, ranks)
+            plan = plan_of(path, live, ranks)
         meta = plan.meta
     else:
         meta = fileformat.read_manifest(path).meta
@@ -263,192 +246,6 @@ def _replicated(live: LiveState) -> LiveState:
     through_dcp = sharded_components(live)
     components = {n: o for n, o in live.components.items() if n not in through_dcp}
     return attrs.evolve(live, model=nn.Module(), ema=None, components=components)
-
-
-def _candidates(
-    directory: CheckpointDirectory, pointer: PointerName
-) -> tuple[list[tuple[Path, tuple[Any, ...] | None, bool]], bool]:
-    """Rank 0: the resume order for ``pointer``, each with its entry as it travels and
-    whether it is a remote tier's (made local before it is tried), and whether the directory
-    (or its remote tier) holds any checkpoint at all."""
-    path = directory.storage.path
-    if isinstance(directory, TieredDirectory):  # both tiers, a remote candidate made local
-        both = directory.tiered_order(pointer)
-        return [(path(n), entry_to_wire(e), remote) for n, e, remote in both], bool(both)
-    best = directory.policy.best
-    found = scan(directory.storage, best)
-    order = resume_order(found.catalog, found.pointers, pointer, best)
-    wires = [(path(n), entry_to_wire(found.catalog.get(n)), False) for n in order]
-    return wires, bool(found.catalog)
-
-
-def _plan(path: Path, live: LiveState, ranks: Ranks) -> ShardedPlan:
-    """This rank's plan of the sharded checkpoint ``path``."""
-    from pitstop.shell.sharded.engine import plan_read
-
-    return plan_read(
-        path,
-        live.model,
-        sharded_components(live),
-        rank=ranks.rank,
-        world_size=ranks.world_size,
-        ema=live.ema,
-    )
-
-
-_Planned = tuple["ShardedPlan | None", str | None]
-"""A candidate's plan on this rank (``None``: a file checkpoint, or a directory this rank
-could not plan), and what went wrong."""
-
-
-def _planned(path: Path, live: LiveState, ranks: Ranks) -> _Planned:
-    """This rank's plan of candidate ``path`` (none for a file checkpoint)."""
-    if not is_sharded_path(path):
-        return None, None
-    try:
-        return _plan(path, live, ranks), None
-    except (CheckpointCorrupt, OSError) as exc:
-        return None, str(exc)
-
-
-def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
-    """Which rank verifies which file (``None``: this rank could not read the layout)."""
-    plan = planned[0]
-    if plan is None:
-        return None
-    try:
-        return share_checks(plan.layout, reads)
-    except CheckpointCorrupt:  # another rank's plan names a file this layout lacks
-        return None
-
-
-def _fits(planned: _Planned) -> bool:
-    """Whether this rank planned the candidate's DCP read (its state fits the layout)."""
-    plan = planned[0]
-    return plan is not None and not any(d.kind is Kind.SHAPE for d in plan.differences)
-
-
-def _problem(
-    path: Path,
-    reading: ResumeRead,
-    planned: _Planned,
-    shares: tuple[tuple[str, ...], ...] | None,
-    ranks: Ranks,
-    remote: ObjectStorage | None = None,
-) -> str | None:
-    """What this rank finds wrong with candidate ``path`` (``None``: its part verifies), where
-    its files are not checked as DCP reads them (a file checkpoint, a state that does not fit).
-
-    Rank 0 checks the manifest whole (and a plain file whole) and DCP's ``.metadata``; every
-    file some rank's DCP read plan names is checked by one of those ranks, in parallel (on
-    object storage: by each rank that downloads it, ``shares`` None)."""
-    plan, problem = planned
-    if problem is not None:
-        return problem
-    try:
-        if ranks.leader:
-            reading.verify(path, shards=False)
-        if plan is not None:
-            mine = _checks(plan, shares, ranks)
-            # downloaded: each file checksummed as it arrived, compared here, not read again
-            arrived = remote.fetch_files(path.name, mine) if remote is not None else None
-            verify_sharded(path, plan.layout, mine, arrived=arrived)
-    except (CheckpointCorrupt, OSError) as exc:
-        return str(exc)
-    return None
-
-
-def _checks(
-    plan: ShardedPlan, shares: tuple[tuple[str, ...], ...] | None, ranks: Ranks
-) -> tuple[str, ...]:
-    """The files this rank verifies of ``plan``'s checkpoint: its share, and (rank 0) DCP's
-    own metadata, which no rank reads (a DCP tool would)."""
-    from pitstop.shell.sharded.dcpio import DCP_METADATA
-
-    mine = shares[ranks.rank] if shares is not None else plan.files
-    if ranks.leader:
-        mine = (*mine, *(f.name for f in plan.layout.files if f.name == DCP_METADATA))
-    return mine
-
-
-def _fetched(
-    storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
-) -> tuple[Path, _Planned]:
-    """This rank's local folder of candidate ``name`` (fresh: its manifest downloaded) and its
-    plan of it."""
-    path = storage.path(name)
-    shutil.rmtree(path, ignore_errors=True)
-    try:
-        storage.fetch_files(name, (MANIFEST_NAME,))
-    except (CheckpointCorrupt, OSError) as exc:
-        return path, (None, str(exc))
-    return path, _planned(path, live, ranks)
-
-
-def _choose_sharded(
-    directory: CheckpointDirectory,
-    pointer: PointerName,
-    reading: ResumeRead,
-    live: LiveState,
-    ranks: Ranks,
-) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None]:
-    """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
-    this rank's plan of it, and the state DCP read into staging as it was checked); all ranks
-    move on together, rank 0 warning about each one skipped and why (and where)."""
-    candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
-    storage = directory.storage
-    remote = storage if isinstance(storage, ObjectStorage) else None
-    for path, wire, tiered in candidates:
-        checked = None
-        if tiered:  # the remote tier's: rank 0 copies it into the directory first
-            assert isinstance(directory, TieredDirectory)
-            problem = ranks.lead(partial(directory.bring_sharded, path.name))
-            if problem is not None:
-                if ranks.leader:
-                    log.warning("resume skips a checkpoint that does not verify: %s", problem)
-                continue
-        if remote is not None:  # this rank's own copy: the manifest first; each checks its own
-            path, planned = _fetched(remote, path.name, live, ranks)
-            files = planned[0].files if planned[0] is not None else ()
-            ranks.all_gather(files)
-            problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
-        else:
-            planned = _planned(path, live, ranks)
-            if planned[0] is not None:  # the disk reads them while the ranks agree
-                prefetch(path, [(name, 0, 0) for name in planned[0].files])  # checked whole
-            files = planned[0].files if planned[0] is not None else ()
-            gathered = ranks.all_gather((files, _fits(planned)))
-            shares = _shares(planned, [f for f, _ in gathered])
-            streamed = all(fits for _, fits in gathered)
-            if streamed and planned[0] is not None:  # every check, and the manifest, in the read
-                from pitstop.shell.sharded.rawread import check_agreed
-
-                beside = reading.read_beside(path)
-                checks = _checks(planned[0], shares, ranks)
-                checked, problems = check_agreed(planned[0], checks, ranks, beside)
-                if checked is not None:  # checked on every rank: read when applied
-                    return path, wire, planned[0], checked
-            else:
-                problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
-        found: dict[str, list[int]] = {}
-        for rank, problem in enumerate(problems):
-            if problem is not None:
-                found.setdefault(problem, []).append(rank)
-        if not found:
-            return path, wire, planned[0], checked
-        if remote is not None:
-            shutil.rmtree(path, ignore_errors=True)
-        if ranks.leader or remote is not None:  # one line per problem, with the ranks that found it
-            for problem, where in found.items():
-                ranks_found = ", ".join(map(str, where))
-                log.warning(
-                    "resume skips a checkpoint that does not verify (rank %s): %s",
-                    ranks_found,
-                    problem,
-                )
-    if pointer is not PointerName.LAST and any_found:
-        raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
-    return None, None, None, None
 
 
 def _find_portable(

@@ -21,7 +21,7 @@
 # are uploaded, oldest first, less those its retention would retire at once (plan_catch_up).
 # A sharded checkpoint (a directory) is staged by hard links to its files and committed as one
 # on s3:// is (pitstop.shell.store.shardobjects: every file, then the one commit object); a
-# sharded resume (rank 0, pitstop.shell.resuming) tries tiered_order over both tiers, and a
+# sharded resume (rank 0, pitstop.shell.sharded.choice) tries tiered_order over both tiers, and a
 # remote candidate is first downloaded into this directory (bring_sharded: checked, then
 # published by the rename), so every rank reads it as a local one; the pointers follow at adopt.
 # How: a RemoteTier (the prefix's CheckpointDirectory, a queue, a thread and a condition
