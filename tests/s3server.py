@@ -198,3 +198,15 @@ def run_python(args: list[str], env: dict[str, str]) -> str:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     return lines[-1] if lines else ""
+
+
+def remote_steps(url: str) -> list[int]:
+    """The steps of the checkpoints committed under ``url``, as pitstop's own scan lists them."""
+    from pitstop.shell.store.directory import scan
+    from pitstop.shell.store.objectstore import ObjectStorage
+
+    storage = ObjectStorage(url)
+    try:
+        return [e.step for e in scan(storage).catalog]
+    finally:
+        storage.close()

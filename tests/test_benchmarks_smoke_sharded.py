@@ -45,22 +45,29 @@ def test_sharded_resume_prints_a_row_per_candidate_and_cleans_up(
     assert list((tmp_path / "w").iterdir()) == []  # the checkpoint read back is removed
 
 
-@NEEDS_SHARDED  # it measures DCP's own staging and writes too
-@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
-def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: Path) -> None:
-    """benchmarks/sharded_phases.py, tiny: the benchmark's rows for the candidates chosen, then
-    each rank's clocks, every phase under its call (rank 0's writer finishes DCP's save)."""
+def _phases(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """benchmarks/sharded_phases.py, 1 MiB, one repeat, writing under ``tmp_path``; it must
+    succeed."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_phases.py"
-    chosen = "dcp save,dcp async_save,Checkpointer.save sync,Checkpointer.save async"
-    args = ["--mib", "1", "--repeats", "1", "--timeout", "120", "--candidates", chosen]
+    tiny = ["--mib", "1", "--repeats", "1", "--timeout", "120"]
     run = subprocess.run(
-        [sys.executable, str(script), *args, "--dir", str(tmp_path / "w")],
+        [sys.executable, str(script), *tiny, *args, "--dir", str(tmp_path / "w")],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+@NEEDS_SHARDED  # it measures DCP's own staging and writes too
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: Path) -> None:
+    """benchmarks/sharded_phases.py, tiny: the benchmark's rows for the candidates chosen, then
+    each rank's clocks, every phase under its call (rank 0's writer finishes DCP's save)."""
+    chosen = "dcp save,dcp async_save,Checkpointer.save sync,Checkpointer.save async"
+    run = _phases(tmp_path, "--candidates", chosen)
     rows = [line.split(" | ")[0].strip("| ") for line in run.stdout.splitlines() if "| 0." in line]
     assert rows == chosen.split(","), run.stdout
     rank0, rank1 = run.stdout.split("\nrank0: ")[1].split("\nrank1: ")
@@ -79,16 +86,7 @@ def test_sharded_phases_names_each_phase_under_the_call_it_is_part_of(tmp_path: 
 def test_sharded_phases_clocks_a_resume_phase_by_phase(tmp_path: Path) -> None:
     """benchmarks/sharded_phases.py --resume, tiny: the resume rows, then each rank's clocks:
     the choice's checked read, the apply and the copy, DCP's own load beside them."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_phases.py"
-    args = ["--mib", "1", "--repeats", "1", "--timeout", "120", "--resume"]
-    run = subprocess.run(
-        [sys.executable, str(script), *args, "--dir", str(tmp_path / "w")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    run = _phases(tmp_path, "--resume")
     for candidate in ("dcp load", "pitstop read_sharded", "Checkpointer.resume"):
         assert f"| {candidate} |" in run.stdout, run.stdout
     rank0, rank1 = run.stdout.split("\nrank0: ")[1].split("\nrank1: ")

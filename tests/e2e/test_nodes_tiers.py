@@ -28,7 +28,7 @@ import pitstop
 from multirank import Job
 from nodes import Nodes, can_simulate_nodes
 from pitstop.shell.format import fileformat
-from s3server import BUCKET, S3Server
+from s3server import BUCKET, S3Server, remote_steps
 from trees import assert_same
 
 pytest.importorskip("obstore", reason="the s3 extra: pip install pitstop[s3]")
@@ -75,18 +75,6 @@ def local_steps(directory: Path) -> list[int]:
         pitstop.verify(path)
         found.append(fileformat.read_manifest(path).meta["progress"]["step"])
     return found
-
-
-def remote_steps(url: str) -> list[int]:
-    """The steps committed under ``url``, as pitstop's own scan lists them."""
-    from pitstop.shell.store.directory import scan
-    from pitstop.shell.store.objectstore import ObjectStorage
-
-    storage = ObjectStorage(url)
-    try:
-        return [e.step for e in scan(storage).catalog]
-    finally:
-        storage.close()
 
 
 def flip_a_weight(path: Path) -> None:

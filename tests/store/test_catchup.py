@@ -21,9 +21,7 @@ import torch
 
 import pitstop
 from pitstop.core.naming import checkpoint_name
-from pitstop.shell.store.directory import scan
-from pitstop.shell.store.objectstore import ObjectStorage
-from s3server import CHILD_TIMEOUT_S
+from s3server import CHILD_TIMEOUT_S, remote_steps
 from tinyrun import trained
 
 # Saves steps 1..3 to a tiered directory, then kills itself with SIGKILL: "failed" — its remote
@@ -57,14 +55,6 @@ CHILD = textwrap.dedent(
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
-
-
-def remote_steps(url: str) -> list[int]:
-    storage = ObjectStorage(url)
-    try:
-        return [e.step for e in scan(storage).catalog]
-    finally:
-        storage.close()
 
 
 def killed_run(local: Path, url: str, env: dict[str, str], how: str = "failed") -> None:

@@ -31,8 +31,8 @@ import pitstop
 from multirank import Finished, Job
 from pitstop.core.sharded import sharded_name
 from pitstop.shell.format import fileformat
-from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage
+from s3server import remote_steps
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(
@@ -56,15 +56,6 @@ def run(
     )  # fmt: skip
     with job:
         return job.wait()
-
-
-def remote_steps(url: str) -> list[int]:
-    """The steps committed under ``url``, as pitstop's own scan lists them."""
-    storage = ObjectStorage(url)
-    try:
-        return [e.step for e in scan(storage).catalog]
-    finally:
-        storage.close()
 
 
 def local_steps(local: Path) -> list[str]:

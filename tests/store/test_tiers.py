@@ -21,21 +21,11 @@ import pitstop
 from pitstop.core.naming import checkpoint_name
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.format.untrusted import open_untrusted
-from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage
-from s3server import run_python
+from s3server import remote_steps, run_python
 from tinyrun import same, train_step, trained, weights
 
 CHILD = Path(__file__).with_name("s3child.py")
-
-
-def remote_steps(url: str) -> list[int]:
-    """The steps of the checkpoints committed under ``url``, as pitstop's own scan lists them."""
-    storage = ObjectStorage(url)
-    try:
-        return [e.step for e in scan(storage).catalog]
-    finally:
-        storage.close()
 
 
 def remote_bytes(url: str, step: int) -> bytes:

@@ -185,15 +185,21 @@ class CheckpointDirectory:
         found = scan(self.storage, self.policy.best)
         self.catalog, self.pointers = found.catalog, found.pointers
         if repoint and found.catalog:
-            self._symlinks = publish_pointers(
-                self.storage,
-                self.catalog,
-                self.pointers,
-                token=self._token(),
-                policy=self.policy,
-                symlinks=self._symlinks,
-            )
+            self._symlinks = self._pointers(self.catalog, self.pointers)
             self._had_latest = True
+
+    def _pointers(self, catalog: Catalog, pointers: Pointers, *, latest: bool = True) -> bool:
+        """Write ``pointers`` of ``catalog``: the links, and latest.json (``latest=False``: it is
+        removed, as in a directory that had none); whether links could be used."""
+        return publish_pointers(
+            self.storage,
+            catalog,
+            pointers,
+            token=self._token(),
+            policy=self.policy,
+            symlinks=self._symlinks,
+            latest=latest,
+        )
 
     def adopt(self) -> None:
         """The run resumed (or asked to): the checkpoints found at open are its own to replace;
@@ -294,14 +300,7 @@ class CheckpointDirectory:
                 replaced=lambda: self._replaced(entry),
             )
         try:
-            self._symlinks = publish_pointers(
-                self.storage,
-                plan.catalog,
-                plan.pointers,
-                token=self._token(),
-                policy=self.policy,
-                symlinks=self._symlinks,
-            )
+            self._symlinks = self._pointers(plan.catalog, plan.pointers)
         except BaseException as exc:
             kept = self._roll_back(plan)
             if kept is not None and isinstance(exc, Exception):
@@ -410,15 +409,7 @@ class CheckpointDirectory:
         error must say about that (``None``: the directory is as it was)."""
         problem = None
         try:
-            publish_pointers(
-                self.storage,
-                self.catalog,
-                self.pointers,
-                token=self._token(),
-                policy=self.policy,
-                symlinks=self._symlinks,
-                latest=self._had_latest,  # a directory that had no latest.json gets none
-            )
+            self._pointers(self.catalog, self.pointers, latest=self._had_latest)
         except Exception as exc:
             problem = str(exc)
             log.error("could not restore the pointers of %s: %s", self.path, exc)
