@@ -197,7 +197,6 @@ def test_a_wiped_node_gets_the_peers_copy_and_resumes_bitwise(
     assert_same_copies(run)
 
 
-@pytest.mark.slow  # the default run: tests/e2e/test_peer_copy.py, test_nodes_sharded.py
 def test_a_corrupt_copy_on_one_node_is_fetched_again_from_the_peer(
     tmp_path: Path, straight: list[dict[str, Any]]
 ) -> None:
@@ -218,7 +217,6 @@ def test_a_corrupt_copy_on_one_node_is_fetched_again_from_the_peer(
     assert_continues_exactly(straight, first, run.outputs("second"))  # from STOP_AT, not 3
 
 
-@pytest.mark.slow  # kill -9 across ranks by default: test_multirank.py, test_sharded_objects.py
 def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
     tmp_path: Path, straight: list[dict[str, Any]]
 ) -> None:

@@ -270,7 +270,6 @@ def published(directory: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step_")) for p in found)
 
 
-@pytest.mark.slow  # kill -9 across ranks by default: test_multirank.py, test_sharded_objects.py
 def test_a_node_killed_mid_save_resumes_from_the_newest_checkpoint_complete_across_the_nodes(
     tmp_path: Path, straight: list[dict[str, Any]]
 ) -> None:
