@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -75,11 +76,16 @@ def test_a_signalled_child_reports_the_signal(script: Path, tmp_path: Path) -> N
     process = zygote.spawn([str(script), "wait"], env(), tmp_path)
     assert process is not None
     assert process.stdout is not None
-    with process.stdout:
-        assert process.stdout.readline().startswith("argv")
-        assert process.stdout.readline().startswith("main")
-        os.killpg(process.pid, signal.SIGTERM)
-    assert process.wait(timeout=120) == -signal.SIGTERM
+    try:
+        with process.stdout:
+            assert process.stdout.readline().startswith("argv")
+            assert process.stdout.readline().startswith("main")
+            os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=120) == -signal.SIGTERM
+    finally:  # ended whatever happened above (it waits for a signal)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=120)
 
 
 def test_a_module_runs_as_python_dash_m(tmp_path: Path) -> None:
