@@ -57,7 +57,7 @@ def _with_tree(manifest: bytes, tree: bytes) -> bytes:
 
 
 def _legal(path: Path) -> int:
-    from pitstop.core.manifest import MAX_MANIFEST_NODES
+    from pitstop.core.file.manifest import MAX_MANIFEST_NODES
     from pitstop.shell.format import fileformat
 
     count = (MAX_MANIFEST_NODES - 64) // 3  # a one-item list is three values: item, list, 0
@@ -67,7 +67,7 @@ def _legal(path: Path) -> int:
 
 
 def _sharded(directory: Path, values: int) -> None:
-    from pitstop.core.sharded import LAYOUT_FORMAT, ShardedLayout, StoredChunk, StoredValue
+    from pitstop.core.sharding.sharded import LAYOUT_FORMAT, ShardedLayout, StoredChunk, StoredValue
     from pitstop.shell.store.sharddir import file_table, write_manifest
 
     directory.mkdir()

@@ -47,7 +47,7 @@ from pitstop.core import (
     reconcile_pointers,
     resume_order,
 )
-from pitstop.core.pointers import recompute_best, recompute_final
+from pitstop.core.saving.pointers import recompute_best, recompute_final
 
 STEP_GAP = 10  # steps between consecutive checkpoints in the synthetic catalog
 POLICY = Policy(every_steps=STEP_GAP, keep_last=5, keep_every=1000, best=Best("val_loss"))

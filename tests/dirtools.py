@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from pitstop.core.metadata import entry_meta
-from pitstop.core.plan import SavePlan, plan_save
 from pitstop.core.records import Progress
-from pitstop.core.schedule import Call, ScheduleState, decide_save
+from pitstop.core.saving.plan import SavePlan, plan_save
+from pitstop.core.saving.schedule import Call, ScheduleState, decide_save
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import CheckpointDirectory
 

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 
 import attrs
 
-from pitstop.core.plan import SavePlan, plan_save
 from pitstop.core.records import NO_CHECKPOINT, Catalog, Pointers, Policy, Progress
-from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save
+from pitstop.core.saving.plan import SavePlan, plan_save
+from pitstop.core.saving.schedule import Call, SaveDecision, ScheduleState, decide_save
 
 
 @attrs.define

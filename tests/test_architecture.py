@@ -197,7 +197,7 @@ def _hook_registrations(source: str, filename: str) -> list[str]:
 
 
 def test_only_the_converter_factory_registers_hooks() -> None:
-    # A converter is built with every hook in pitstop.core.config._build; no module (the
+    # A converter is built with every hook in pitstop.core.settings.config._build; no module (the
     # trainer's config included) adds hooks to one afterwards, at import time or later.
     found = [
         r
@@ -205,7 +205,7 @@ def test_only_the_converter_factory_registers_hooks() -> None:
         for r in _hook_registrations(f.read_text(), str(f.relative_to(SRC)))
     ]
     assert found, "the factory registers its hooks: the checker must see them"
-    assert {r.split(":")[0] for r in found} == {"core/config.py"}
+    assert {r.split(":")[0] for r in found} == {"core/settings/config.py"}
     assert {r.rpartition(" in ")[2] for r in found} == {"_build"}
 
 

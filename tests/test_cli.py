@@ -12,7 +12,7 @@ import pytest
 
 from dirtools import save
 from pitstop.core.records import Best, Policy
-from pitstop.core.schedule import Call
+from pitstop.core.saving.schedule import Call
 from pitstop.shell.store.directory import CheckpointDirectory
 
 SMOKE = Path(__file__).resolve().parent.parent / "configs" / "smoke.yaml"

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pitstop.core.plan import plan_save
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress
-from pitstop.core.schedule import Call, ScheduleState, decide_save
-from pitstop.core.shardcover import DIRECTORIES
-from pitstop.core.sharded import ShardedLayout, sharded_name
+from pitstop.core.saving.plan import plan_save
+from pitstop.core.saving.schedule import Call, ScheduleState, decide_save
+from pitstop.core.sharding.shardcover import DIRECTORIES
+from pitstop.core.sharding.sharded import ShardedLayout, sharded_name
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.sharddir import file_table
 

@@ -12,8 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from pitstop.core.records import Best, Policy, Progress, SaveReason
+from pitstop.core.saving.targets import target_step
 from pitstop.core.session import SaveStatus
-from pitstop.core.targets import target_step
 from pitstop.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.arguments import (
+from pitstop.core.records import Policy
+from pitstop.core.settings.arguments import (
     CHECKPOINT_PATH,
     CheckpointerOptions,
     call_metrics,
     check_path,
     device_problem,
 )
-from pitstop.core.records import Policy
 from pitstop.errors import ConfigError, InvalidValue
 from strategies import policies
 

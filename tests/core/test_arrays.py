@@ -1,4 +1,4 @@
-"""pitstop.core.arrays: the check of a stored NumPy value's payload, on any input."""
+"""pitstop.core.file.arrays: the check of a stored NumPy value's payload, on any input."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pitstop.core.arrays import (
+from pitstop.core.file.arrays import (
     NUMPY_DTYPE_NAMES,
     array_payload,
     check_array,
@@ -17,7 +17,7 @@ from pitstop.core.arrays import (
     check_scalar,
     scalar_payload,
 )
-from pitstop.core.manifest import MAX_NDIM
+from pitstop.core.file.manifest import MAX_NDIM
 from pitstop.errors import CheckpointCorrupt, ImportRefused
 
 # The reader's table: NumPy's itemsizes, written out (the core knows no NumPy).

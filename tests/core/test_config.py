@@ -8,15 +8,15 @@ import attrs
 import pytest
 import yaml
 
-import pitstop.core.config as config_module
-from pitstop.core.config import (
+import pitstop.core.settings.config as config_module
+from pitstop.core.records import Best, Policy
+from pitstop.core.settings.config import (
     CheckpointConfig,
     ConfigConverter,
     converter,
     parse_checkpoint_config,
     resolve_directory,
 )
-from pitstop.core.records import Best, Policy
 from pitstop.core.validators import positive_int
 from pitstop.errors import ConfigError
 

@@ -21,7 +21,6 @@ from hypothesis.stateful import (
 )
 
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.pointers import reconcile_pointers, resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     CheckpointEntry,
@@ -30,7 +29,8 @@ from pitstop.core.records import (
     Policy,
     Progress,
 )
-from pitstop.core.schedule import Call, resumed_state
+from pitstop.core.saving.pointers import reconcile_pointers, resume_order
+from pitstop.core.saving.schedule import Call, resumed_state
 from plan_driver import Driver
 from strategies import METRIC, policies
 

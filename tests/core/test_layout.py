@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.layout import TensorExtent, align, layout_tensors
+from pitstop.core.file.layout import TensorExtent, align, layout_tensors
 from pitstop.errors import SaveError
 
 

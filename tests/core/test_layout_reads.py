@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.layout import DIRECT_FROM, BlobRead, plan_blob_reads, reads_past_cache
+from pitstop.core.file.layout import DIRECT_FROM, BlobRead, plan_blob_reads, reads_past_cache
 
 pages = st.sampled_from([512, 4096, 16384])
 

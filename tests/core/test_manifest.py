@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.layout import align
-from pitstop.core.manifest import (
+from pitstop.core.file.layout import align
+from pitstop.core.file.manifest import (
     ALIGNMENT,
     FOOTER_SIZE,
     FORMAT_VERSION,

@@ -24,7 +24,7 @@ from pitstop.core.naming import (
     sharded_name,
     temp_name,
 )
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
 from strategies import steps
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.objects import (
+from pitstop.core.s3.objects import (
     Commit,
     Lease,
     LeaseVerdict,
@@ -23,7 +23,7 @@ from pitstop.core.objects import (
     range_reads,
     renew_after,
 )
-from pitstop.core.s3config import profile_settings, retry_settings
+from pitstop.core.s3.s3config import profile_settings, retry_settings
 from pitstop.errors import ConfigError
 from strategies import small_steps
 

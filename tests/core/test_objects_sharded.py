@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.core.naming import checkpoint_name, sharded_name
-from pitstop.core.objects import (
+from pitstop.core.s3.objects import (
     Commit,
     commit_problem,
     data_name,
@@ -20,7 +20,7 @@ from pitstop.core.objects import (
     orphans,
     sharded_commit,
 )
-from pitstop.core.sharded import MANIFEST_NAME, ShardFile
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile
 from strategies import small_steps
 
 tokens = st.text("abcXYZ019_-", min_size=1, max_size=12)

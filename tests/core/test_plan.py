@@ -5,14 +5,6 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.plan import (
-    plan_arrival,
-    plan_catch_up,
-    plan_save,
-    plan_subject,
-    rollback_removals,
-)
-from pitstop.core.pointers import recompute_best, recompute_final
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -24,7 +16,15 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import Call, SaveDecision, ScheduleState
+from pitstop.core.saving.plan import (
+    plan_arrival,
+    plan_catch_up,
+    plan_save,
+    plan_subject,
+    rollback_removals,
+)
+from pitstop.core.saving.pointers import recompute_best, recompute_final
+from pitstop.core.saving.schedule import Call, SaveDecision, ScheduleState
 from plan_driver import Driver
 from strategies import METRIC, catalogs, finite_metric_values, pointers_into, policies
 

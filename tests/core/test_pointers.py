@@ -7,12 +7,6 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.pointers import (
-    move_pointers,
-    recompute_best,
-    recompute_final,
-    reconcile_pointers,
-)
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -22,6 +16,12 @@ from pitstop.core.records import (
     Pointers,
     Progress,
     SaveReason,
+)
+from pitstop.core.saving.pointers import (
+    move_pointers,
+    recompute_best,
+    recompute_final,
+    reconcile_pointers,
 )
 from strategies import METRIC, bests, catalogs, pointers_into
 

@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.pointers import Tier, drop_behind, resume_order, tiered_resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -17,6 +16,7 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
+from pitstop.core.saving.pointers import Tier, drop_behind, resume_order, tiered_resume_order
 from strategies import METRIC, bests, catalogs, pointers_into
 
 

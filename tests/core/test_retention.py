@@ -15,7 +15,7 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.retention import plan_retention
+from pitstop.core.saving.retention import plan_retention
 from strategies import catalogs, pointers_into, policies
 
 

@@ -15,7 +15,7 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import (
+from pitstop.core.saving.schedule import (
     Call,
     SaveDecision,
     ScheduleState,

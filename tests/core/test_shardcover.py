@@ -1,5 +1,5 @@
-"""pitstop.core.shardcover: a sharded value's chunks must cover it exactly once; dtypes, byte
-bounds and key paths of an untrusted layout."""
+"""pitstop.core.sharding.shardcover: a sharded value's chunks must cover it exactly once; dtypes,
+byte bounds and key paths of an untrusted layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.shardcover import MAX_DIMS, cover_problem, extent_problem, paths_problem
+from pitstop.core.sharding.shardcover import MAX_DIMS, cover_problem, extent_problem, paths_problem
 from strategies import any_boxes, grid_covers
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]

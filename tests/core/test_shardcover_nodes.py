@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.shardcover import cover_nodes, file_homes, part_here
+from pitstop.core.sharding.shardcover import cover_nodes, file_homes, part_here
 
 names = st.lists(
     st.sampled_from([f"__{r}_0.distcp" for r in range(5)] + [".metadata", "m"]),

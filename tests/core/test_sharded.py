@@ -1,4 +1,4 @@
-"""pitstop.core.sharded: directory names, the layout's wire form, and the pure checks."""
+"""pitstop.core.sharding.sharded: directory names, the layout's wire form, and the pure checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name
-from pitstop.core.sharded import (
+from pitstop.core.sharding.sharded import (
     LiveValue,
     ShardedLayout,
     ShardFile,

@@ -24,7 +24,6 @@ from pitstop.core.naming import (
     parse_sharded_name,
     sharded_name,
 )
-from pitstop.core.plan import plan_save
 from pitstop.core.ranks import entry_from_wire, entry_to_wire
 from pitstop.core.records import (
     NO_CHECKPOINT,
@@ -35,7 +34,8 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import SaveDecision, ScheduleState
+from pitstop.core.saving.plan import plan_save
+from pitstop.core.saving.schedule import SaveDecision, ScheduleState
 from strategies import catalogs, pointers_into, policies, progresses, steps
 
 mixed_catalogs = catalogs(sharded=st.booleans())

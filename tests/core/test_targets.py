@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import pitstop
 from pitstop.core.records import Progress
-from pitstop.core.targets import (
+from pitstop.core.saving.targets import (
     RunTarget,
     micro_batch_position,
     new_updates,

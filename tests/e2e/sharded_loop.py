@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 import pitstop
 from pitstop.core.naming import temp_name
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell.format import fileformat
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded import dcpstate

@@ -97,7 +97,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell import shardsave
 from pitstop.shell.sharded import choice, dcpio, dcpstate, rawread, shardwrite
 from pitstop.shell.store import sharddir

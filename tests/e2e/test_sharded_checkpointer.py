@@ -46,7 +46,7 @@ from torch import nn
 import pitstop
 from multirank import Finished, Job
 from pitstop.cli import main as cli
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.formatting import format_size
 from pitstop.shell.format import fileformat
 from pitstop.shell.sharded.engine import MODEL, full_state_dict

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from multirank import Finished, Job
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.ranks.distributed import Ranks

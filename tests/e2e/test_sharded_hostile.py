@@ -26,7 +26,7 @@ pytest.importorskip("sharded_torch", exc_type=ImportError)  # on an older torch:
 import pitstop
 from multirank import Job
 from pitstop.cli import main as cli
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import scan

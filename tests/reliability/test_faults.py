@@ -23,7 +23,7 @@ import pitstop
 from dirtools import save, snapshot
 from pitstop.core.naming import TEMP_PREFIX
 from pitstop.core.records import Best, Policy
-from pitstop.core.schedule import Call
+from pitstop.core.saving.schedule import Call
 from pitstop.errors import SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import CheckpointDirectory, scan

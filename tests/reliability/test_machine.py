@@ -33,7 +33,7 @@ import pitstop
 from dirtools import snapshot
 from pitstop.core.naming import NOT_A_CHECKPOINT, EntryKind, checkpoint_name, classify, parse_name
 from pitstop.core.records import Best, PointerName, Pointers, Policy, Progress
-from pitstop.core.retention import plan_retention
+from pitstop.core.saving.retention import plan_retention
 from pitstop.errors import SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import choose_resume, scan

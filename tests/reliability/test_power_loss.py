@@ -25,7 +25,7 @@ import torch
 from dirtools import save, state_at
 from pitstop.core.naming import LATEST_JSON, TEMP_PREFIX
 from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Policy
-from pitstop.core.schedule import Call
+from pitstop.core.saving.schedule import Call
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import CheckpointDirectory, choose_resume, scan
 from pitstop.shell.store.storage import LocalStorage

@@ -19,7 +19,7 @@ import torch
 import pitstop
 from pitstop.cli import main as cli
 from pitstop.core.records import Policy
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.store.directory import CheckpointDirectory, scan
 from pitstop.shell.store.storage import LocalStorage

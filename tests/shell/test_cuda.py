@@ -211,7 +211,7 @@ def _local(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]
 def test_fsdp2_on_nccl_saves_a_directory_and_resumes_bitwise(
     nccl: None, tmp_path: Path, mode: bool | str
 ) -> None:
-    from pitstop.core.sharded import MANIFEST_NAME
+    from pitstop.core.sharding.sharded import MANIFEST_NAME
 
     model, optimizer = _sharded(0)
     with pitstop.Checkpointer(

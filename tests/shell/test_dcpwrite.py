@@ -26,7 +26,7 @@ pytest.importorskip("sharded_torch", exc_type=ImportError)  # on an older torch:
 
 import pitstop
 from onerank import NEEDS_GLOO, sharded_model
-from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.errors import SaveError
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded import dcpwrite

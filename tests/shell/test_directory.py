@@ -11,7 +11,7 @@ import pytest
 
 from dirtools import save, snapshot
 from pitstop.core.records import NO_CHECKPOINT, Best, PointerName, Policy
-from pitstop.core.schedule import Call
+from pitstop.core.saving.schedule import Call
 from pitstop.errors import SaveError
 from pitstop.shell.store.directory import CheckpointDirectory, choose_resume, scan
 from pitstop.shell.store.storage import LocalStorage

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import pitstop
 from filebytes import DATA, assemble, document, packed
 from pitstop.cli import main as cli
-from pitstop.core.manifest import MAX_MANIFEST_NODES
+from pitstop.core.file.manifest import MAX_MANIFEST_NODES
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat as ff
 from pitstop.shell.format import filewrite, treecodec

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pitstop
-from pitstop.core.arrays import NUMPY_DTYPE_NAMES
+from pitstop.core.file.arrays import NUMPY_DTYPE_NAMES
 from pitstop.errors import CheckpointCorrupt, ConfigError, SaveError
 from pitstop.shell.format import fileformat as ff
 from pitstop.shell.format.treewalk import walk

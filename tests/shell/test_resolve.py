@@ -12,7 +12,7 @@ import torch
 import pitstop
 from dirtools import save, state_at
 from pitstop.core.records import Best, Policy
-from pitstop.core.schedule import Call
+from pitstop.core.saving.schedule import Call
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.resolve import resolve_checkpoint

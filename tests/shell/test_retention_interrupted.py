@@ -22,7 +22,7 @@ from torch import nn
 import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.shell.store import publish
 from pitstop.shell.store.directory import CheckpointDirectory
 

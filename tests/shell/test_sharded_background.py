@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 import pitstop
 from onerank import NEEDS_GLOO, sharded_model
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell import shardsave
 from pitstop.shell.sharded import shardwrite
 

@@ -24,10 +24,10 @@ import torch
 
 from pitstop.core.metadata import entry_meta
 from pitstop.core.naming import aside_name
-from pitstop.core.plan import SavePlan, plan_save
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, Policy, Progress
-from pitstop.core.schedule import Call, ScheduleState, decide_save
-from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
+from pitstop.core.saving.plan import SavePlan, plan_save
+from pitstop.core.saving.schedule import Call, ScheduleState, decide_save
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout, sharded_name
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import CheckpointDirectory, scan, verify_any

@@ -30,7 +30,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import pitstop
 from onerank import NEEDS_GLOO, Scaled
 from pitstop.core.schema import EMA, WEIGHTS
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.sharddir import read_layout
 

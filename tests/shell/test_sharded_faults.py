@@ -15,7 +15,7 @@ import pytest
 import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.session import Event, left_by_raise
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell import shardsave
 from pitstop.shell.store.directory import scan
 from pitstop.shell.store.storage import LocalStorage

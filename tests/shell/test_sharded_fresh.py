@@ -18,7 +18,7 @@ from torch import nn
 
 import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
-from pitstop.core.sharded import FRESH_OPTIMIZERS, MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import FRESH_OPTIMIZERS, MANIFEST_NAME, sharded_name
 from pitstop.shell.format import fileformat
 
 pytestmark = [NEEDS_GLOO, NEEDS_SHARDED]

@@ -31,7 +31,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import pitstop
 from onerank import NEEDS_GLOO, Scaled
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell.sharded.engine import MODEL, full_state_dict
 from pitstop.shell.sharded.shardstage import DeferredCopy, StagedShards
 from trees import assert_same

@@ -84,28 +84,28 @@ def test_damaged_bytes_never_raise_nor_point_past_the_item(data: st.DataObject) 
         assert at + 24 * 4 <= len(item)
 
 
-def save_one(root: Path) -> dict[str, torch.Tensor]:
-    model, optimizer = sharded_model()
-    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
-        ckpt.save(pitstop.Progress(step=1))
+def local_state(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """This rank's shards of the model and of each optimizer state tensor, copied."""
     state = {f"model.{k}": v.to_local().clone() for k, v in model.state_dict().items()}
     for i, moments in enumerate(optimizer.state.values()):
         for key, value in moments.items():
             local = value.to_local() if hasattr(value, "to_local") else value
             state[f"optimizer.{i}.{key}"] = local.clone()
     return state
+
+
+def save_one(root: Path) -> dict[str, torch.Tensor]:
+    model, optimizer = sharded_model()
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
+        ckpt.save(pitstop.Progress(step=1))
+    return local_state(model, optimizer)
 
 
 def resumed(root: Path) -> dict[str, torch.Tensor]:
     model, optimizer = sharded_model(step=False)
     with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
         assert ckpt.resume().step == 1
-    state = {f"model.{k}": v.to_local().clone() for k, v in model.state_dict().items()}
-    for i, moments in enumerate(optimizer.state.values()):
-        for key, value in moments.items():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            state[f"optimizer.{i}.{key}"] = local.clone()
-    return state
+    return local_state(model, optimizer)
 
 
 def test_a_resume_reads_no_tensor_with_torch_load_and_its_fallback_restores_the_same(

@@ -22,7 +22,7 @@ from torch import nn
 import pitstop
 from onerank import NEEDS_GLOO, NEEDS_SHARDED, sharded_model
 from pitstop.core.compat import Kind
-from pitstop.core.sharded import MANIFEST_NAME, sharded_name
+from pitstop.core.sharding.sharded import MANIFEST_NAME, sharded_name
 from pitstop.errors import IncompatibleCheckpoint
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded import engine as sharded

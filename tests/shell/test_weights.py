@@ -23,7 +23,7 @@ import pitstop
 from dirtools import save
 from pitstop.core.metadata import entry_meta
 from pitstop.core.records import Best, CheckpointEntry, Policy, Progress
-from pitstop.core.schedule import Call
+from pitstop.core.saving.schedule import Call
 from pitstop.errors import CheckpointCorrupt, ConfigError, IncompatibleCheckpoint, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.portable.weights import (

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
 
 import sharded_train
 
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell import shardsave
 
 

@@ -24,7 +24,7 @@ import torch
 
 import pitstop
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.objects import parse_url
+from pitstop.core.s3.objects import parse_url
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat, fileread
 from pitstop.shell.format.untrusted import held

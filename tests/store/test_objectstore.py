@@ -24,7 +24,7 @@ import torch
 
 import pitstop
 from pitstop.core.naming import LOCK_NAME, checkpoint_name
-from pitstop.core.objects import Lease, data_name, encode_lease, parse_url
+from pitstop.core.s3.objects import Lease, data_name, encode_lease, parse_url
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.objectstore import ObjectStorage
@@ -130,7 +130,7 @@ def test_a_killed_upload_is_never_listed(s3_url: str, s3_env: dict[str, str]) ->
 TORN = """
 import os, sys
 import obstore
-from pitstop.core.objects import data_name, parse_url
+from pitstop.core.s3.objects import data_name, parse_url
 from pitstop.shell.store.s3client import open_store, torn_uploads
 url = sys.argv[1]
 location = parse_url(url)

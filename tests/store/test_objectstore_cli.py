@@ -13,7 +13,7 @@ import torch
 import pitstop
 from pitstop.cli import main
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.objects import parse_url
+from pitstop.core.s3.objects import parse_url
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.s3client import torn_uploads
 from tinyrun import same, train_step, trained, weights

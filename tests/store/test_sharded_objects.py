@@ -33,8 +33,8 @@ import pitstop
 from multirank import Finished, Job
 from pitstop.cli import main as cli
 from pitstop.core.naming import temp_name
-from pitstop.core.objects import decode_commit
-from pitstop.core.sharded import MANIFEST_NAME, ShardFile, sharded_name
+from pitstop.core.s3.objects import decode_commit
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile, sharded_name
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage

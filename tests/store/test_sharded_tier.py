@@ -29,7 +29,7 @@ import torch
 
 import pitstop
 from multirank import Finished, Job
-from pitstop.core.sharded import sharded_name
+from pitstop.core.sharding.sharded import sharded_name
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.objectstore import ObjectStorage
 from s3server import remote_steps

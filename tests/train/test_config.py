@@ -10,8 +10,8 @@ import yaml
 from trainkit import SMOKE
 
 from pitstop.core.compat import diff_config, flatten, may_change_rule
-from pitstop.core.config import CheckpointConfig
 from pitstop.core.records import Best
+from pitstop.core.settings.config import CheckpointConfig
 from pitstop.errors import ConfigError
 from pitstop.train.config import (
     MAY_CHANGE,

@@ -20,8 +20,8 @@ from pitstop.core.metadata import policy_from_latest_json
 from pitstop.core.naming import (
     TEMP_PREFIX,
 )
-from pitstop.core.objects import is_object_url
 from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
+from pitstop.core.s3.objects import is_object_url
 from pitstop.errors import CheckpointNotFound
 from pitstop.shell.store.directory import Scan, choose_resume, read_latest_json, scan
 from pitstop.shell.store.resolve import (

@@ -16,10 +16,10 @@ from rich.table import Table
 
 from pitstop.cli.common import Target, named_target, open_directory
 from pitstop.cli.progress import progress_bars
-from pitstop.core.pointers import resume_order
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, PointerName
-from pitstop.core.retention import plan_retention
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.saving.pointers import resume_order
+from pitstop.core.saving.retention import plan_retention
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.formatting import format_size
 from pitstop.shell.format import fileformat

@@ -1,7 +1,7 @@
 """``pitstop prune``: retention by hand, with the core's reasons.
 
 ``pitstop prune DIR --keep-last N [--dry-run]`` plans retention with
-:func:`pitstop.core.retention.plan_retention` over the directory's checkpoints and pointers:
+:func:`pitstop.core.saving.retention.plan_retention` over the directory's checkpoints and pointers:
 ``keep_last=N``, the ``keep_every`` and ``best`` metric the directory's ``latest.json`` records,
 every pointer target (``last``, ``best``, ``final``) and the newest checkpoint are kept, and so
 is the checkpoint a resume from ``last`` would use (the newest that verifies). It takes the
@@ -59,7 +59,7 @@ def run_prune(console: Console, args: argparse.Namespace) -> int:
     from pitstop.cli.common import open_directory
     from pitstop.cli.progress import progress_bars
     from pitstop.core.records import NO_CHECKPOINT, PointerName, Policy
-    from pitstop.core.retention import plan_retention
+    from pitstop.core.saving.retention import plan_retention
     from pitstop.formatting import format_size
     from pitstop.shell.store.directory import Scan, choose_resume, scan
     from pitstop.shell.store.location import checkpoint_directory

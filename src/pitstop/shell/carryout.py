@@ -17,8 +17,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pitstop.core.plan import SavePlan
 from pitstop.core.records import NO_CHECKPOINT
+from pitstop.core.saving.plan import SavePlan
 from pitstop.core.session import Event
 from pitstop.shell.format import fileformat
 from pitstop.shell.session import SaveSession

@@ -7,9 +7,9 @@
 # its save session, so it can say whether it is published yet and wait for it; equality ignores
 # it; the record knows the ticket only by what it asks of it (status, wait), never the session.
 # Metrics are floats (numbers, one-element tensors, NumPy scalars; never str or bool): a tensor
-# is read here, the rules are pitstop.core.arguments.call_metrics', and a bad one names the call
-# and the step. A save's reason is a SaveReason (by value) or the caller's own words, recorded
-# as a manual save's detail. A run's config must be a mapping every save can store: it is
+# is read here, the rules are pitstop.core.settings.arguments.call_metrics', and a bad one names
+# the call and the step. A save's reason is a SaveReason (by value) or the caller's own words,
+# recorded as a manual save's detail. A run's config must be a mapping every save can store: it is
 # walked once at construction by the same walk every save's meta goes through
 # (pitstop.shell.format.treewalk), so a value no checkpoint can hold is refused then, by key path,
 # not at the first save.
@@ -26,15 +26,15 @@ from typing import Any, Protocol
 
 import attrs
 
-from pitstop.core.arguments import (
+from pitstop.core.ranks import CallInput
+from pitstop.core.records import Catalog, CheckpointEntry, Metrics, Progress, SaveReason
+from pitstop.core.session import SaveStatus
+from pitstop.core.settings.arguments import (
     CheckpointerOptions,
     call_metrics,
     check_path,
     describe_value,
 )
-from pitstop.core.ranks import CallInput
-from pitstop.core.records import Catalog, CheckpointEntry, Metrics, Progress, SaveReason
-from pitstop.core.session import SaveStatus
 from pitstop.errors import ConfigError, SaveError
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.tiers import TieredDirectory
@@ -164,8 +164,8 @@ def checked_options(
     """Check the Checkpointer's arguments, before anything is touched; its plain settings.
 
     Raises :class:`~pitstop.errors.ConfigError` naming the first argument that is not what it
-    must be (the settings' own checks are :class:`~pitstop.core.arguments.CheckpointerOptions`').
-    """
+    must be (the settings' own checks are
+    :class:`~pitstop.core.settings.arguments.CheckpointerOptions`')."""
     from torch import nn  # imported by then: the caller holds a model
 
     from pitstop.shell.store.storage import Storage

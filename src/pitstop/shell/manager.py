@@ -34,12 +34,12 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.compat import may_change_patterns
 from pitstop.core.ranks import entry_from_wire
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
-from pitstop.core.schedule import Call, ScheduleState
+from pitstop.core.saving.schedule import Call, ScheduleState
 from pitstop.core.session import Request, SaveStatus, settles_first
+from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
 from pitstop.errors import PitstopError
 from pitstop.shell.checkpoint import Checkpoint, checked_options, config_of, manual_reason, records
 from pitstop.shell.lifetime import close_run, on_writers, release, settle_on_writers, shut_down

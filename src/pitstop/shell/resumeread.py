@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from pitstop.core.pointers import drop_behind
+from pitstop.core.saving.pointers import drop_behind
 from pitstop.core.schema import RANKED, STATE
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.fileread import KeyPath, load
 from pitstop.shell.format.untrusted import checked

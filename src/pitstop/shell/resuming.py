@@ -39,9 +39,9 @@ import attrs
 from torch import nn
 
 from pitstop.core.compat import Difference, judge
-from pitstop.core.objects import is_object_url
 from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
+from pitstop.core.s3.objects import is_object_url
 from pitstop.core.schema import STATE
 from pitstop.errors import (
     IncompatibleCheckpoint,

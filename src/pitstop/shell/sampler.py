@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from pitstop.core.records import Progress
-from pitstop.core.targets import micro_batch_position
+from pitstop.core.saving.targets import micro_batch_position
 from pitstop.core.validators import is_int as _is_int
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 

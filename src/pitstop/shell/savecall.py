@@ -36,7 +36,7 @@ import attrs
 
 from pitstop.core.ranks import CallInput, DirectoryGroups, merge_inputs, stop_origin
 from pitstop.core.records import Policy, Progress, SaveReason
-from pitstop.core.schedule import Call, foresees_write
+from pitstop.core.saving.schedule import Call, foresees_write
 from pitstop.shell.checkpoint import call_input
 from pitstop.shell.ranks.distributed import GATHER_BOX, Ranks, Round
 from pitstop.shell.ranks.peers import gather_to_writers

@@ -32,7 +32,6 @@ from typing import Any
 import attrs
 
 from pitstop.core.naming import checkpoint_name
-from pitstop.core.plan import SavePlan, plan_save
 from pitstop.core.ranks import CallInput, entry_to_wire
 from pitstop.core.records import (
     NO_CHECKPOINT,
@@ -42,10 +41,17 @@ from pitstop.core.records import (
     Progress,
     SaveReason,
 )
-from pitstop.core.schedule import Call, SaveDecision, ScheduleState, decide_save, resumed_state
+from pitstop.core.saving.plan import SavePlan, plan_save
+from pitstop.core.saving.schedule import (
+    Call,
+    SaveDecision,
+    ScheduleState,
+    decide_save,
+    resumed_state,
+)
 from pitstop.core.session import Event, Request, after_raise, left_by_raise, waits_for_uploads
-from pitstop.core.shardcover import DIRECTORIES
-from pitstop.core.sharded import FRESH_OPTIMIZERS, ShardedLayout
+from pitstop.core.sharding.shardcover import DIRECTORIES
+from pitstop.core.sharding.sharded import FRESH_OPTIMIZERS, ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell.carryout import carry_out
 from pitstop.shell.session import Reported, SaveSession

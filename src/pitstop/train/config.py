@@ -31,7 +31,7 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from pitstop.core.config import CheckpointConfig, ConfigConverter, resolve_directory
+from pitstop.core.settings.config import CheckpointConfig, ConfigConverter, resolve_directory
 from pitstop.core.validators import (
     count,
     count_or_none,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pitstop import Checkpoint, Checkpointer, ConfigError, Progress, ResumableSampler, StopRequest
-from pitstop.core.targets import plan_run
+from pitstop.core.saving.targets import plan_run
 from pitstop.train.records import TrainConfig, TrainState
 from pitstop.train.report import Reporter
 

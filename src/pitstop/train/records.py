@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import attrs
 
 from pitstop import ConfigError, Progress
-from pitstop.core.targets import RunTarget
+from pitstop.core.saving.targets import RunTarget
 from pitstop.core.validators import count_or_none, positive_int, positive_int_or_none
 
 __all__ = ["TrainConfig", "TrainState"]

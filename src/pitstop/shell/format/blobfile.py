@@ -34,7 +34,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
-from pitstop.core.manifest import Manifest
+from pitstop.core.file.manifest import Manifest
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
-from pitstop.core.manifest import HEADER_SIZE, Manifest
+from pitstop.core.file.manifest import HEADER_SIZE, Manifest
 from pitstop.shell.format.blobfile import Advance, BlobFile, blob_corrupt, byte_view
 from pitstop.shell.format.checksums import Checksummer, CrcJob, crc32_combine, default_threads
 from pitstop.shell.format.hostmem import new_host_bytes, scratch_bytes

@@ -3,9 +3,9 @@
 # Rules: [64-byte header][data: each storage span once, 64-byte aligned, zero padding between]
 # [msgpack manifest][40-byte footer], all little-endian; docs/file-format.md has every byte.
 # A file without a valid footer is incomplete. The pieces, each with one reason to change:
-#   pitstop.core.framing     header/footer structs: pure packing and checks
-#   pitstop.core.manifest    the manifest's tables: pure checks
-#   pitstop.core.layout      where tensor bytes go
+#   pitstop.core.file.framing     header/footer structs: pure packing and checks
+#   pitstop.core.file.manifest    the manifest's tables: pure checks
+#   pitstop.core.file.layout      where tensor bytes go
 #   pitstop.shell.format.treewalk   what a tree may hold (every path that saves one walks with it)
 #   pitstop.shell.format.treecodec  the tree <-> msgpack
 #   pitstop.shell.format.filewrite  prepare() and write(): check, lay out, stream, checksum
@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from pitstop.core.manifest import (
+from pitstop.core.file.manifest import (
     ALIGNMENT,
     FOOTER_MAGIC,
     FOOTER_SIZE,

@@ -1,7 +1,7 @@
 # Reading one checkpoint file, without ever running code.
 #
-# Rules: what a valid file is, the core decides (pitstop.core.framing the header and footer,
-# pitstop.core.manifest the manifest's tables); this module reads the bytes it needs and
+# Rules: what a valid file is, the core decides (pitstop.core.file.framing the header and footer,
+# pitstop.core.file.manifest the manifest's tables); this module reads the bytes it needs and
 # builds tensors. The manifest is msgpack
 # with allow-listed ext codes and dtype names, never pickle; every descriptor is checked
 # against the file before a tensor is built over it. verify() accounts for every byte of the
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, BinaryIO, Literal, TypeAlias
 
 import msgpack
 
-from pitstop.core.manifest import (
+from pitstop.core.file.manifest import (
     FOOTER_SIZE,
     HEADER_SIZE,
     MANIFEST_START,

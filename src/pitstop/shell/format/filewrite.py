@@ -1,13 +1,13 @@
 # Writing one checkpoint file: the tree checked and laid out, then streamed to an open file.
 #
-# Rules: the bytes are those pitstop.core.framing, pitstop.core.manifest and docs/file-format.md
-# describe; where tensor bytes go is decided by pitstop.core.layout, and this module only
-# carries the layout out. Nothing is written until the whole tree has been checked
+# Rules: the bytes are those pitstop.core.file.framing, pitstop.core.file.manifest and
+# docs/file-format.md describe; where tensor bytes go is decided by pitstop.core.file.layout, and
+# this module only carries the layout out. Nothing is written until the whole tree has been checked
 # (pitstop.shell.format.treewalk decides what it may hold; SaveError names the key path) and the
-# manifest is known to fit a reader's limit. CRC-32 checksums are computed from the tensors'
-# memory, never by reading the file back: for CPU tensors on several threads once the data is
-# written, while the file's fsync runs (pitstop.shell.format.checksums); for tensors off the CPU
-# beside each host copy. Every few MiB written go to the kernel's writeback at once
+# manifest is known to fit a reader's limit. CRC-32 checksums are computed from the tensors' memory,
+# never by reading the file back: for CPU tensors on several threads once the data is written, while
+# the file's fsync runs (pitstop.shell.format.checksums); for tensors off the CPU beside each host
+# copy. Every few MiB written go to the kernel's writeback at once
 # (pitstop.shell.format.writebehind), so the disk works while the rest is written and the fsync
 # waits only for the tail.
 # How: prepare() walks the tree (encoding it) and plans the layout; write() streams header,
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, BinaryIO, Final
 import attrs
 import msgpack
 
-from pitstop.core.layout import Span, TensorExtent, layout_tensors
-from pitstop.core.manifest import (
+from pitstop.core.file.layout import Span, TensorExtent, layout_tensors
+from pitstop.core.file.manifest import (
     ALIGNMENT,
     FORMAT_VERSION,
     HEADER_SIZE,

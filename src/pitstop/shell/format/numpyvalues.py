@@ -3,11 +3,11 @@
 # Rules: a value is NumPy's when its type's module is `numpy` (so nothing here imports NumPy
 # before a tree holds a NumPy value, and pitstop runs without NumPy installed). Stored: exactly
 # np.ndarray (not np.matrix, a masked array or another subclass) and the NumPy scalar types of
-# pitstop.core.arrays' dtype allow-list (bool, signed and unsigned ints, floats, complexes);
+# pitstop.core.file.arrays' dtype allow-list (bool, signed and unsigned ints, floats, complexes);
 # anything else NumPy (object, str, datetime or structured dtypes) is a SaveError naming the key
 # path. The bytes are C-order and little-endian; a value comes back as the same NumPy type with
 # the same dtype and shape, C-contiguous, writable and in native byte order. The reader checks
-# each payload (pitstop.core.arrays) before NumPy sees a byte.
+# each payload (pitstop.core.file.arrays) before NumPy sees a byte.
 # How: the tree walk calls check() for a NumPy leaf and the builder copy() (a snapshot) or
 # payload() (the encoder); the decoder calls build() with the checked fields.
 
@@ -20,14 +20,14 @@ from functools import cache
 from types import MappingProxyType
 from typing import Any, Final
 
-from pitstop.core.arrays import (
+from pitstop.core.file.arrays import (
     NUMPY_DTYPE_NAMES,
     array_payload,
     check_array,
     check_scalar,
     scalar_payload,
 )
-from pitstop.core.manifest import MAX_NDIM
+from pitstop.core.file.manifest import MAX_NDIM
 from pitstop.errors import CheckpointCorrupt, SaveError
 
 __all__ = ["build_array", "build_scalar", "check", "copy", "is_numpy", "payload"]
@@ -100,7 +100,7 @@ def _little(dtype: Any) -> Any:
 
 
 def payload(value: Any, is_array: bool) -> list[object]:
-    """The stored payload of a checked NumPy value (:mod:`pitstop.core.arrays`)."""
+    """The stored payload of a checked NumPy value (:mod:`pitstop.core.file.arrays`)."""
     np = _numpy()
     name = value.dtype.name
     if is_array:

@@ -8,7 +8,7 @@
 # joined with crc32_combine) has matched, compared in blob order; the first error of any thread is
 # raised on the calling one. Padding is checked on the calling thread before the threads start.
 # Which blobs are read past the page cache, and the chunks of each, the core decides
-# (pitstop.core.layout): such a blob is read with O_DIRECT (pitstop.shell.format.blobfile) into
+# (pitstop.core.file.layout): such a blob is read with O_DIRECT (pitstop.shell.format.blobfile) into
 # page-aligned memory of its own (pitstop.shell.format.hostmem.new_aligned_bytes); the page cache's
 # readahead is then turned off for the pass (POSIX_FADV_RANDOM), so that reading a small mapped blob
 # between two such blobs does not read them through the cache as well.
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from pitstop.core.layout import BlobRead, plan_blob_reads, reads_past_cache
-from pitstop.core.manifest import HEADER_SIZE
+from pitstop.core.file.layout import BlobRead, plan_blob_reads, reads_past_cache
+from pitstop.core.file.manifest import HEADER_SIZE
 from pitstop.shell.format.blobfile import BlobFile, blob_corrupt, byte_view
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
 from pitstop.shell.format.hostmem import PAGE, new_aligned_bytes, new_host_bytes, reused_scratch

@@ -13,7 +13,7 @@
 # How: str/bytes/int/float/bool/None/list/dict are native msgpack; every other type is an
 # ExtType whose payload is the msgpack of its contents (a dtype: its name; a tensor: its index
 # in the file's tensor table; a NumPy array: its dtype name, shape and bytes, checked by
-# pitstop.core.arrays before NumPy builds it). Tensors go to a callback while encoding and come
+# pitstop.core.file.arrays before NumPy builds it). Tensors go to a callback while encoding and come
 # back as TensorRef placeholders when decoding; the file reader resolves them.
 
 """Encoding and decoding of nested Python trees (state dicts and the like) as msgpack."""
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 import msgpack
 
-from pitstop.core.manifest import MAX_MANIFEST_NODES
+from pitstop.core.file.manifest import MAX_MANIFEST_NODES
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import numpyvalues
 from pitstop.shell.format.treecheck import TensorRef

@@ -32,7 +32,7 @@ from functools import cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, TypeAlias
 
-from pitstop.core.manifest import MAX_NDIM
+from pitstop.core.file.manifest import MAX_NDIM
 from pitstop.errors import SaveError
 from pitstop.shell.format import numpyvalues
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pitstop.core.arguments import CHECKPOINT_PATH, check_path
+from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
 from pitstop.errors import ConfigError
 from pitstop.shell.format import progress
 from pitstop.shell.portable.weightview import Weights, check_weights, weights_view

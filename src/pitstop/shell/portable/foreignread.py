@@ -6,7 +6,7 @@
 # what torch met (without torch's advice to load it unsafely), never unpickled. A .safetensors
 # file is read by its own layout — an 8-byte length, a JSON header (at most 100 MiB, and no
 # longer than the file), raw little-endian bytes — and every header entry is checked by the core
-# (pitstop.core.arrays: dtype, shape, data offsets inside the body and of the size the shape
+# (pitstop.core.file.arrays: dtype, shape, data offsets inside the body and of the size the shape
 # needs) before any tensor is built; a header nested too deeply to decode is refused too.
 # How: torch.load; for .safetensors, json and torch.frombuffer over one copy of the body.
 
@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import torch
 
-from pitstop.core.arrays import check_safetensors_entry
+from pitstop.core.file.arrays import check_safetensors_entry
 from pitstop.errors import ImportRefused
 
 __all__ = ["read_safetensors", "torch_load"]
@@ -93,7 +93,7 @@ def _unpickler_reason(error: BaseException) -> str:
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Read a .safetensors file: an 8-byte length, a JSON header, raw little-endian bytes.
 
-    Every header entry is checked (pitstop.core.arrays.check_safetensors_entry) before any
+    Every header entry is checked (pitstop.core.file.arrays.check_safetensors_entry) before any
     tensor is built; a header that is not JSON, or nested too deeply to decode, and any entry
     with an unknown dtype, a bad shape or offsets outside the body is an ImportRefused naming it.
     """

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from pitstop.core.arguments import check_path
 from pitstop.core.guard import import_target_problem
-from pitstop.core.plan import plan_save
 from pitstop.core.records import NO_CHECKPOINT, Policy, SaveReason
-from pitstop.core.schedule import Call, ScheduleState, decide_save
+from pitstop.core.saving.plan import plan_save
+from pitstop.core.saving.schedule import Call, ScheduleState, decide_save
 from pitstop.core.schema import EMA, RAW, RNG, STATE, WEIGHTS, WeightsMeta, encode_weights_meta
+from pitstop.core.settings.arguments import check_path
 from pitstop.errors import SaveError
 from pitstop.shell.checkpoint import Checkpoint
 from pitstop.shell.format import fileformat

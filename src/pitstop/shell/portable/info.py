@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.metadata import entry_from_meta
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint
+from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.checkpoint import Checkpoint, TensorInfo
 from pitstop.shell.format import fileformat

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.arguments import CHECKPOINT_PATH, check_path
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.shell.format import fileformat
 from pitstop.shell.sharded.support import require_sharded
 from pitstop.shell.store.directory import is_sharded_path, verify_any

@@ -9,8 +9,8 @@
 # checkpoint's tensors placed on that device (one transfer from the file's memory map, no
 # second copy; a model built on the meta device loads this way) — a device this process has:
 # "meta" (no data) and a device it lacks are refused first, naming map_location (the rule is
-# pitstop.core.arguments.device_problem). A sharded model (FSDP2, DTensor) is refused first,
-# saying what to do instead (resume through a Checkpointer; load before sharding). The other
+# pitstop.core.settings.arguments.device_problem). A sharded model (FSDP2, DTensor) is refused
+# first, saying what to do instead (resume through a Checkpointer; load before sharding). The other
 # pieces, each with one reason to change, and re-exported here:
 #   pitstop.shell.state.unwrap          unwrap_model, plain_state_dict: wrappers, key prefixes
 #   pitstop.shell.portable.weightview   weights_view: a parameter set, only its bytes read
@@ -29,8 +29,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pitstop.core.arguments import CHECKPOINT_PATH, check_path, device_problem
 from pitstop.core.compat import Kind, diff_tensors
+from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path, device_problem
 from pitstop.errors import ConfigError, IncompatibleCheckpoint
 from pitstop.shell.portable.exporter import export_weights
 from pitstop.shell.portable.weightview import Weights, check_weights, read_view, weights_view

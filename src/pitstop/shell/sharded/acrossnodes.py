@@ -8,15 +8,15 @@
 # order, the core merges them (newest first for `last`), and the ranks take the candidates in
 # that order. For each, every writer checks its own copy — its manifest whole, and every file
 # the manifest lists that its directory holds, every byte (so each file is read once, where it
-# lies) — and the core (pitstop.core.shardcover.cover_nodes) judges the union: a file whole in
-# no directory is missing, and the candidate is skipped with a warning naming its step and the
-# missing files (with the ranks that wrote them). When none is complete but one was found, the
+# lies) — and the core (pitstop.core.sharding.shardcover.cover_nodes) judges the union: a file
+# whole in no directory is missing, and the candidate is skipped with a warning naming its step and
+# the missing files (with the ranks that wrote them). When none is complete but one was found, the
 # resume is an error naming each step and its missing files, never a fresh start. A complete
 # candidate is chosen: a directory without a whole manifest receives one first; then every rank
 # plans its read (DCP's local plan) and each directory receives the files its ranks read and it
-# lacks (replicated values are stored once, in one rank's file), from a directory holding them
-# whole — over torch.distributed (pitstop.shell.ranks.peers: chunked, CRC-32 checked), into a temp
-# file published atomically, then checked against the manifest before any rank reads.
+# lacks (replicated values are stored once, in one rank's file), from a directory holding them whole
+# — over torch.distributed (pitstop.shell.ranks.peers: chunked, CRC-32 checked), into a temp file
+# published atomically, then checked against the manifest before any rank reads.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each / all_gather_each), so one rank's failure is raised on every
 # rank and every rank takes the same branch.
@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import DirectoryGroups, entry_to_wire, merged_order
 from pitstop.core.records import PointerName
-from pitstop.core.shardcover import FileMove, cover_nodes
-from pitstop.core.sharded import MANIFEST_NAME, ShardedLayout
+from pitstop.core.saving.pointers import resume_order
+from pitstop.core.sharding.shardcover import FileMove, cover_nodes
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format.fileread import verify as verify_file
 from pitstop.shell.ranks.distributed import Ranks

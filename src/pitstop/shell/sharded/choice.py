@@ -5,7 +5,7 @@
 # Rules: rank 0 sends the resume order (both tiers' with a remote tier: a remote candidate is
 # copied into the directory by rank 0, checked and published by its rename, before the ranks
 # try it); the ranks gather the files their read plans name, each file read is verified once,
-# by one of its readers (pitstop.core.sharded.share_checks), together with where each item
+# by one of its readers (pitstop.core.sharding.sharded.share_checks), together with where each item
 # this rank reads lies in its file (pitstop.shell.sharded.rawread.check_agreed: nothing live
 # touched) — and all move to the next candidate, whose files are read only then, when any rank
 # found a problem; where a rank's state does not fit the layout, the files are verified alone.
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pitstop.core.compat import Kind
-from pitstop.core.pointers import resume_order
 from pitstop.core.ranks import entry_to_wire
 from pitstop.core.records import PointerName
-from pitstop.core.sharded import MANIFEST_NAME, share_checks
+from pitstop.core.saving.pointers import resume_order
+from pitstop.core.sharding.sharded import MANIFEST_NAME, share_checks
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.state.capture import LiveState, sharded_components

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from pitstop.core.ranks import Outcome
-from pitstop.core.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
+from pitstop.core.sharding.sharded import ShardedLayout, ShardFile, StoredChunk, StoredValue
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format.treewalk import dtype_name, tensor_dtypes
 from pitstop.shell.ranks.distributed import outcome_of, rebuilt

@@ -4,25 +4,25 @@
 #
 # Rules: every rank makes the same calls. A save: every rank writes its shards into a temp
 # directory and the tables of its files are gathered (pitstop.shell.sharded.shardwrite, whose names
-# are re-exported here); rank 0 builds the layout (pitstop.core.sharded), writes the manifest last
-# (publish_file: temp name, fsync, rename, directory fsync — which makes the names of every rank's
-# files durable too), renames the temp directory into place and fsyncs the parent. A load: the
-# layout comes from the manifest (DCP's pickled `.metadata` is never read: see
+# are re-exported here); rank 0 builds the layout (pitstop.core.sharding.sharded), writes the
+# manifest last (publish_file: temp name, fsync, rename, directory fsync — which makes the names of
+# every rank's files durable too), renames the temp directory into place and fsyncs the parent. A
+# load: the layout comes from the manifest (DCP's pickled `.metadata` is never read: see
 # pitstop.shell.sharded.dcpio), the live state is compared with it (IncompatibleCheckpoint listing
 # every difference), every file DCP's local read plans name is verified once, by one of the ranks
-# that read it (the plans are gathered: pitstop.core.sharded.share_checks), the outcome is agreed,
-# and only then does DCP read, resharding to this world size. DCP reads into the live tensors, so
-# each rank first keeps a host copy of every tensor it reads into; when the read or the apply that
-# follows fails on any rank (DCP's errors reach every rank, the apply's are agreed), every rank
-# copies its tensors back and hands each optimizer its own state and groups again — and an optimizer
-# that had no state (DCP gives it zeroed state to read into) has none again. A resume reads
-# without DCP's read instead (pitstop.shell.sharded.rawread): its choice checks every file and
-# finds every item on every rank first, nothing live touched; then (read_sharded's `checked`)
-# the state is applied — its tensors the live ones, unwritten yet, each optimizer's own state
-# and groups kept by reference for a failure — and only then are the verified records copied
-# into the live tensors (no host copy: a failure there is an I/O error). DCP's collectives run
-# on `group` (async: on DCP's upload thread, so then `group` must be a process group of its own);
-# pitstop's agreement runs on `ranks`, from the calling thread only.
+# that read it (the plans are gathered: pitstop.core.sharding.sharded.share_checks), the outcome is
+# agreed, and only then does DCP read, resharding to this world size. DCP reads into the live
+# tensors, so each rank first keeps a host copy of every tensor it reads into; when the read or the
+# apply that follows fails on any rank (DCP's errors reach every rank, the apply's are agreed),
+# every rank copies its tensors back and hands each optimizer its own state and groups again — and
+# an optimizer that had no state (DCP gives it zeroed state to read into) has none again. A resume
+# reads without DCP's read instead (pitstop.shell.sharded.rawread): its choice checks every file and
+# finds every item on every rank first, nothing live touched; then (read_sharded's `checked`) the
+# state is applied — its tensors the live ones, unwritten yet, each optimizer's own state and groups
+# kept by reference for a failure — and only then are the verified records copied into the live
+# tensors (no host copy: a failure there is an I/O error). DCP's collectives run on `group` (async:
+# on DCP's upload thread, so then `group` must be a process group of its own); pitstop's agreement
+# runs on `ranks`, from the calling thread only.
 # How: DCP does the tensor I/O and the resharding; pitstop.shell.store.sharddir the files around it.
 
 """Sharded checkpoints: write, publish, verify and read DCP directories; gather for export."""
@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import traverse_state_dict
 
 from pitstop.core.compat import Difference, Kind, diff_ema
-from pitstop.core.sharded import (
+from pitstop.core.sharding.sharded import (
     LiveValue,
     ShardedLayout,
     fresh_optimizers,

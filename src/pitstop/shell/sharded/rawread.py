@@ -36,7 +36,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from pitstop.core.sharded import ShardedLayout, file_problem
+from pitstop.core.sharding.sharded import ShardedLayout, file_problem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.untrusted import open_untrusted

@@ -6,11 +6,11 @@
 # fsync) as DCP closes them (pitstop.shell.sharded.dcpwrite), so the table of the files it wrote
 # itself — rank 0's include `.metadata` — needs no re-read; the tables (with whatever each rank
 # sends along) reach rank 0 with DCP's own results (pitstop.shell.sharded.dcpio), and rank 0 builds
-# the layout (pitstop.core.sharded). A failure on any rank is the same error on every rank (the
-# failing rank's own, when its table or part could not be made), and the temp directory is removed.
-# DCP's collectives run on `group` (async: on DCP's upload thread, so then `group` must be a process
-# group of its own); pitstop's agreement runs on `ranks`, started from the calling thread only —
-# except the round that agrees every rank staged a background save, which runs on `group`, on
+# the layout (pitstop.core.sharding.sharded). A failure on any rank is the same error on every rank
+# (the failing rank's own, when its table or part could not be made), and the temp directory is
+# removed. DCP's collectives run on `group` (async: on DCP's upload thread, so then `group` must be
+# a process group of its own); pitstop's agreement runs on `ranks`, started from the calling thread
+# only — except the round that agrees every rank staged a background save, which runs on `group`, on
 # pitstop's thread that then starts DCP's write (no other thread uses `group` then). In the
 # background, each rank stages first, on its own (pitstop.shell.sharded.shardstage); then either DCP
 # starts at once (start_sharded: the caller agreed already) or the call returns and a thread makes
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-from pitstop.core.sharded import ShardedLayout, ShardFile
+from pitstop.core.sharding.sharded import ShardedLayout, ShardFile
 from pitstop.errors import SaveError
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.sharded.dcpio import NO_DIST_WARNING, Ship, Writer, layout_of, own_failure

@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import torch
 
-from pitstop.core.manifest import ALIGNMENT
+from pitstop.core.file.manifest import ALIGNMENT
 from pitstop.shell.format.treewalk import storage_of, walk
 
 __all__ = ["SLACK_FRACTION", "SLACK_MIN", "StagingPool", "slack", "storage_keys"]

@@ -51,7 +51,6 @@ from pitstop.core.naming import (
     classify,
     temp_name,
 )
-from pitstop.core.plan import SavePlan, plan_subject, rollback_removals
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -60,7 +59,8 @@ from pitstop.core.records import (
     Pointers,
     Policy,
 )
-from pitstop.core.sharded import ShardedLayout
+from pitstop.core.saving.plan import SavePlan, plan_subject, rollback_removals
+from pitstop.core.sharding.sharded import ShardedLayout
 from pitstop.errors import SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.store import sharddir

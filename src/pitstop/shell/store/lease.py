@@ -24,7 +24,7 @@ import threading
 import time
 
 from pitstop.core.naming import LOCK_NAME, EntryKind, classify
-from pitstop.core.objects import (
+from pitstop.core.s3.objects import (
     Lease,
     LeaseVerdict,
     decode_lease,

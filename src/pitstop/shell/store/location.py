@@ -22,8 +22,8 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.objects import is_object_url
 from pitstop.core.records import Policy
+from pitstop.core.s3.objects import is_object_url
 from pitstop.errors import ConfigError
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.storage import Storage

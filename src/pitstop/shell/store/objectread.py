@@ -44,10 +44,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
-from pitstop.core.manifest import FOOTER_SIZE, HEADER_SIZE, Manifest, check_footer, check_header
+from pitstop.core.file.manifest import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    Manifest,
+    check_footer,
+    check_header,
+)
 from pitstop.core.naming import TEMP_PREFIX
-from pitstop.core.objects import Commit, Location, range_reads
-from pitstop.core.sharded import ShardFile, file_problem
+from pitstop.core.s3.objects import Commit, Location, range_reads
+from pitstop.core.sharding.sharded import ShardFile, file_problem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.blobfile import PieceCheck

@@ -1,7 +1,7 @@
 # A checkpoint directory on object storage (s3://bucket/prefix), behind the Storage protocol.
 #
 # Rules: the layout, the commit record, the lease and the retry schedule are the core's
-# (pitstop.core.objects). The publish sequence maps onto objects: a checkpoint's temp file is
+# (pitstop.core.s3.objects). The publish sequence maps onto objects: a checkpoint's temp file is
 # written locally (a cache directory of this process), and its rename to the final name uploads
 # it to a data object of its own, then creates the commit object with a conditional put
 # (If-None-Match: *) — one that loses the race raises, its data object removed; a checkpoint that
@@ -46,7 +46,8 @@ from pitstop.core.naming import (
     parse_name,
     parse_sharded_name,
 )
-from pitstop.core.objects import (
+from pitstop.core.ranks import DirectoryGroups
+from pitstop.core.s3.objects import (
     ENTRY_KEYS,
     Commit,
     data_name,
@@ -55,7 +56,6 @@ from pitstop.core.objects import (
     encode_commit,
     parse_url,
 )
-from pitstop.core.ranks import DirectoryGroups
 from pitstop.errors import CheckpointCorrupt, ConfigError
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.objectread import download, download_files, let_go

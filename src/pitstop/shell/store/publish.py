@@ -32,7 +32,7 @@ from typing import BinaryIO
 from pitstop.core.metadata import latest_json
 from pitstop.core.naming import LATEST_JSON, EntryKind, classify, temp_name
 from pitstop.core.records import NO_CHECKPOINT, Catalog, PointerName, Pointers, Policy
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
 from pitstop.shell.store.storage import FileKind, RemoteStorage, Storage
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from pitstop.core.arguments import CHECKPOINT_PATH, check_path
 from pitstop.core.metadata import (
     entry_from_meta,
     pointers_from_latest_json,
@@ -35,9 +34,10 @@ from pitstop.core.naming import (
     parse_checkpoint,
     parse_sharded_name,
 )
-from pitstop.core.objects import is_object_url
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName, Policy
-from pitstop.core.sharded import MANIFEST_NAME
+from pitstop.core.s3.objects import is_object_url
+from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.untrusted import held

@@ -4,7 +4,7 @@
 # AWS tool reads it: storage_options, over the environment (AWS_ENDPOINT_URL,
 # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION), over the profile
 # (AWS_PROFILE, or storage_options' "profile") in ~/.aws/credentials and ~/.aws/config
-# (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE) — the order is pitstop.core.s3config's
+# (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE) — the order is pitstop.core.s3.s3config's
 # profile_settings; an http:// endpoint is allowed (local servers). Retries follow the core's
 # schedule (retry_settings) and end within DEADLINE_S. Without the extra installed, asking for
 # it is one ConfigError naming `pip install pitstop[s3]`. A failure's cause is said in words (a
@@ -32,8 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.objects import Location
-from pitstop.core.s3config import profile_settings, retry_settings
+from pitstop.core.s3.objects import Location
+from pitstop.core.s3.s3config import profile_settings, retry_settings
 from pitstop.errors import ConfigError
 from pitstop.shell.format.untrusted import read_untrusted
 

@@ -39,7 +39,6 @@ from pitstop.core.naming import (
     parse_name,
     parse_sharded_name,
 )
-from pitstop.core.pointers import reconcile_pointers, resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Best,
@@ -49,7 +48,8 @@ from pitstop.core.records import (
     PointerName,
     Pointers,
 )
-from pitstop.core.sharded import MANIFEST_NAME, files_from_wire
+from pitstop.core.saving.pointers import reconcile_pointers, resume_order
+from pitstop.core.sharding.sharded import MANIFEST_NAME, files_from_wire
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.untrusted import held

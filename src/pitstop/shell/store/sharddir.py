@@ -37,8 +37,8 @@ from typing import Any, BinaryIO
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_aside
 from pitstop.core.replacement import Found, Holds, Settlement, settle_replacement
-from pitstop.core.shardcover import part_here
-from pitstop.core.sharded import (
+from pitstop.core.sharding.shardcover import part_here
+from pitstop.core.sharding.sharded import (
     MANIFEST_NAME,
     ShardedLayout,
     ShardFile,

@@ -1,6 +1,6 @@
 # A sharded checkpoint (DCP's files and pitstop's manifest) on object storage.
 #
-# Rules: the objects and the commit record are the core's (pitstop.core.objects). Every rank
+# Rules: the objects and the commit record are the core's (pitstop.core.s3.objects). Every rank
 # writes its shards through DCP into a local staging folder of its own (the ObjectStorage's cache
 # directory: DCP's file writer, with its sizes and CRC-32s taken as it writes), then uploads the
 # files it wrote to `.data/<token>/<name>/<file>` inside DCP's write step — so a failed upload is
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pitstop.core.objects import (
+from pitstop.core.s3.objects import (
     Commit,
     commit_problem,
     data_name,
@@ -41,7 +41,7 @@ from pitstop.core.objects import (
     encode_commit,
     sharded_commit,
 )
-from pitstop.core.sharded import MANIFEST_NAME, ShardFile, file_problem, files_from_wire
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile, file_problem, files_from_wire
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32

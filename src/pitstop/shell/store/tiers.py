@@ -45,8 +45,6 @@ from typing import Any, BinaryIO
 import attrs
 
 from pitstop.core.naming import aside_name, temp_name
-from pitstop.core.plan import SavePlan, plan_arrival, plan_catch_up
-from pitstop.core.pointers import Tier, resume_order, tiered_resume_order
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -55,6 +53,8 @@ from pitstop.core.records import (
     PointerName,
     Policy,
 )
+from pitstop.core.saving.plan import SavePlan, plan_arrival, plan_catch_up
+from pitstop.core.saving.pointers import Tier, resume_order, tiered_resume_order
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.store.atomic import write_atomically

@@ -33,12 +33,6 @@ from __future__ import annotations
 import attrs
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name, parse_checkpoint, sharded_name
-from pitstop.core.pointers import (
-    move_pointers,
-    recompute_best,
-    recompute_final,
-    recompute_pointers_to,
-)
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -50,8 +44,14 @@ from pitstop.core.records import (
     Policy,
     Progress,
 )
-from pitstop.core.retention import RetentionPlan, plan_retention
-from pitstop.core.schedule import SaveDecision
+from pitstop.core.saving.pointers import (
+    move_pointers,
+    recompute_best,
+    recompute_final,
+    recompute_pointers_to,
+)
+from pitstop.core.saving.retention import RetentionPlan, plan_retention
+from pitstop.core.saving.schedule import SaveDecision
 
 __all__ = [
     "SavePlan",

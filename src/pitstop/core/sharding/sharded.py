@@ -7,7 +7,7 @@
 # rank, and repeats DCP's metadata — each stored value's key, key path, dtype, global shape and
 # where each of its chunks lies (file, start, length) — so a reader never unpickles DCP's
 # `.metadata`: it is checksummed like the rest, never read. A layout read back is untrusted:
-# every field is type-checked and cross-checked (pitstop.core.shardcover: each tensor value
+# every field is type-checked and cross-checked (pitstop.core.sharding.shardcover: each tensor value
 # covered exactly once by its chunks, its chunks' bytes enough for their elements, its dtype
 # known; key paths non-empty, unique, none both a leaf and a subtree; chunks inside a listed
 # file, file names plain and unique), each problem a CheckpointCorrupt naming the key path:
@@ -29,7 +29,7 @@ from typing import Any, Final
 import attrs
 
 from pitstop.core.naming import parse_sharded_name, sharded_name
-from pitstop.core.shardcover import cover_problem, extent_problem, paths_problem
+from pitstop.core.sharding.shardcover import cover_problem, extent_problem, paths_problem
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [

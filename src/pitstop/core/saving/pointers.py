@@ -90,7 +90,7 @@ def recompute_best(catalog: Catalog, best: Best | None) -> tuple[str | NoCheckpo
     """Return the best checkpoint by ``best``'s metric and its value.
 
     Entries that did not record the metric, or recorded NaN, are not candidates, and neither
-    is a step-0 entry (nothing trained yet: :func:`~pitstop.core.schedule.decide_save` never
+    is a step-0 entry (nothing trained yet: :func:`~pitstop.core.saving.schedule.decide_save` never
     makes one best).
     """
     if best is None:

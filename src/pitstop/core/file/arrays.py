@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Final
 
-from pitstop.core.manifest import MAX_NDIM
+from pitstop.core.file.manifest import MAX_NDIM
 from pitstop.errors import CheckpointCorrupt, ImportRefused
 
 __all__ = [

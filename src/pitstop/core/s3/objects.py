@@ -21,7 +21,7 @@
 # Retention deletes a commit object first, then its data (deletion_order). A lease is taken
 # when there is none, when it has expired, or when its holder ran on this host and is gone;
 # renewed every third of its time. The S3 client's own settings (retries, the AWS
-# configuration) are pitstop.core.s3config's.
+# configuration) are pitstop.core.s3.s3config's.
 # How: pure functions over str, bytes and numbers; JSON for the small records.
 
 """Object storage: key names, commit and lease records, ranged reads."""
@@ -38,7 +38,7 @@ from typing import Any, Final
 import attrs
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_sharded_name
-from pitstop.core.sharded import MANIFEST_NAME, ShardFile
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [

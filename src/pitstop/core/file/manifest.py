@@ -2,13 +2,13 @@
 #
 # Rules: a file is [64-byte header][data: blobs, each ALIGNMENT-aligned][msgpack manifest]
 # [40-byte footer], all little-endian (docs/file-format.md has every byte). The header and the
-# footer are pitstop.core.framing's (packed and checked there; their names are re-exported here,
-# so this module stays the one place for a file's structure); the footer carries the manifest's
-# CRC-32. A reader accepts only what a writer of its versions produces: a manifest that
-# starts with the map it must be and ends where the footer starts, blobs that follow each
-# other in order without overlap or unaccounted bytes, descriptors whose every element lies
-# inside their blob, dtypes from the reader's allow-list. Every failure is a CheckpointCorrupt
-# naming the file and the offending field.
+# footer are pitstop.core.file.framing's (packed and checked there; their names are re-exported
+# here, so this module stays the one place for a file's structure); the footer carries the
+# manifest's CRC-32. A reader accepts only what a writer of its versions produces: a manifest that
+# starts with the map it must be and ends where the footer starts, blobs that follow each other in
+# order without overlap or unaccounted bytes, descriptors whose every element lies inside their
+# blob, dtypes from the reader's allow-list. Every failure is a CheckpointCorrupt naming the file
+# and the offending field.
 # How: the manifest is decoded by the shell (its tree holds torch values) and handed here as a
 # plain document, whose tables are checked field by field and become records. The value tree
 # is checked by the function the shell passes in, which also reports the key paths that use
@@ -26,7 +26,7 @@ from typing import Final, Protocol
 
 import attrs
 
-from pitstop.core.framing import (
+from pitstop.core.file.framing import (
     FOOTER_MAGIC,
     FOOTER_SIZE,
     FORMAT_VERSION,
@@ -42,7 +42,7 @@ from pitstop.core.framing import (
     pack_footer,
     pack_header,
 )
-from pitstop.core.layout import align
+from pitstop.core.file.layout import align
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [

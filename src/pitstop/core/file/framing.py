@@ -8,7 +8,7 @@
 # the header and ends where the footer starts — checked before anything is allocated. Every
 # failure is a CheckpointCorrupt naming the file and the offending field.
 # How: struct packing and checking of the two fixed-size records; what lies between them is
-# pitstop.core.manifest's.
+# pitstop.core.file.manifest's.
 
 """The checkpoint file's header and footer: packing and checking them."""
 

@@ -7,8 +7,8 @@
 # call's metrics are a mapping of non-empty str names to real numbers (never str, bytes, bool
 # or None; NaN and infinities pass, as Best treats them), and a bad one names the call, the
 # step and the metric. (A Best metric missing from a call's metrics is no error: that call is
-# no candidate for best — pitstop.core.schedule.) A device a load places tensors on must exist
-# and hold data: "meta" never does; "cpu" always exists; any other type needs a device of that
+# no candidate for best — pitstop.core.saving.schedule.) A device a load places tensors on must
+# exist and hold data: "meta" never does; "cpu" always exists; any other type needs a device of that
 # type, and an index below how many this process has. A path argument (a checkpoint, a
 # directory, a file to write) is a str or an os.PathLike (bytes are not); anything else names
 # the call, the argument and the type received (`verify checkpoint must be a path ..., got int

@@ -1,0 +1,2 @@
+"""Configuration: the checkpoint configuration and its validation, and the Checkpointer's
+arguments checked."""
