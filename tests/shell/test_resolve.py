@@ -145,3 +145,36 @@ def test_a_latest_json_that_is_no_regular_file_never_hangs_or_grows_memory(
     result, error, _ = bounded(lambda: call(run))  # within 5 s and 500 MiB
     assert error is None
     assert result is not None
+
+
+@pytest.mark.parametrize("call", [pitstop.info, pitstop.verify], ids=["info", "verify"])
+def test_a_pointer_whose_target_a_live_run_prunes_right_after_it_was_found_resolves_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: Any
+) -> None:
+    """The interleaving a reader beside a pruning run met (about once in 30 saves): the pointer
+    names step 1 and step 1 exists; then, before the reader goes on, the run publishes step 2,
+    moves the pointer and prunes step 1. The reader must not look at step 1 a second time and
+    call the pointer dangling (it no longer names step 1): it reads step 2."""
+    import pitstop.shell.store.resolve as resolve_module
+    from pitstop.shell.store.storage import FileKind, LocalStorage
+
+    with CheckpointDirectory(tmp_path, policy=Policy(keep_last=1)) as writer:
+        save(writer, 1, call=Call.MANUAL)
+        looked: list[str] = []
+
+        class RacedStorage(LocalStorage):
+            def kind(self, name: str) -> FileKind:
+                found = super().kind(name)
+                if name == _name(1) and not looked:
+                    looked.append(name)  # step 1 was found; the run moves on meanwhile
+                    save(writer, 2, call=Call.MANUAL)
+                    assert not (tmp_path / _name(1)).exists()
+                return found
+
+        monkeypatch.setattr(resolve_module, "LocalStorage", RacedStorage)
+        result = call(tmp_path / "last")
+    assert looked == [_name(1)]
+    if call is pitstop.info:
+        assert result.step == 2
+    else:
+        assert result == tmp_path / _name(2)

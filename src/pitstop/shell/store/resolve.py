@@ -209,21 +209,25 @@ def _pointer_target(storage: Storage, pointer: PointerName) -> Path | None:
 
     A named checkpoint that does not exist is read again while the pointer moves meanwhile (a
     live run published a newer one and pruned this one); one it keeps naming is
-    :class:`~pitstop.errors.CheckpointNotFound`, naming the pointer and the file.
+    :class:`~pitstop.errors.CheckpointNotFound`, naming the pointer and the file. The answer
+    is what one look found: a checkpoint that existed when it was looked at is returned even
+    if a live run prunes it a moment later (the read that follows finds it gone and resolves
+    again, :func:`read_resolved`); it is never looked at a second time and taken for missing
+    while the pointer has moved on.
     """
     named, source = pointer_on_disk(storage, pointer)
     for _ in range(RESOLVE_ATTEMPTS):
-        if named is None or storage.kind(named) is not FileKind.MISSING:
-            break
+        if named is None:
+            return None
+        if storage.kind(named) is not FileKind.MISSING:
+            return storage.path(named)
         again, again_source = pointer_on_disk(storage, pointer)
-        if again == named:
+        if again == named:  # it names a missing checkpoint and keeps naming it
             break
         named, source = again, again_source
     if named is None:
         return None
-    if storage.kind(named) is FileKind.MISSING:
-        raise CheckpointNotFound(_missing_target(storage, pointer, named, source))
-    return storage.path(named)
+    raise CheckpointNotFound(_missing_target(storage, pointer, named, source))
 
 
 def read_resolved(
