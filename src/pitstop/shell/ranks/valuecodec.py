@@ -235,6 +235,7 @@ def decode(data: bytes | memoryview | Any) -> Any:
     when the sender's value could not travel (naming the sending rank and why), and
     ``ValueError`` on any other bytes: nothing but the types that travel is ever built."""
     size = len(memoryview(data).cast("B"))
+    marks = _Marks()
     try:
         value = msgpack.unpackb(
             data,
@@ -242,16 +243,16 @@ def decode(data: bytes | memoryview | Any) -> Any:
             use_list=True,
             strict_map_key=False,
             unicode_errors=_UNICODE_ERRORS,
-            ext_hook=_mark,
-            list_hook=_array,
-            object_pairs_hook=_map,
+            ext_hook=marks.ext,
+            list_hook=marks.array,
             max_str_len=size,
             max_bin_len=size,
             max_array_len=size,
             max_map_len=size,
             max_ext_len=0,
         )
-        _check(value, "the value")
+        if marks.made != marks.used:
+            raise ValueError(f"{marks.made - marks.used} marks out of place")
     except _Refused as refused:
         raise TypeError(str(refused)) from None
     except Exception as error:  # bytes no encode made: whatever msgpack or a hook trips over
@@ -262,32 +263,26 @@ def decode(data: bytes | memoryview | Any) -> Any:
     return value
 
 
-def _mark(code: int, data: bytes) -> msgpack.ExtType:
-    if code not in _MARKS or data:
-        raise ValueError(f"unknown ext type {code} ({len(data)} bytes)")
-    return _MARKS[code]
+class _Marks:
+    """The hooks of one decode: every mark read must head an array (which is built as the type
+    it marks); counted both ways, so a mark anywhere else is found without looking at every
+    item."""
 
+    def __init__(self) -> None:
+        self.made = 0
+        self.used = 0
 
-def _check(item: object, where: str) -> None:
-    if type(item) is msgpack.ExtType:
-        raise ValueError(f"a mark out of place in {where}")
+    def ext(self, code: int, data: bytes) -> msgpack.ExtType:
+        if code not in _MARKS or data:
+            raise ValueError(f"unknown ext type {code} ({len(data)} bytes)")
+        self.made += 1
+        return _MARKS[code]
 
-
-def _map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    for key, item in pairs:
-        _check(key, "a map")
-        _check(item, "a map")
-    return dict(pairs)
-
-
-def _array(items: list[Any]) -> Any:
-    if not items or type(items[0]) is not msgpack.ExtType:
-        for item in items:
-            _check(item, "an array")
-        return items
-    for item in items[1:]:
-        _check(item, "an array")
-    return _BUILD[items[0].code](items[1:])
+    def array(self, items: list[Any]) -> Any:
+        if not items or type(items[0]) is not msgpack.ExtType:
+            return items
+        self.used += 1
+        return _BUILD[items[0].code](items[1:])
 
 
 def _enum(rest: list[Any]) -> enum.Enum:
