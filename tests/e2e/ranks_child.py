@@ -6,6 +6,8 @@ sizes differing, and checks what it got; then ``gather_then_lead`` (and the same
 by ``begin`` on rank 0 before any other rank's value is sent) with a failure on each side, and
 a Ctrl-C in a round's work on one rank, which every rank raises; a Checkpointer whose directory
 rank 0 cannot lock raises on every rank, and the next one opens.
+Every kind of value that travels comes back the same type, and one that cannot travel is
+refused by every rank in the same round.
 It prints ``ok <n>`` (n: the values checked) and exits 0, or raises.
 """
 
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import pitstop
+from pitstop.core.ranks import Outcome
+from pitstop.core.records import NO_CHECKPOINT, Progress, SaveReason
 from pitstop.errors import ConfigError, DirectoryLocked, SaveError
 from pitstop.shell.ranks.distributed import BROADCAST_BOX, GATHER_BOX, PART_BOX, Ranks
 from pitstop.shell.store.lock import DirectoryLock
@@ -142,6 +146,62 @@ stopped = raised(
 assert str(stopped).endswith("Ctrl-C on the last rank"), str(stopped)
 assert not ran  # the work did not run
 checked += 2
+
+
+# Every kind of value that travels comes back the same type on every rank, in every collective
+# (pitstop.shell.ranks.valuecodec: a tuple a tuple, a Path a Path, a record its own class).
+def kinds(r: int) -> tuple[object, ...]:
+    return (
+        [r, 1 << 70, 0.5, None, True, "r\udcff", b"b"],
+        {"k": (1, 2), 3: frozenset({4}), (5,): {6}},
+        Path(f"/r{r}"),
+        NO_CHECKPOINT,
+        SaveReason.STOP,
+        Outcome(kind="SaveError", error="e", rank=r),
+        Progress(step=r),
+    )
+
+
+def same_types(got: object, sent: object) -> bool:
+    if type(got) is not type(sent) or got != sent:
+        return False
+    if isinstance(sent, (list, tuple)):
+        return all(same_types(a, b) for a, b in zip(got, sent, strict=True))  # type: ignore[call-overload]
+    if isinstance(sent, dict):
+        return all(same_types(got[k], v) for k, v in sent.items())  # type: ignore[index]
+    return True
+
+
+every = [kinds(r) for r in range(world)]
+assert same_types(ranks.all_gather(kinds(rank)), every)
+assert same_types(ranks.broadcast(kinds(rank)), kinds(0))
+assert same_types(ranks.gather(kinds(rank)), every if rank == 0 else [])
+assert same_types(ranks.all_gather_each(lambda: kinds(rank)), every)
+checked += 4
+
+# A value that cannot travel is refused where it is sent, and its round still completes: every
+# rank raises the same error (before, the others waited for the sender until the timeout).
+unsendable = "is a builtins.object, which cannot travel between ranks"
+refused = raised(lambda: ranks.all_gather(object() if rank == world - 1 else rank), TypeError)
+assert str(refused).startswith(f"rank {world - 1}: value {unsendable}"), str(refused)
+refused = raised(lambda: ranks.broadcast(object() if rank == 0 else None), TypeError)
+assert str(refused).startswith(f"rank 0: value {unsendable}"), str(refused)
+# A round's result that cannot travel is that rank's failure, raised as any other of a round.
+for refusing in (
+    lambda: ranks.all_gather_each(lambda: object() if rank == world - 1 else rank),
+    lambda: ranks.gather_then_lead(lambda: object() if rank == world - 1 else rank, lead),
+):
+    refused = raised(refusing)
+    assert type(refused) is SaveError, repr(refused)
+    assert str(refused).startswith(f"rank {world - 1}: TypeError: the result {unsendable}")
+for refusing in (
+    lambda: ranks.lead(object),
+    lambda: ranks.gather_then_lead(lambda: rank, lambda results: [object()]),
+):
+    refused = raised(refusing)
+    assert type(refused) is SaveError, repr(refused)
+    assert str(refused).startswith("rank 0: TypeError: the result"), str(refused)
+checked += 6
 
 # A Checkpointer whose directory rank 0 cannot lock (another run holds it) raises the same class
 # on every rank; once it is free, the next one opens, saves and leaves nothing locked.

@@ -3,7 +3,8 @@
 Rules: :class:`~pitstop.shell.ranks.distributed.Ranks` carries out :mod:`pitstop.core.ranks`'s
 rounds over torch.distributed (one process: no collective at all); ``outcomes`` raises an
 error on one rank as the same error on every rank, ``roundfailure`` names a collective that
-did not complete, ``boxes`` carries a value in a collective's fixed-size box, and ``packing``
+did not complete, ``boxes`` carries a value in a collective's fixed-size box (``valuecodec``
+encodes it: msgpack, a closed set of types, never a pickle), and ``packing``
 turns a state tree into bytes for another rank and back. It uses the core, the errors and
 :mod:`pitstop.shell.format` (the tree codec); never live state (``state``), a directory
 (``store``) or DCP (``sharded``).

@@ -1,32 +1,35 @@
-# How a value travels in one of pitstop's collectives: pickled, in a box of fixed size.
+# How a value travels in one of pitstop's collectives: encoded, in a box of fixed size.
 #
 # Rules: a box is the value's size (HEADER bytes, little-endian), then the value itself when it
 # fits; a value that does not fit travels in a second round whose size every rank read from the
-# first. Pickles go only between this job's own processes, in memory, as torch.distributed's
-# object collectives do: nothing read from a checkpoint is ever unpickled.
+# first. A value is encoded by pitstop.shell.ranks.valuecodec (msgpack, a closed set of types:
+# nothing is ever unpickled), and one that cannot travel still fills its box, as its refusal,
+# so that every rank completes the round.
 # How: uint8 tensors; pitstop.shell.ranks.distributed sends and receives them.
 
-"""Boxes: a value pickled into a fixed-size byte tensor for a collective, and back."""
+"""Boxes: a value encoded into a fixed-size byte tensor for a collective, and back."""
 
 from __future__ import annotations
 
-import pickle  # noqa: TID251 - in memory between this job's ranks, as torch's object collectives do
 from typing import Any, Final
 
 import torch
+
+from pitstop.shell.ranks.valuecodec import decode, encode
 
 __all__ = ["HEADER", "boxed_value", "bytes_tensor", "dumps", "loads", "size_of"]
 
 HEADER: Final = 8  # the value's size, little-endian, before it in its box
 
 
-def dumps(value: object) -> bytes:
-    # Between this job's own processes, as torch.distributed's object collectives do.
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+def dumps(value: object, rank: int) -> bytes:
+    """``value``, sent by ``rank``, as bytes (:func:`pitstop.shell.ranks.valuecodec.encode`)."""
+    return encode(value, rank=rank)
 
 
 def loads(data: torch.Tensor) -> Any:
-    return pickle.loads(data.numpy().tobytes())
+    """The value in ``data`` (uint8, contiguous): :func:`~pitstop.shell.ranks.valuecodec.decode`."""
+    return decode(data.numpy())
 
 
 def bytes_tensor(data: bytes, size: int) -> torch.Tensor:

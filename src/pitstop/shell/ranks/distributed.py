@@ -13,14 +13,15 @@
 # works meanwhile.
 # Per-rank state trees travel in pitstop's own tree encoding with each storage's bytes once
 # (so storage sharing survives), decoded as a checkpoint's tree is.
-# How: a value is pickled in memory between this job's own processes, as torch.distributed's
-# object collectives do (nothing read from a checkpoint is ever unpickled), and travels in a
-# fixed box (pitstop.shell.ranks.boxes): one collective per all_gather or broadcast, where
-# torch's object collectives take two (the sizes, then the data); a larger value takes a second
-# round, which every rank knows of from the sizes in the first. An all-gather's box is received
-# once per rank, so it is small (a call's inputs); the once-a-save round that carries every
-# rank's part (its RNG streams, a per-rank component) is a gather to rank 0 instead, the only
-# rank that needs them, with a point-to-point send for a part too big for its box.
+# How: a value is encoded as msgpack, a closed set of types (pitstop.shell.ranks.valuecodec:
+# nothing is ever unpickled; one that cannot travel is refused by every rank in the same
+# round), and travels in a fixed box (pitstop.shell.ranks.boxes): one collective per all_gather
+# or broadcast, where torch's object collectives take two (the sizes, then the data); a larger
+# value takes a second round, which every rank knows of from the sizes in the first. An
+# all-gather's box is received once per rank, so it is small (a call's inputs); the once-a-save
+# round that carries every rank's part (its RNG streams, a per-rank component) is a gather to
+# rank 0 instead, the only rank that needs them, with a point-to-point send for a part too big
+# for its box.
 # Every collective is named: the Checkpointer tells its Ranks which call it is in (Ranks.call),
 # the collectives count their rounds, and one that fails (gloo's timeout, a peer gone) is a
 # CollectiveError naming the call, the round and the ranks that did not arrive
@@ -67,11 +68,11 @@ __all__ = [
 T = TypeVar("T")
 
 GATHER_BOX: Final = 1 << 10
-"""Bytes of a pickled value an all-gather sends in one collective (a larger one takes a
+"""Bytes of an encoded value an all-gather sends in one collective (a larger one takes a
 second): a call's inputs fit. Every rank receives one box per rank, so it stays small."""
 
 BROADCAST_BOX: Final = 4 << 10
-"""Bytes of a pickled value a broadcast sends in one collective: a plan, an outcome fit."""
+"""Bytes of an encoded value a broadcast sends in one collective: a plan, an outcome fit."""
 
 PART_BOX: Final = 32 << 10
 """The box of the once-a-save rounds that carry every rank's own part (its RNG streams and a
@@ -203,10 +204,10 @@ class Ranks:
 
     def all_gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
         """Every rank's ``value``, in rank order, on every rank (in one collective when every
-        pickled value fits ``box`` bytes, in two otherwise)."""
+        encoded value fits ``box`` bytes, in two otherwise)."""
         if not self.many:
             return [value]
-        data = dumps(value)
+        data = dumps(value, self.rank)
         boxed = boxed_value(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)]
         with self._named("an all-gather"):
@@ -229,7 +230,7 @@ class Ranks:
         """Rank 0's ``value`` on every rank (in one collective when it fits BROADCAST_BOX)."""
         if not self.many:
             return value
-        data = dumps(value) if self.leader else b""
+        data = dumps(value, self.rank) if self.leader else b""
         boxed = boxed_value(data, BROADCAST_BOX)
         with self._named("rank 0's broadcast"):
             self._wait(torch.distributed.broadcast(boxed, src=0, group=self._group, async_op=True))
@@ -245,7 +246,7 @@ class Ranks:
 
     def gather(self, value: T, *, box: int = GATHER_BOX) -> list[T]:
         """Every rank's ``value``, in rank order, on rank 0 (its own as it is; an empty list
-        elsewhere): one collective when every pickled value fits ``box`` bytes; a value that
+        elsewhere): one collective when every encoded value fits ``box`` bytes; a value that
         does not then travels on its own, from its rank to rank 0 (which knows which from the
         sizes). Rank 0 receives one box per rank; no other rank receives anything."""
         if not self.many:
@@ -254,7 +255,7 @@ class Ranks:
 
     def _send(self, value: T, box: int) -> _Gathering[T]:
         """Start :meth:`gather`'s collective (its box on its way; it runs on gloo's threads)."""
-        data = dumps(value)
+        data = dumps(value, self.rank)
         boxed = boxed_value(data, box)
         boxes = [torch.empty_like(boxed) for _ in range(self.world_size)] if self.leader else None
         with self._named("a gather to rank 0"):
@@ -403,7 +404,7 @@ class Ranks:
 
 @attrs.frozen
 class _Gathering(Generic[T]):
-    """A :meth:`Ranks.gather` under way: this rank's value, its pickle, rank 0's boxes."""
+    """A :meth:`Ranks.gather` under way: this rank's value, its encoding, rank 0's boxes."""
 
     value: T
     data: bytes
