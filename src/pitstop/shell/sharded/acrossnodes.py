@@ -16,7 +16,8 @@
 # plans its read (DCP's local plan) and each directory receives the files its ranks read and it
 # lacks (replicated values are stored once, in one rank's file), from a directory holding them whole
 # — over torch.distributed (pitstop.shell.ranks.peers: chunked, CRC-32 checked), into a temp file
-# published atomically, then checked against the manifest before any rank reads.
+# published atomically, then checked against the manifest before any rank reads; a directory
+# that received files then writes its pointers as a save would (``last``: its newest).
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each / all_gather_each), so one rank's failure is raised on every
 # rank and every rank takes the same branch.
@@ -273,6 +274,7 @@ def _candidate(
     fetch = cover_nodes(listed, held, needed).moves
     _say(fetch, name, ranks, writers)
     ranks.each(lambda: _move(fetch, path, layout, ranks, writers))
-    if moves or fetch:
-        ranks.each(lambda: directory.rescan() if writes else None)
+    if moves or fetch:  # a directory that received files: its pointers, as a save would
+        got = {writers[m.target] for m in (*moves, *fetch)}
+        ranks.each(lambda: directory.rescan(repoint=rank in got) if writes else None)
     return path, mine
