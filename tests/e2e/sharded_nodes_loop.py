@@ -7,7 +7,8 @@ same step, saved with the stop's reason.
 
     python sharded_nodes_loop.py --dir D --target T --out OUT [--every 2] [--keep-last 3]
         [--hold-at N --hold-rank R] [--hang-manifest-at N --hang-rank R]
-        [--async-save off|on|overlap] [--fail-shards-at N --fail-rank R]
+        [--async-save off|on|overlap] [--fail-shards-at N --fail-rank R] [--resume-from SOURCE]
+        [--try-resume-from SOURCE]
 
 ``--hold-at N --hold-rank R``: after printing ``step N`` rank R waits until a signal has
 reached it (so that the test's SIGTERM lands at that step). Each rank prints ``resumed <step>``
@@ -19,7 +20,8 @@ EMA, the schedule, the step it resumed from, the stop reason and draws from its 
 After the resume each rank prints ``last <name>``: where its node's ``last`` pointer leads
 (``last none``: there is none). ``--fail-shards-at N --fail-rank R``: rank R's DCP write of its
 step-N shards raises OSError; a SaveError from a save call then prints ``save error <message as
-JSON>`` and training goes on.
+JSON>`` and training goes on. ``--try-resume-from SOURCE``: first a resume from SOURCE that must
+fail: it prints ``resume error <Type> <message as JSON>`` (one that succeeds exits 4).
 """
 
 from __future__ import annotations
@@ -100,7 +102,14 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         timeout_s=args.pg_timeout,
         async_save={"off": False, "on": True, "overlap": "overlap"}[args.async_save],
     )
-    progress = ckpt.resume()
+    if args.try_resume_from is not None:  # a resume that must fail first
+        try:
+            ckpt.resume(args.try_resume_from)
+        except pitstop.PitstopError as exc:
+            say(f"resume error {type(exc).__name__} {json.dumps(str(exc))}")
+        else:
+            raise SystemExit(EXIT_TEST_HOOK)
+    progress = ckpt.resume(args.resume_from)
     say(f"resumed {progress.step}")
     last = Path(args.dir) / "last"
     say(f"last {last.readlink().name if last.is_symlink() else 'none'}")
@@ -140,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-rank", type=int, default=1)
     parser.add_argument("--hang-manifest-at", type=int)
     parser.add_argument("--hang-rank", type=int, default=0)
+    parser.add_argument("--resume-from", default="last", help="resume(SOURCE)")
+    parser.add_argument("--try-resume-from", help="first a resume(SOURCE) that must fail")
     parser.add_argument("--async-save", choices=("off", "on", "overlap"), default="off")
     parser.add_argument("--fail-shards-at", type=int)
     parser.add_argument("--fail-rank", type=int, default=1)

@@ -224,15 +224,23 @@ def test_each_node_keeps_its_shards_and_a_sigterm_resumes_bitwise(
     assert re.search(r"directory lacks __\d_0\.distcp of " + name(STOP_AT), said), said
 
 
+@pytest.mark.parametrize("source", ["path", pytest.param("last", marks=pytest.mark.slow)])
 def test_a_wiped_node_whose_shards_the_other_node_holds_catches_up_and_resumes_bitwise(
-    stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]]
+    stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]], source: str
 ) -> None:
+    """``path``: ``resume(<dir>/step_000000000003)``, a path the wiped node lacks; ``last``:
+    ``resume()``."""
     run, _ = stopped
     wiped, kept = run.holder(1), run.holder(0)
     shard = f"{name(STOP_AT)}/__1_0.distcp"  # the other node holds rank 1's shards too
     shutil.copy2(run.node(wiped) / shard, run.node(kept) / shard)
     shutil.rmtree(run.node(wiped))  # a new machine
-    second, said = run.train("second")
+    explicit = str(run.mount / "ckpt" / name(STOP_AT)) if source == "path" else "last"
+    nowhere = str(run.mount / "ckpt" / name(99))  # first: a path on no node, one error
+    second, said = run.train("second", "--resume-from", explicit, "--try-resume-from", nowhere)
+    tried = [json.loads(line.split(" ", 3)[3]) for line in said.splitlines() if "resume e" in line]
+    assert len(tried) == 2, said
+    assert all(f"resume({nowhere!r}): no node holds" in message for message in tried), tried
     assert f"rank 1's directory lacks manifest.pitstop of {name(STOP_AT)}" in said or (
         f"rank 0's directory lacks manifest.pitstop of {name(STOP_AT)}" in said
     ), said
