@@ -33,6 +33,7 @@ import torch
 
 from nodes import Nodes, can_simulate_nodes
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.sharddir import read_layout
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(
@@ -220,6 +221,9 @@ def test_each_node_keeps_its_shards_and_a_sigterm_resumes_bitwise(
         held = [{p.name for p in (run.node(n) / name(step)).glob("__*.distcp")} for n in (0, 1)]
         assert sorted(held, key=sorted) == [{"__0_0.distcp"}, {"__1_0.distcp"}], held
         assert all((run.node(n) / name(step) / "manifest.pitstop").is_file() for n in (0, 1))
+        for node in (0, 1):  # each copy's manifest names the ranks sharing each directory
+            meta = read_layout(run.node(node) / name(step))[1]
+            assert sorted(meta["directories"]) == [[0], [1]], meta.get("directories")
     # A node fetched a file its rank reads and lacks (DCP stores a replicated value once).
     assert re.search(r"directory lacks __\d_0\.distcp of " + name(STOP_AT), said), said
 
