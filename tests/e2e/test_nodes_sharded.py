@@ -317,11 +317,13 @@ def published(directory: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step_")) for p in found)
 
 
-@pytest.mark.parametrize("mode", ["off", pytest.param("on", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode", ["off", *(pytest.param(m, marks=pytest.mark.slow) for m in ("on", "overlap"))]
+)
 def test_a_node_killed_mid_save_resumes_from_the_newest_checkpoint_complete_across_the_nodes(
     tmp_path: Path, straight: list[dict[str, Any]], mode: str
 ) -> None:
-    run, hang_at = Run(tmp_path), 5  # async_save "on": rank 0 publishes at a later call
+    run, hang_at = Run(tmp_path), 5  # async_save on or overlap: published at a later call
     options = ("--every", "1", "--hang-manifest-at", str(hang_at), "--async-save", mode)
     with run.nodes("first", *options) as nodes:
         nodes[0].wait_for(0, "resumed 0")
