@@ -32,6 +32,8 @@ arrived (race-free, through signal.set_wakeup_fd), so a SIGTERM a test sends aft
 ``--resume-from SOURCE``: ``resume(SOURCE)`` instead of ``resume()`` (``last``).
 ``--try-resume-from SOURCE``: first a resume from SOURCE that must fail: it prints
 ``resume error <Type> <message as JSON>`` (a resume that succeeds exits 4).
+Each rank's result holds, with the state it resumed into, where its directory's ``last``
+pointer led right after the resume (``resumed["last"]``).
 A PitstopError from a Checkpointer call prints ``error <Type> <message as JSON>`` and exits 3.
 """
 
@@ -50,6 +52,7 @@ import select
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,6 +72,12 @@ EXIT_PITSTOP_ERROR = 3
 EXIT_TEST_HOOK = 4
 
 _write_file = fileformat.write  # the real writer; the write faults below wrap it
+
+
+def last_pointer(directory: Path) -> str:
+    """Where ``directory``'s ``last`` pointer leads, as this rank sees it (``""``: none)."""
+    last = directory / "last"
+    return last.readlink().name if last.is_symlink() else ""
 
 
 def report(enabled: bool, text: str) -> None:
@@ -281,6 +290,7 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
             "model": {k: v.clone() for k, v in net.state_dict().items()},
             "ema": None if ema is None else {k: v.clone() for k, v in ema.state_dict().items()},
             "optimizer": _clone(optimizer.state_dict()),
+            "last": last_pointer(Path(args.dir)),
         }
         sampler.set_position(progress)
         with stop.catch_signals():

@@ -7,6 +7,8 @@ same step, saved with the stop's reason.
 
     python sharded_nodes_loop.py --dir D --target T --out OUT [--every 2] [--keep-last 3]
         [--hold-at N --hold-rank R] [--hang-manifest-at N --hang-rank R]
+        [--async-save off|on|overlap] [--fail-shards-at N --fail-rank R] [--resume-from SOURCE]
+        [--try-resume-from SOURCE]
 
 ``--hold-at N --hold-rank R``: after printing ``step N`` rank R waits until a signal has
 reached it (so that the test's SIGTERM lands at that step). Each rank prints ``resumed <step>``
@@ -15,6 +17,11 @@ the step-N save prints ``writing N`` and waits to be killed (its node's shards o
 their temp directory); a PitstopError prints ``error <Type> <message as JSON>`` and exits 3. Each
 rank writes ``<OUT>.rank<R>.pitstop``: local shards and full tensors of the model, optimizer and
 EMA, the schedule, the step it resumed from, the stop reason and draws from its RNG after.
+After the resume each rank prints ``last <name>``: where its node's ``last`` pointer leads
+(``last none``: there is none). ``--fail-shards-at N --fail-rank R``: rank R's DCP write of its
+step-N shards raises OSError; a SaveError from a save call then prints ``save error <message as
+JSON>`` and training goes on. ``--try-resume-from SOURCE``: first a resume from SOURCE that must
+fail: it prints ``resume error <Type> <message as JSON>`` (one that succeeds exits 4).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import os
 import select
 import signal
 import sys
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +46,7 @@ from ddp_loop import (
     _wait_for_a_signal,  # a held rank's bounded wait for its signal
 )
 from sharded_loop import exit_before_teardown, say, snapshot, write_result
-from sharded_train import build
+from sharded_train import build, in_shards, inject
 
 import pitstop
 from pitstop.shell.store import sharddir
@@ -60,11 +69,22 @@ def hang_in_manifest(step: int) -> None:
     sharddir.write_manifest = write_manifest  # type: ignore[assignment]
 
 
+def goes_on(call: Any) -> None:
+    """``call()``; a SaveError is printed (``save error <message as JSON>``) and training goes
+    on."""
+    try:
+        call()
+    except pitstop.SaveError as exc:
+        say(f"save error {json.dumps(str(exc))}")
+
+
 def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     model, optimizer, schedule, ema = build(True)
     torch.manual_seed(100 + rank)  # each rank its own data and dropout masks
     if args.hang_manifest_at is not None and rank == args.hang_rank:
         hang_in_manifest(args.hang_manifest_at)
+    if args.fail_shards_at is not None and rank == args.fail_rank:
+        in_shards(args.fail_shards_at, lambda: inject(f"injected on rank {rank}"))
     holding = args.hold_at is not None and rank == args.hold_rank
     wakeup = -1
     if holding:
@@ -80,9 +100,19 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         state={"optimizer": optimizer, "schedule": schedule},
         policy=pitstop.Policy(every_steps=args.every, keep_last=args.keep_last),
         timeout_s=args.pg_timeout,
+        async_save={"off": False, "on": True, "overlap": "overlap"}[args.async_save],
     )
-    progress = ckpt.resume()
+    if args.try_resume_from is not None:  # a resume that must fail first
+        try:
+            ckpt.resume(args.try_resume_from)
+        except pitstop.PitstopError as exc:
+            say(f"resume error {type(exc).__name__} {json.dumps(str(exc))}")
+        else:
+            raise SystemExit(EXIT_TEST_HOOK)
+    progress = ckpt.resume(args.resume_from)
     say(f"resumed {progress.step}")
+    last = Path(args.dir) / "last"
+    say(f"last {last.readlink().name if last.is_symlink() else 'none'}")
     resumed = progress.step
     with stop.catch_signals():
         while progress.step < args.target and not stop:
@@ -95,8 +125,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
             say(f"step {progress.step}")
             if holding and progress.step == args.hold_at:
                 _wait_for_a_signal(wakeup, lambda: stop.requested_here)
-            ckpt.maybe_save(progress, stop=stop)
-    ckpt.finish(progress, stop=stop)
+            goes_on(partial(ckpt.maybe_save, progress, stop=stop))
+    goes_on(partial(ckpt.finish, progress, stop=stop))
     ckpt.close()
     say(f"finished {progress.step} stop={stop.reason}")
     out = snapshot(model, optimizer, ema)
@@ -119,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-rank", type=int, default=1)
     parser.add_argument("--hang-manifest-at", type=int)
     parser.add_argument("--hang-rank", type=int, default=0)
+    parser.add_argument("--resume-from", default="last", help="resume(SOURCE)")
+    parser.add_argument("--try-resume-from", help="first a resume(SOURCE) that must fail")
+    parser.add_argument("--async-save", choices=("off", "on", "overlap"), default="off")
+    parser.add_argument("--fail-shards-at", type=int)
+    parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)

@@ -249,18 +249,12 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
     [
         pytest.param(
             "sharded_train.py",
-            ("--async",),
-            "saved in the background (async_save)",
-            marks=pytest.mark.slow,
-        ),
-        pytest.param(
-            "sharded_train.py",
             ("--remote", "s3://pitstop/nodes-tier"),  # refused before any request
             "with a remote tier",
             marks=pytest.mark.slow,
         ),
     ],
-    ids=["sharded async_save", "sharded remote tier"],
+    ids=["sharded remote tier"],
 )
 def test_what_is_not_supported_across_unshared_directories_is_refused_on_every_rank(
     tmp_path: Path, script: str, options: tuple[str, ...], named: str

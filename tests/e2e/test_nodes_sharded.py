@@ -33,6 +33,7 @@ import torch
 
 from nodes import Nodes, can_simulate_nodes
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.sharddir import read_layout
 from trees import assert_same
 
 pytestmark = pytest.mark.skipif(
@@ -200,14 +201,60 @@ def test_each_node_keeps_its_shards_and_a_sigterm_resumes_bitwise(
         assert f"PARTIAL {here}: partial: this directory holds" in checked.stdout, checked.stdout
         missing = rf"missing here: [^(]*__{1 - rank}_0\.distcp \(written by rank {1 - rank}\b"
         assert re.search(missing, checked.stdout), checked.stdout
-    second, said = run.train("second")
+    # Resumed with saves in the background; rank 1's write of its step-6 shards fails.
+    failing = ("--async-save", "on", "--fail-shards-at", "6", "--fail-rank", "1")
+    second, said = run.train("second", *failing)
     assert_continues_exactly(straight, second, STOP_AT)
+    errors = [
+        json.loads(line[len("save error ") :]) for line in said.splitlines() if "save e" in line
+    ]
+    assert len(errors) == 2, said  # raised once on each rank, at a later call, and undone
+    for error in errors:
+        assert "background save of step 6" in error, error
+        assert "injected on rank 1" in error, error
     for node in (0, 1):  # retention and pointers on each node as on the other (keep_last 3)
         held = sorted(p.name for p in run.node(node).iterdir() if p.name.startswith("step_"))
-        assert held == [name(4), name(6), name(TARGET)], held
+        assert held == [name(STOP_AT), name(4), name(TARGET)], held
         assert (run.node(node) / "last").resolve().name == name(TARGET)
+        assert not list(run.node(node).glob(".tmp-*")), "the failed save's temp is gone"
+    for step in (4, TARGET):  # in the background too, each node holds its own rank's shards
+        held = [{p.name for p in (run.node(n) / name(step)).glob("__*.distcp")} for n in (0, 1)]
+        assert sorted(held, key=sorted) == [{"__0_0.distcp"}, {"__1_0.distcp"}], held
+        assert all((run.node(n) / name(step) / "manifest.pitstop").is_file() for n in (0, 1))
+        for node in (0, 1):  # each copy's manifest names the ranks sharing each directory
+            meta = read_layout(run.node(node) / name(step))[1]
+            assert sorted(meta["directories"]) == [[0], [1]], meta.get("directories")
     # A node fetched a file its rank reads and lacks (DCP stores a replicated value once).
     assert re.search(r"directory lacks __\d_0\.distcp of " + name(STOP_AT), said), said
+
+
+@pytest.mark.parametrize("source", ["path", pytest.param("last", marks=pytest.mark.slow)])
+def test_a_wiped_node_whose_shards_the_other_node_holds_catches_up_and_resumes_bitwise(
+    stopped: tuple[Run, list[Any]], straight: list[dict[str, Any]], source: str
+) -> None:
+    """``path``: ``resume(<dir>/step_000000000003)``, a path the wiped node lacks; ``last``:
+    ``resume()``."""
+    run, _ = stopped
+    wiped, kept = run.holder(1), run.holder(0)
+    shard = f"{name(STOP_AT)}/__1_0.distcp"  # the other node holds rank 1's shards too
+    shutil.copy2(run.node(wiped) / shard, run.node(kept) / shard)
+    shutil.rmtree(run.node(wiped))  # a new machine
+    explicit = str(run.mount / "ckpt" / name(STOP_AT)) if source == "path" else "last"
+    nowhere = str(run.mount / "ckpt" / name(99))  # first: a path on no node, one error
+    second, said = run.train("second", "--resume-from", explicit, "--try-resume-from", nowhere)
+    tried = [json.loads(line.split(" ", 3)[3]) for line in said.splitlines() if "resume e" in line]
+    assert len(tried) == 2, said
+    assert all(f"resume({nowhere!r}): no node holds" in message for message in tried), tried
+    assert f"rank 1's directory lacks manifest.pitstop of {name(STOP_AT)}" in said or (
+        f"rank 0's directory lacks manifest.pitstop of {name(STOP_AT)}" in said
+    ), said
+    assert_continues_exactly(straight, second, STOP_AT)
+    # The node that caught up wrote its pointers at once, as a save would (each node prints
+    # where its `last` leads right after the resume); so did the other, unchanged.
+    assert said.count(f"last {name(STOP_AT)}") == 2, said
+    for node in (0, 1):
+        held = sorted(p.name for p in run.node(node).iterdir() if p.name.startswith("step_"))
+        assert held == [name(4), name(6), name(TARGET)], held
 
 
 # rank 1's node by default; rank 0's (the one that also holds DCP's .metadata) under -m slow
@@ -270,11 +317,15 @@ def published(directory: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step_")) for p in found)
 
 
+@pytest.mark.parametrize(
+    "mode", ["off", *(pytest.param(m, marks=pytest.mark.slow) for m in ("on", "overlap"))]
+)
 def test_a_node_killed_mid_save_resumes_from_the_newest_checkpoint_complete_across_the_nodes(
-    tmp_path: Path, straight: list[dict[str, Any]]
+    tmp_path: Path, straight: list[dict[str, Any]], mode: str
 ) -> None:
-    run, hang_at = Run(tmp_path), 5
-    with run.nodes("first", "--every", "1", "--hang-manifest-at", str(hang_at)) as nodes:
+    run, hang_at = Run(tmp_path), 5  # async_save on or overlap: published at a later call
+    options = ("--every", "1", "--hang-manifest-at", str(hang_at), "--async-save", mode)
+    with run.nodes("first", *options) as nodes:
         nodes[0].wait_for(0, "resumed 0")
         nodes[1].wait_for(0, "resumed 0")
         index = nodes.node_of(0)  # rank 0's manifest write of step 5 waits: its shards unpublished
@@ -287,7 +338,7 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_checkpoint_complete_acro
     newest = published(run.node(other))[-1]
     assert newest in (hang_at - 1, hang_at)
     assert list(run.node(index).glob(f".tmp-*{name(hang_at)}")), "the killed save's temp"
-    second, said = run.train("second", "--every", "1")
+    second, said = run.train("second", "--every", "1", "--async-save", mode)
     if newest == hang_at:
         assert f"resume skips step {hang_at} ({name(hang_at)})" in said, said
     assert_continues_exactly(straight, second, hang_at - 1)

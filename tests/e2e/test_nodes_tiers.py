@@ -150,7 +150,10 @@ def test_a_node_without_the_checkpoint_and_no_peer_holding_it_resumes_from_the_r
     with nodes("second", "--target", str(TARGET)) as running:
         said = "".join(n.check().outputs[0] for n in running.wait(TIMEOUT))
     no_failed_upload(said)
-    assert_continues_exactly(straight, first, outputs(tmp_path / "second"))  # from 4, not 3
+    second = outputs(tmp_path / "second")
+    assert_continues_exactly(straight, first, second)  # from 4, not 3
+    # A node that took it from the remote tier wrote its pointers at once, as a save would.
+    assert [r["resumed"]["last"] for r in second] == [newest, newest]
     for node in node_dirs:  # every node took step 4 from the remote tier, then saved the rest
         assert local_steps(node / "ckpt") == [STOP_AT, 6, 9, 10][-3:]
     assert remote_steps(url) == [STOP_AT, 6, 9, 10][-3:]

@@ -152,7 +152,7 @@ class Checkpointer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ranks.call(f"Checkpointer({str(directory)!r})")
         self._groups = open_directories(  # each directory's writer locks and reads it
-            self._ranks, self._directory, sharded=sharded, background=bool(options.async_save)
+            self._ranks, self._directory, sharded=sharded
         )
         try:
             schedule = ScheduleState(timer_start=time.monotonic())

@@ -9,9 +9,9 @@
 # its own cache (checked as it arrives) for its group (fetch_for_readers). Each directory's writer
 # (its group's lowest rank; the core's DirectoryGroups) locks, scans and writes its directory;
 # with one group that is rank 0 alone, as before. Sharded state is
-# pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded state saved in the
-# background across directories is refused for now (ConfigError, at construction, on every
-# rank), and so is sharded state with a remote tier. A background save (async_save) is written
+# pitstop.shell.sharded.acrossnodes' (each node its ranks' shards, in the background too:
+# pitstop.shell.shardsave); sharded state with a remote tier across directories is refused for
+# now (ConfigError, at construction, on every rank). A background save (async_save) is written
 # by every writer's own writer thread; how it ended is agreed at the next call that settles it
 # (pitstop.shell.lifetime).
 # A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every
@@ -26,10 +26,11 @@
 # (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
 # node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
 # order (last among equals), and a checkpoint no directory holds whole is downloaded from the
-# remote tier by each writer that lacks it (no lease: reading only), published, verified; a writer
-# whose download failed then gets a peer's copy. A resume from an explicit path (a file, not a
-# pointer of the directory) is looked for by every writer on its own node (resolved as it is
-# given, verified every byte, loaded in the same pass); the first writer whose copy verifies is
+# remote tier by each writer that lacks it (no lease: reading only), published, verified, its
+# pointers written as a save would; a writer whose download failed then gets a peer's copy.
+# A resume from an explicit path (a file, not a pointer of the directory) is looked for by
+# every writer on its own node (resolved as it is given, verified every byte, loaded in the
+# same pass); the first writer whose copy verifies is
 # the holder, and every writer whose node lacks that file, or holds a copy that does not verify,
 # receives the holder's copy at the same path (its folder made if missing), over the same
 # checked transfer. On no node: one CheckpointNotFound on every rank naming the path and what each
@@ -67,23 +68,15 @@ log = logging.getLogger("pitstop")
 
 
 def open_directories(
-    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool, background: bool
+    ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool
 ) -> DirectoryGroups:
     """Every rank: find out which ranks share ``directory``, and open it on each writer (a
     failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
-    state saved in the background (``background``) in directories the ranks do not share."""
+    state with a remote tier in directories the ranks do not share."""
     groups = DirectoryGroups.one(ranks.world_size)
     if ranks.many and not isinstance(directory.storage, RemoteStorage):
         groups = probe_groups(ranks, directory.path)
     if not groups.shared:
-        if sharded and background:
-            raise ConfigError(
-                f"{directory.path} is a different directory on ranks {list(groups.writers)} "
-                f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state (FSDP2, "
-                f"DTensor) saved in the background (async_save) in directories the ranks do "
-                f"not share is not supported yet: save synchronously (async_save=False), or "
-                f"give every rank one shared directory"
-            )
         if sharded and isinstance(directory, TieredDirectory):
             raise ConfigError(
                 f"{directory.path} is a different directory on ranks {list(groups.writers)} "
@@ -279,6 +272,7 @@ def _downloaded(tiered: TieredDirectory, name: str, reading: ResumeRead) -> bool
             path.unlink()
         tiered.rescan()
         return str(exc) or type(exc).__name__
+    tiered.rescan(repoint=True)  # its pointers, as a save would leave them
     log.info("resume: %s taken from the remote tier %s", name, tiered.remote.url)
     return True
 

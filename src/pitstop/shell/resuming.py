@@ -51,7 +51,7 @@ from pitstop.shell.format import fileformat
 from pitstop.shell.nodes import choose_across, choose_path_across, fetch_for_readers
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
-from pitstop.shell.sharded.acrossnodes import choose_sharded_across
+from pitstop.shell.sharded.acrossnodes import choose_sharded_across, choose_sharded_path_across
 from pitstop.shell.sharded.choice import choose_sharded, plan_of
 from pitstop.shell.state.capture import (
     LiveState,
@@ -108,6 +108,11 @@ def resume_from(
             assert groups is not None
             planner = partial(plan_of, live=live, ranks=ranks)
             path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
+        elif sharded and across and not is_object_url(source):  # an explicit path, each node
+            assert groups is not None
+            planner = partial(plan_of, live=live, ranks=ranks)
+            picked = choose_sharded_path_across(directory, source, ranks, groups, planner)
+            path, wire, plan = picked
         elif sharded and pointer is not None:
             path, wire, plan, checked = choose_sharded(directory, pointer, reading, live, ranks)
             if checked is not None:  # its files, open until it is applied or refused

@@ -189,7 +189,8 @@ class SaveCalls:
         make rank 0's temp directory there (rank 0 began it already)."""
         if not self.ranks.leader:
             self.saver.follow(decision, *planned)
-            self.saver.begin_sharded(planned[1], temp=temp)
+            copy = self.shards is not None and self.shards.copies  # in the background
+            self.saver.begin_sharded(planned[1], temp=temp, copy=copy)
 
     def _write_copies(
         self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], None]

@@ -353,16 +353,23 @@ class Saver:
             raise
         self._handed = _Handed(plan=plan, entry=entry, decided=self._decided, tree=tree, meta=meta)
 
-    def handed_over(self, *, fresh: tuple[str, ...] = ()) -> int:
-        """Rank 0: its shards are staged and every rank's write is on its way: the schedule and
-        the pointers move now (put back if the save fails); returns the save's ticket.
-        ``fresh``: as for :meth:`publish_sharded`."""
+    def handed_over(
+        self, *, fresh: tuple[str, ...] = (), homes: Sequence[Sequence[int]] = ()
+    ) -> int:
+        """Rank 0 (or a directory's writer): its shards are staged and every rank's write is
+        on its way: the schedule and the pointers move now (put back if the save fails);
+        returns the save's ticket. ``fresh``, ``homes``: as for :meth:`publish_sharded`."""
         handed = self._handed
         assert handed is not None
-        self._handed = attrs.evolve(handed, meta=_with_fresh(handed.meta, fresh))
+        self._handed = attrs.evolve(handed, meta=_with_fresh(handed.meta, fresh, homes))
         self._session.event(Event.CAPTURED)
         self.schedule, self.pointers = handed.decided, handed.plan.pointers
         return self._ticket
+
+    @property
+    def handing(self) -> bool:
+        """Whether a background sharded save is handed over and not yet published or failed."""
+        return self._handed is not None
 
     def abort_handed(self) -> None:
         """Rank 0: DCP's write could not be started (every rank raises the same error)."""

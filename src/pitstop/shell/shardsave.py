@@ -26,9 +26,11 @@
 # on every rank, as rank 0's SaveError naming the step, with the schedule and pointers put back. A
 # Checkpointer dropped without close() cannot run a collective: its save in flight is not published
 # (its temp directory is removed when the directory is next opened). In directories the ranks
-# do not share (synchronous saves only), each directory's writer follows rank 0's plan into the
-# same temp name on its own disk, every rank writes its shards into its node's, and each writer
-# gets rank 0's layout and every rank's part and publishes its own copy (the outcome agreed). On
+# do not share, each directory's writer follows rank 0's plan into the same temp name on its own
+# disk (in the background: copying its replicated state, as rank 0 does), every rank writes its
+# shards into its node's, and each writer gets rank 0's layout and every rank's part and
+# publishes its own copy (the outcome agreed; in the background at the call that settles it:
+# pitstop.shell.sharded.handover). On
 # object storage (s3://) every rank stages its files in a local folder of its own and uploads
 # them in DCP's write step (pitstop.shell.store.shardobjects: in the background, on DCP's thread),
 # and rank 0 commits once the write ended on every rank; each other rank's staging folder goes
@@ -58,6 +60,7 @@ from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.packing import Packed, pack_state, unpack_state
 from pitstop.shell.saving import Saver
 from pitstop.shell.session import RemoteTicket
+from pitstop.shell.sharded.handover import fail_written, publish_written, writes_copy
 from pitstop.shell.sharded.support import is_sharded
 from pitstop.shell.state.capture import LiveState, rank_state, sharded_components
 from pitstop.shell.state.freshopt import FreshOptimizers
@@ -119,6 +122,7 @@ class ShardedSaves:
         self._overlap = False
         self._later: DeferredCopy | None = None  # its copy left for later (overlap mode)
         self._staging: Path | None = None  # this rank's staging folder (s3://, not rank 0)
+        self._homes: DirectoryGroups | None = None  # directories the ranks do not share
         self.ticket: RemoteTicket | None = None
         """The record of the save in flight (every rank hears its outcome from a call)."""
 
@@ -136,6 +140,12 @@ class ShardedSaves:
             timeout = datetime.timedelta(seconds=self._timeout_s)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = make_stager(self._live.model)
+
+    @property
+    def copies(self) -> bool:
+        """Whether saves are made in the background (a writer copies its replicated state
+        when it begins one)."""
+        return self._stager is not None
 
     def begin(self, progress: Progress) -> str | None:
         """Rank 0, right after the plan (in the same round): start the planned save; the temp
@@ -176,16 +186,20 @@ class ShardedSaves:
         Ctrl-C during it: see :meth:`stage_or_interrupted`). Every rank's own part (RNG,
         per-rank components) reaches rank 0 with the round that ends the write (synchronous)
         or, taken with the copy, with the one that ends DCP's write (background). The save's
-        ticket (on rank 0). ``across``: directories the ranks do not share (synchronous saves
-        only): each writer begins the save in its own and publishes it there."""
+        ticket (on rank 0). ``across``: directories the ranks do not share: each writer begins
+        the save in its own and publishes it there."""
+        if across is not None:
+            groups, begin = across
+            self._homes = groups
         if self._stager is None:
             # As in stage(): an optimizer without state is given zeroed state for DCP, and
             # it is taken away again once its shards are written.
             with FreshOptimizers(sharded_components(self._live)) as fresh:
                 if across is not None:
-                    groups, begin = across
-                    self._ranks.each(lambda: begin() if groups.writes(self._ranks.rank) else None)
+                    self._ranks.each(lambda: begin() if self._writes() else None)
                 return self._write(temp, fresh.names, across)
+        if across is not None:  # every writer begins it before any rank's write starts
+            self._ranks.each(lambda: begin() if self._writes() else None)
         interrupt = None
         if staged is None:
             try:
@@ -328,9 +342,10 @@ class ShardedSaves:
             self._abort(root)
             raise
         self.ticket = RemoteTicket(sharded=True)
-        if not ranks.leader:
+        if not self._writes():
             return 0
-        return saver.handed_over(fresh=ready.fresh)
+        homes = self._homes.groups if self._homes is not None else ()
+        return saver.handed_over(fresh=ready.fresh, homes=homes)
 
     def _drop_staging(self) -> None:
         """Remove this rank's staging folder of the background save (s3://, not rank 0)."""
@@ -345,8 +360,8 @@ class ShardedSaves:
 
     def _abort(self, root: Path) -> None:
         """This rank raises out of a background save's call: rank 0's session ends it (so that
-        nothing waits for it) and its temp directory ``root`` goes."""
-        if self._ranks.leader:
+        nothing waits for it) and its temp directory ``root`` goes (each directory's writer's)."""
+        if self._writes():
             self._saver.abort_handed()
             shutil.rmtree(root, ignore_errors=True)
 
@@ -372,16 +387,11 @@ class ShardedSaves:
                 self._drop_staging()  # failed on every rank: nothing writes there any more
                 raise
             self._drop_staging()  # uploaded on every rank
-
-            def publish() -> None:
-                parts = [unpack_state(packed) for packed in written.riders]  # every rank's part
-                saver.publish_handed(written.layout(ranks.world_size), parts)
-
-            ranks.lead(publish)
+            publish_written(ranks, saver, written, self._homes)
         except Exception as exc:
             if ticket is not None:
                 ticket.settle(SaveStatus.FAILED)
-            ranks.lead(partial(saver.fail_handed, exc))  # rank 0's SaveError, on every rank
+            fail_written(ranks, saver, exc, self._homes)  # a SaveError, on every rank
             raise  # fail_handed raised already; this keeps the type checker sure
         except PublishedInterrupted:  # published: a Ctrl-C came after (in its retention)
             if ticket is not None:
@@ -393,6 +403,10 @@ class ShardedSaves:
         if ticket is not None:
             ticket.settle(SaveStatus.PUBLISHED)
 
+    def _writes(self) -> bool:
+        """Whether this rank publishes a copy: rank 0, or each directory's writer."""
+        return writes_copy(self._ranks, self._homes)
+
     def abandon(self) -> None:
         """A Checkpointer dropped without close(): the save in flight is not published (no
         collective can run now). Rank 0's session records the failure, so closing it does not
@@ -401,7 +415,7 @@ class ShardedSaves:
             return
         self._pending = None
         session = self._saver.session
-        if self._ranks.leader and session.state.phase is Phase.WRITING:
+        if self._writes() and session.state.phase is Phase.WRITING:
             session.fail(
                 SaveError(
                     "the Checkpointer was dropped without close() while this sharded save "

@@ -16,7 +16,11 @@
 # plans its read (DCP's local plan) and each directory receives the files its ranks read and it
 # lacks (replicated values are stored once, in one rank's file), from a directory holding them whole
 # — over torch.distributed (pitstop.shell.ranks.peers: chunked, CRC-32 checked), into a temp file
-# published atomically, then checked against the manifest before any rank reads.
+# published atomically, then checked against the manifest before any rank reads; a directory
+# that received files then writes its pointers as a save would (``last``: its newest). A resume
+# from an explicit path: each writer looks for its manifest there on its own node; the first
+# writer's whole one makes it the one candidate, taken as above at the same path on every node
+# (a node without it receives it); on no node, one CheckpointNotFound naming each node's finding.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each / all_gather_each), so one rank's failure is raised on every
 # rank and every rank takes the same branch.
@@ -28,9 +32,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+from pitstop.core.metadata import entry_from_meta
 from pitstop.core.ranks import DirectoryGroups, entry_to_wire, merged_order
 from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
@@ -42,12 +48,20 @@ from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import receive, send
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, scan
+from pitstop.shell.store.resolve import resolve_checkpoint
 from pitstop.shell.store.sharddir import read_layout, verify_sharded
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
 
-__all__ = ["Listed", "choose_sharded_across", "listed_order", "receive_file", "send_file"]
+__all__ = [
+    "Listed",
+    "choose_sharded_across",
+    "choose_sharded_path_across",
+    "listed_order",
+    "receive_file",
+    "send_file",
+]
 
 log = logging.getLogger("pitstop")
 
@@ -200,7 +214,7 @@ def choose_sharded_across(
     lost: list[str] = []  # each incomplete candidate: its step and missing files
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
         wire = next(dict(order)[name] for order, _ in orders if name in dict(order))
-        chosen = _candidate(directory, name, wire, ranks, groups, plan)
+        chosen = _candidate(directory, directory.storage.path(name), wire, ranks, groups, plan)
         if isinstance(chosen, str):
             lost.append(chosen)
             continue
@@ -217,19 +231,66 @@ def choose_sharded_across(
     return None, None, None
 
 
+def choose_sharded_path_across(
+    directory: CheckpointDirectory,
+    source: str | os.PathLike[str],
+    ranks: Ranks,
+    groups: DirectoryGroups,
+    plan: Callable[[Path], ShardedPlan],
+) -> tuple[Path, tuple[Any, ...] | None, ShardedPlan]:
+    """Every rank: the sharded checkpoint ``source`` names (an explicit path, no fallback),
+    its entry (as it travels) and this rank's read plan, every file that plan reads whole in
+    this rank's node once this returns: a node without the path (or without a whole manifest
+    there) receives the manifest and the files its ranks read at the same path. Raises
+    :class:`~pitstop.errors.CheckpointNotFound` on every rank when no node holds its manifest
+    whole, :class:`~pitstop.errors.CheckpointCorrupt` when its files are whole on no node."""
+    writes = groups.writes(ranks.rank)
+    found = ranks.all_gather_each(partial(_look, source) if writes else lambda: ("", None))
+    holders = [w for w in groups.writers if found[w][1] is not None]
+    if not holders:
+        said = "; ".join(f"rank {w}'s node: {found[w][0]}" for w in groups.writers)
+        raise CheckpointNotFound(
+            f"resume({str(source)!r}): no node holds a sharded checkpoint there whole ({said}); "
+            "the ranks share no checkpoint directory, so its manifest must be on at least one "
+            "node (any node lacking it receives it, and the files its ranks read)"
+        )
+    path, wire = Path(found[holders[0]][0]), found[holders[0]][1]
+    chosen = _candidate(directory, path, wire, ranks, groups, plan)
+    if isinstance(chosen, str):
+        raise CheckpointCorrupt(
+            f"resume({str(source)!r}): not complete across the nodes' directories; missing: "
+            f"{chosen}. Restore the lost files, or resume another checkpoint"
+        )
+    return path, wire, chosen[1]
+
+
+def _look(source: str | os.PathLike[str]) -> tuple[str, tuple[Any, ...] | None]:
+    """A writer's look for the sharded checkpoint ``source`` on its node: its path and entry
+    (as it travels) when its manifest is whole there; else what is wrong and ``None``."""
+    try:
+        path = resolve_checkpoint(source, fallback=False)
+        problem = _manifest_problem(path)
+        if problem is None:
+            _, meta = read_layout(path)
+            return str(path), entry_to_wire(entry_from_meta(path.name, meta))
+    except (CheckpointCorrupt, CheckpointNotFound, OSError) as exc:
+        problem = str(exc) or type(exc).__name__
+    return problem, None
+
+
 def _candidate(
     directory: CheckpointDirectory,
-    name: str,
+    path: Path,
     wire: tuple[Any, ...] | None,
     ranks: Ranks,
     groups: DirectoryGroups,
     plan: Callable[[Path], ShardedPlan],
 ) -> tuple[Path, ShardedPlan] | str:
-    """Every rank: candidate ``name`` chosen — its path and this rank's plan, each directory
+    """Every rank: candidate ``path`` chosen — its path and this rank's plan, each directory
     given what it lacks — or, when it is not complete across the directories, what is lost."""
     rank, writers = ranks.rank, groups.writers
     writes = groups.writes(rank)
-    path = directory.storage.path(name)
+    name = path.name
     step = f"step {wire[0].step if wire else '?'} ({name})"
     manifests = ranks.all_gather_each(lambda: _manifest_problem(path) if writes else "")
     whole = [manifests[w] is None for w in writers]
@@ -273,6 +334,7 @@ def _candidate(
     fetch = cover_nodes(listed, held, needed).moves
     _say(fetch, name, ranks, writers)
     ranks.each(lambda: _move(fetch, path, layout, ranks, writers))
-    if moves or fetch:
-        ranks.each(lambda: directory.rescan() if writes else None)
+    if (moves or fetch) and path == directory.storage.path(name):  # in the run's directory:
+        got = {writers[m.target] for m in (*moves, *fetch)}  # a receiver's pointers, as a save
+        ranks.each(lambda: directory.rescan(repoint=rank in got) if writes else None)
     return path, mine
