@@ -31,9 +31,9 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
 from pitstop.core.naming import (
     LATEST_JSON,
@@ -54,21 +54,17 @@ from pitstop.core.s3.objects import (
     decode_commit,
     deletion_order,
     encode_commit,
-    parse_url,
 )
-from pitstop.errors import CheckpointCorrupt, ConfigError
+from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.objectread import download, download_files, let_go
-from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
+from pitstop.shell.store.s3client import SMALL, Requests, StoreError
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = ["ObjectStorage", "StoreError", "reader_cache", "token_of"]
 
-_T = TypeVar("_T")
-_SMALL = 1 << 20  # the largest pointer, commit or lease object read
 
-
-class ObjectStorage:
+class ObjectStorage(Requests):
     """A checkpoint directory at ``s3://bucket/prefix``; temp files live in ``cache``."""
 
     def __init__(
@@ -78,13 +74,7 @@ class ObjectStorage:
         storage_options: Mapping[str, Any] | None = None,
         cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        try:
-            self.location = parse_url(url)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        self.url = self.location.url()
-        self.options = dict(storage_options or {})
-        self.client = open_store(self.location, storage_options)
+        super().__init__(url, storage_options)
         self._own_cache = cache is None
         self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
         self._local = LocalStorage(self.cache, mode=0o600)
@@ -95,7 +85,6 @@ class ObjectStorage:
         """Which ranks read which one's fetch (each group's first rank fetches into its own
         cache; pitstop.shell.nodes); ``None``: each rank reads its own (one rank)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
-        self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
         self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
 
     def __repr__(self) -> str:
@@ -103,99 +92,6 @@ class ObjectStorage:
 
     def __str__(self) -> str:
         return self.url
-
-    # --- requests ---------------------------------------------------------------------
-
-    def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T:
-        """``request(obstore)``; a failure is a :class:`StoreError` naming the URL and cause
-        (a missing object stays ``FileNotFoundError``, a failed condition ``FileExistsError``)."""
-        obstore = obstore_module()
-        try:
-            return request(obstore)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(
-                errno.ENOENT, f"{self.location.url(name)} does not exist"
-            ) from exc
-        except Exception as exc:
-            kind = type(exc).__name__
-            if kind in {"AlreadyExistsError", "PreconditionError"}:
-                raise FileExistsError(
-                    errno.EEXIST, f"{self.location.url(name)} was written by another writer"
-                ) from exc
-            raise StoreError(f"could not {what} {self.location.url(name)}: {cause(exc)}") from exc
-
-    def get(self, name: str, limit: int = _SMALL) -> bytes:
-        """The object ``name`` (at most ``limit`` bytes, else ``ValueError``); its ETag noted."""
-        key = self.location.key(name)
-        result = self.call("read", name, lambda o: o.get(self.client, key))
-        if result.meta["size"] > limit:
-            raise ValueError(f"{self.location.url(name)} is larger than {limit} bytes")
-        data = bytes(self.call("read", name, lambda o: result.bytes()))
-        if result.meta.get("e_tag"):
-            self._etags[name] = result.meta["e_tag"]
-        return data
-
-    def etag(self, name: str) -> str | None:
-        """The ETag of ``name`` this process last read or wrote."""
-        return self._etags.get(name)
-
-    def put(self, name: str, data: bytes | Path, mode: object) -> str:
-        """Put ``data`` at ``name`` with ``mode`` (``"create"``, ``{"e_tag": ...}``); the ETag."""
-        key = self.location.key(name)
-        body: Any = data if isinstance(data, bytes) else data.open("rb")
-        try:
-            result = self.call("write", name, lambda o: o.put(self.client, key, body, mode=mode))
-        finally:
-            if not isinstance(body, bytes):
-                body.close()
-        etag = str(result.get("e_tag") or "")
-        self._etags[name] = etag
-        return etag
-
-    def swap(self, name: str, data: bytes) -> None:
-        """Replace the small object ``name`` by compare-and-swap on the ETag last seen (created
-        if none was seen and none is there); ``FileExistsError`` when another writer moved it."""
-        etag = self._etags.get(name)
-        if etag is None:
-            meta = self.head(name)
-            etag = None if meta is None else meta.get("e_tag")
-        self.put(name, data, "create" if etag is None else {"e_tag": etag})
-
-    def head(self, name: str) -> dict[str, Any] | None:
-        """The object's metadata, ``None`` when it does not exist."""
-        key = self.location.key(name)
-        try:
-            meta = self.call("look up", name, lambda o: o.head(self.client, key))
-        except FileNotFoundError:
-            return None
-        return dict(meta)
-
-    def delete(self, name: str) -> None:
-        """Delete the object ``name`` (one already gone is no error)."""
-        key = self.location.key(name)
-        self.call("delete", name, lambda o: o.delete(self.client, key))
-        self._etags.pop(name, None)
-
-    def listing(self, under: str = "") -> tuple[list[str], list[str]]:
-        """``(objects, common prefixes)`` directly under the prefix (or ``under`` in it), as
-        names relative to the prefix."""
-        prefix = self.location.key(under) if under else self.location.prefix
-        found = self.call(
-            "list", under, lambda o: o.list_with_delimiter(self.client, prefix or None)
-        )
-        cut = len(prefix) + 1 if prefix else 0
-        objects = [str(o["path"])[cut:] for o in found["objects"]]
-        return objects, [str(p)[cut:].rstrip("/") for p in found["common_prefixes"]]
-
-    def data_names(self) -> list[str]:
-        """Every data object's name relative to the prefix (``.data/<token>/<name>``)."""
-        prefix = self.location.key(".data") + "/"
-        cut = len(self.location.prefix) + 1 if self.location.prefix else 0
-
-        def walk(o: Any) -> list[str]:
-            return [str(m["path"])[cut:] for chunk in o.list(self.client, prefix) for m in chunk]
-
-        return self.call("list", ".data", walk)
 
     def commit(self, name: str) -> Commit:
         """The commit object of checkpoint ``name`` (``FileNotFoundError``: not committed)."""
@@ -259,7 +155,7 @@ class ObjectStorage:
             self.swap(target, self._links[source].encode("utf-8"))
             del self._links[source]
         elif target == LATEST_JSON:
-            self.swap(target, self._local.read_bytes(source, _SMALL))
+            self.swap(target, self._local.read_bytes(source, SMALL))
             self._local.remove(source)
         elif _is_file(target):
             self._commit(source, target)
