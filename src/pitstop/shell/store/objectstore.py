@@ -31,6 +31,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -57,7 +58,7 @@ from pitstop.core.s3.objects import (
 )
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
-from pitstop.shell.store.objectread import download, download_files, let_go
+from pitstop.shell.store.objectread import download, download_files, let_go, pool
 from pitstop.shell.store.s3client import SMALL, Requests, StoreError
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
@@ -86,6 +87,8 @@ class ObjectStorage(Requests):
         cache; pitstop.shell.nodes); ``None``: each rank reads its own (one rank)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
         self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
+        self._scan = threading.local()  # .read: what listed() read, on this thread, in its block
+        self._commits: dict[str, tuple[str | None, Commit]] = {}  # the last listing's: ETag, record
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -95,11 +98,65 @@ class ObjectStorage(Requests):
 
     def commit(self, name: str) -> Commit:
         """The commit object of checkpoint ``name`` (``FileNotFoundError``: not committed)."""
-        raw = self.get(name)
+        return self._decode(name, self.get(name))
+
+    def _decode(self, name: str, raw: bytes) -> Commit:
         try:
             return decode_commit(name, raw)
         except ValueError as exc:
             raise CheckpointCorrupt(f"{self.location.url(name)}: {exc}") from None
+
+    # --- a listing read at once -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def listed(self) -> Iterator[list[str]]:
+        """:meth:`names`, every commit object, pointer and ``latest.json`` listed read at once
+        (in parallel, once each); in the block, on this thread, ``kind``, ``size``,
+        ``read_meta``, ``read_link`` and ``read_bytes`` answer from what was read (a name not
+        listed is missing). The commits read stay known to :meth:`fetch` until the next listing
+        (while their ETag is the one this process last saw)."""
+        objects, _ = self.listing()
+        wanted = [n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)]
+        self._commits.clear()
+        self._scan.read = dict(zip(wanted, pool().map(self._try_get, wanted), strict=True))
+        try:
+            yield self._with_local(wanted)
+        finally:
+            self._scan.read = None
+
+    def _try_get(self, name: str) -> bytes | OSError:
+        try:
+            return self.get(name)
+        except OSError as exc:  # raised where it is asked for (missing: FileNotFoundError)
+            return exc
+
+    def _read(self, name: str, limit: int = SMALL) -> bytes | None:
+        """The bytes of ``name`` the open listing read (``None``: no listing open here, or a
+        name it does not stand for); raises as its GET did (not listed: ``FileNotFoundError``)."""
+        read: dict[str, bytes | OSError] | None = getattr(self._scan, "read", None)
+        if read is None or name in self._links or classify(name) is EntryKind.TEMP:
+            return None
+        found = read.get(name)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, f"{self.location.url(name)} is not listed")
+        if isinstance(found, OSError):
+            raise found
+        if len(found) > limit:
+            raise ValueError(f"{self.location.url(name)} is larger than {limit} bytes")
+        return found
+
+    def _commit_read(self, name: str) -> Commit:
+        """The commit of ``name``: as the open listing read it, or as the last listing did (its
+        ETag still the one last seen), else read now."""
+        raw = self._read(name)
+        if raw is not None:
+            commit = self._decode(name, raw)
+            self._commits[name] = (self.etag(name), commit)
+            return commit
+        carried = self._commits.get(name)
+        if carried is None or carried[0] != self.etag(name):
+            return self.commit(name)
+        return carried[1]
 
     # --- Storage ----------------------------------------------------------------------
 
@@ -110,9 +167,13 @@ class ObjectStorage(Requests):
     def names(self) -> list[str]:
         """The committed checkpoints, pointers and ``latest.json``, and local temp files."""
         objects, _ = self.listing()
-        wanted = {n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)}
+        return self._with_local(
+            [n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)]
+        )
+
+    def _with_local(self, listed: list[str]) -> list[str]:
         local = {n for n in self._local.names() if not _is_sharded(n)}  # not fetched copies
-        return sorted(wanted | local | set(self._links))
+        return sorted(set(listed) | local | set(self._links))
 
     def kind(self, name: str) -> FileKind:
         """A commit object is a regular file (a sharded one's: a directory), a pointer object a
@@ -122,19 +183,25 @@ class ObjectStorage(Requests):
         if classify(name) is EntryKind.TEMP:
             return self._local.kind(name)
         if name in POINTER_NAMES:
-            return FileKind.MISSING if self.head(name) is None else FileKind.SYMLINK
-        if name == LATEST_JSON or _is_file(name):
-            return FileKind.MISSING if self.head(name) is None else FileKind.REGULAR
-        if _is_sharded(name):  # its commit object stands for the directory
-            return FileKind.MISSING if self.head(name) is None else FileKind.DIRECTORY
-        return FileKind.MISSING
+            kind = FileKind.SYMLINK
+        elif name == LATEST_JSON or _is_file(name):
+            kind = FileKind.REGULAR
+        elif _is_sharded(name):  # its commit object stands for the directory
+            kind = FileKind.DIRECTORY
+        else:
+            return FileKind.MISSING
+        try:
+            there = self._read(name) is not None or self.head(name) is not None
+        except FileNotFoundError:
+            there = False
+        return kind if there else FileKind.MISSING
 
     def size(self, name: str) -> int:
         """A checkpoint's size, as its commit records."""
         if classify(name) is EntryKind.TEMP:
             return self._local.size(name)
         if _committed(name):
-            return self.commit(name).size
+            return self._commit_read(name).size
         meta = self.head(name)
         if meta is None:
             raise FileNotFoundError(errno.ENOENT, f"{self.location.url(name)} does not exist")
@@ -214,13 +281,15 @@ class ObjectStorage(Requests):
         """The checkpoint name the pointer object ``name`` holds."""
         if name in self._links:
             return self._links[name]
-        return self.get(name, 4096).decode("utf-8", "replace").strip()
+        raw = self._read(name, 4096)
+        return (raw if raw is not None else self.get(name, 4096)).decode("utf-8", "replace").strip()
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         """The object ``name`` (``ValueError`` when larger than ``limit``)."""
         if classify(name) is EntryKind.TEMP:
             return self._local.read_bytes(name, limit)
-        return self.get(name, limit)
+        raw = self._read(name, limit)
+        return raw if raw is not None else self.get(name, limit)
 
     def remove(self, name: str) -> None:
         """Remove ``name``: a checkpoint's commit object first, then its data."""
@@ -239,18 +308,39 @@ class ObjectStorage(Requests):
 
     def read_meta(self, name: str) -> Mapping[str, Any]:
         """The catalog fields of checkpoint ``name``, from its commit object alone."""
-        return self.commit(name).entry
+        return self._commit_read(name).entry
 
     def fetch(self, name: str) -> Path:
         """Read checkpoint ``name`` into memory by ranged, parallel GETs, every blob's CRC-32
         checked as it arrives (pitstop.shell.store.objectread); its local path in the cache,
         where every reader opens it until :meth:`release`. ``CheckpointCorrupt`` naming the
-        URL when it does not verify (its data missing or not the size its commit records). A
-        sharded checkpoint: its local folder, every file fetched (:meth:`fetch_files`)."""
+        URL when it does not verify (its data missing or not the size its commit records);
+        ``FileNotFoundError`` when its commit is gone or replaced meanwhile (a writer's
+        retention: gone, not corrupt). A sharded checkpoint: its local folder, every file
+        fetched (:meth:`fetch_files`). The commit the last listing read is not read again."""
         if _is_sharded(name):
             self.fetch_files(name)
             return self._local.path(name)
-        return download(self, name, self._local.path(name), memory=self.in_memory)
+        commit = self._commit_read(name)
+        with self._gone_if_moved(name):
+            return download(self, name, commit, self._local.path(name), memory=self.in_memory)
+
+    @contextlib.contextmanager
+    def _gone_if_moved(self, name: str) -> Iterator[None]:
+        """A read of ``name`` that fails as corrupt raises ``FileNotFoundError`` instead when
+        its commit is no longer the one read (deleted or replaced while it was read)."""
+        seen = self.etag(name)
+        try:
+            yield
+        except CheckpointCorrupt:
+            try:
+                meta = self.head(name)
+            except OSError:  # cannot tell: corrupt, as it read
+                meta = {"e_tag": seen}
+            if meta is None or meta.get("e_tag") != seen:
+                url = self.location.url(name)
+                raise FileNotFoundError(errno.ENOENT, f"{url} was removed while read") from None
+            raise
 
     def fetch_files(
         self, name: str, files: Collection[str] | None = None
@@ -260,14 +350,15 @@ class ObjectStorage(Requests):
         each file's size and CRC-32 checked against its commit as it arrives; ``{file: (size,
         CRC-32)}`` of what arrived. ``CheckpointCorrupt`` naming the URL and the file for one
         the commit does not list, or one missing, short or failing its checksum."""
-        commit = self.commit(name)
+        commit = self._commit_read(name)
         listed = {f.name: f for f in commit.files}
         wanted = sorted(listed if files is None else set(files))
         for file in wanted:
             if file not in listed:
                 raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {file}")
         chosen = [listed[f] for f in wanted]
-        return download_files(self, name, commit.data, chosen, self._local.path(name))
+        with self._gone_if_moved(name):
+            return download_files(self, name, commit.data, chosen, self._local.path(name))
 
     def release(self) -> None:
         """Free the checkpoint the last fetch holds in memory (tensors loaded from it keep
