@@ -5,7 +5,8 @@ once each (at once, on the download threads, never one after another on the call
 no commit object again before its data, and makes no HEAD; ``load`` the same. A commit
 object carried from the listing to the download that is deleted (or replaced) meanwhile makes
 the download "gone", never "corrupt"; a data object missing under an unchanged commit is
-corrupt. And readers racing a live writer on the prefix that prunes every save never fail.
+corrupt. A reader whose choice a writer prunes between its listing and its download lists
+again; and readers racing a live writer on the prefix that prunes every save never fail.
 """
 
 from __future__ import annotations
@@ -142,6 +143,30 @@ def test_data_missing_under_its_commit_is_corrupt(
     writer.delete(writer.commit(name).data)
     with pytest.raises(CheckpointCorrupt, match="missing"):
         reader.fetch(name)
+
+
+def test_a_reader_whose_choice_is_pruned_resolves_again(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the listing and the download a real writer publishes step 5 and prunes the only
+    checkpoint listed: ``load`` lists again and reads step 5 (never "no valid checkpoint")."""
+    _saved(s3_url)
+    real = ObjectStorage.fetch
+    raced: list[str] = []
+
+    def fetch(self: ObjectStorage, name: str) -> Path:
+        if not raced:
+            raced.append(name)
+            model, _ = trained(seed=3)
+            policy = pitstop.Policy(keep_last=1)
+            with pitstop.Checkpointer(s3_url, model=model, policy=policy) as ckpt:
+                ckpt.resume()
+                ckpt.save(pitstop.Progress(step=5))
+        return real(self, name)
+
+    monkeypatch.setattr(ObjectStorage, "fetch", fetch)
+    assert pitstop.info(s3_url).step == 5
+    assert raced == [checkpoint_name(4)]
 
 
 def test_readers_racing_a_pruning_writer_on_s3(s3_url: str, s3_env: dict[str, str]) -> None:

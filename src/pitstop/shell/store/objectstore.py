@@ -9,10 +9,13 @@
 # latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
 # writer that lost its lease cannot move them. A listing names committed checkpoints only (the
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
-# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs into
-# memory, every blob's CRC-32 checked as it arrives (pitstop.shell.store.objectread) — nothing
-# live is touched before every one matched (in a file of the cache where other ranks read it:
-# in_memory False; which do, readers). Every client error becomes an OSError naming the
+# then its data. A scan's listing (listed) reads every commit object, pointer and latest.json it
+# names at once, each once, and the scan asks those reads; the commits stay known to the fetch
+# that follows (one whose commit moved meanwhile is gone, not corrupt). Reading one (fetch)
+# downloads its data object by ranged, parallel GETs into memory, every blob's CRC-32 checked as
+# it arrives (pitstop.shell.store.objectread) — nothing live is touched before every one matched
+# (in a file of the cache where other ranks read it: in_memory False; which do, readers). The
+# requests are pitstop.shell.store.s3client's. Every client error becomes an OSError naming the
 # URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
 # file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
 # A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files

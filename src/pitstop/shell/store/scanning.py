@@ -7,6 +7,7 @@
 # its target is a plain checkpoint name of this directory. A sharded checkpoint (a directory,
 # pitstop.shell.store.sharddir) is listed once its manifest reads back. Choosing a resume point
 # tries the core's resume order until a candidate verifies, warning about each one skipped.
+# On an object store the listing reads every entry it names at once (RemoteStorage.listed).
 # Readers take no lock, so a live writer's retention may delete a checkpoint between the listing
 # and the reading: one that fails to read and is no longer there is "gone" (``Scan.gone``,
 # ``ResumeChoice.gone``), never "unreadable" or "corrupt": the scan starts over (the newer one
