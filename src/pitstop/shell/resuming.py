@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -48,6 +47,7 @@ from pitstop.errors import (
     ResumeWarning,
 )
 from pitstop.shell.format import fileformat
+from pitstop.shell.format.untrusted import free_later
 from pitstop.shell.nodes import choose_across, choose_path_across, fetch_for_readers
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
@@ -188,7 +188,7 @@ def resume_from(
         # and the undo record are freed on a thread of their own, not by the resume's return
         done_with = [tree, loaded, restore, ranked]
         del tree, loaded, restore, ranked
-        threading.Thread(target=done_with.clear, name="pitstop-free").start()
+        free_later(done_with.clear)
         if ranks.leader:
             _say_resumed(path, entry, listed if pointer is PointerName.LAST else [])
         return path, entry

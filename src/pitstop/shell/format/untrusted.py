@@ -24,16 +24,19 @@
 # Its writer may also leave a private, copy-on-write map of it whose pages it mapped as they
 # were written (premap): the first load takes it (take_map) and copies from it without a page
 # fault; later loads map the file afresh, so what one load's tensors change no other sees.
+# Memory is freed on one thread of the process (free_later), never by the caller's.
 
 """open_untrusted and read_untrusted: the one way pitstop opens a file it reads."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,6 +47,7 @@ __all__ = [
     "NotRegularFile",
     "checked",
     "describe_mode",
+    "free_later",
     "held",
     "hold",
     "open_untrusted",
@@ -114,7 +118,21 @@ def release(path: str | os.PathLike[str]) -> None:
         found = _HELD.pop(os.fspath(path), None)
         _MAPS.pop(os.fspath(path), None)  # unmapped once no tensor over it is left
     if found is not None:
-        threading.Thread(target=os.close, args=(found[0],), name="pitstop-free").start()
+        free_later(lambda: os.close(found[0]))
+
+
+_FREEING: list[tuple[int, concurrent.futures.ThreadPoolExecutor]] = []  # (pid, its thread)
+
+
+def free_later(action: Callable[[], object]) -> None:
+    """Run ``action`` (a free of memory: a close, a drop of the last reference to a map) on
+    this process's one freeing thread, without waiting for it (no thread is started per call:
+    a start waits for the thread to run, milliseconds on a busy machine)."""
+    with _HELD_LOCK:
+        if not _FREEING or _FREEING[0][0] != os.getpid():  # (a forked child makes its own)
+            _FREEING[:] = [(os.getpid(), concurrent.futures.ThreadPoolExecutor(1, "pitstop-free"))]
+        freeing = _FREEING[0][1]
+    freeing.submit(action)
 
 
 def _open_held(path: Path) -> int | None:

@@ -71,11 +71,10 @@ class ObjectStorage(Protocol):
     client: Any
 
     def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T: ...
-    def commit(self, name: str) -> Commit: ...
     def head(self, name: str) -> dict[str, Any] | None: ...
 
 
-__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go"]
+__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
 
 RANGE: Final = 8 << 20
 """Bytes per ranged GET."""
@@ -93,9 +92,9 @@ _HELD_LOCK = threading.Lock()
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []  # the process's GET threads, made once
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The WORKERS threads every download of this process shares (started once: a thread's
-    start costs more than a GET on loopback)."""
+def pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The WORKERS threads every download (and listing's small reads) of this process shares
+    (started once: a thread's start costs more than a GET on loopback)."""
     with _HELD_LOCK:
         if not _POOL:
             _POOL.append(concurrent.futures.ThreadPoolExecutor(WORKERS, "pitstop-get"))
@@ -110,14 +109,15 @@ def let_go(cache: Path) -> None:
         release(path)
 
 
-def download(objects: ObjectStorage, name: str, target: Path, *, memory: bool = True) -> Path:
-    """Read checkpoint ``name`` of ``objects`` into memory held at ``target`` (its local path
-    in the cache), every byte checked as it arrives; ``target``. Raises
+def download(
+    objects: ObjectStorage, name: str, commit: Commit, target: Path, *, memory: bool = True
+) -> Path:
+    """Read checkpoint ``name`` of ``objects`` (its ``commit`` as read) into memory held at
+    ``target`` (its local path in the cache), every byte checked as it arrives; ``target``. Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL (a missing or short data object,
     a bad manifest, a blob failing its CRC-32, a padding byte not zero) with nothing held.
     ``memory=False``: into a file of the cache, for other processes to read (ranks that share
     the directory read rank 0's download), checked the same way as it arrives."""
-    commit = objects.commit(name)
     url = objects.location.url(name)
     if commit.size < HEADER_SIZE + FOOTER_SIZE:
         raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
@@ -168,7 +168,7 @@ def download_files(
     again. Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file (one
     missing, of another size, or failing its checksum), with no temp file left."""
     url, names = objects.location.url(name), [f"{folder}/{f.name}" for f in files]
-    sizes = list(_pool().map(objects.head, names))  # every HEAD at once
+    sizes = list(pool().map(objects.head, names))  # every HEAD at once
     for file, meta in zip(files, sizes, strict=True):
         size = None if meta is None else int(meta["size"])
         if size != file.size:
@@ -227,8 +227,8 @@ class _Download:
         are in (:meth:`manifest`), each range that arrived before it waiting for it, on its own
         thread, to be checked."""
         tail = max(HEADER_SIZE, size - TAIL)
-        ends = _pool().submit(self.tail, tail, size)
-        start = _pool().submit(self.get, 0, HEADER_SIZE)
+        ends = pool().submit(self.tail, tail, size)
+        start = pool().submit(self.get, 0, HEADER_SIZE)
         ready, checks = threading.Event(), list[PieceCheck]()
 
         def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
@@ -322,7 +322,7 @@ def _spans(
     takes what each returned, on this thread, in the order they end, after ``first()`` (run
     here while the jobs run). The first failure stops the rest: none queued starts, and none
     running still writes, once this returns."""
-    futures = [_pool().submit(arrive, job) for job in jobs]
+    futures = [pool().submit(arrive, job) for job in jobs]
     try:
         if first is not None:
             first()

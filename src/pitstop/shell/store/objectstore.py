@@ -9,10 +9,13 @@
 # latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
 # writer that lost its lease cannot move them. A listing names committed checkpoints only (the
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
-# then its data. Reading one (fetch) downloads its data object by ranged, parallel GETs into
-# memory, every blob's CRC-32 checked as it arrives (pitstop.shell.store.objectread) — nothing
-# live is touched before every one matched (in a file of the cache where other ranks read it:
-# in_memory False; which do, readers). Every client error becomes an OSError naming the
+# then its data. A scan's listing (listed) reads every commit object, pointer and latest.json it
+# names at once, each once, and the scan asks those reads; the commits stay known to the fetch
+# that follows (one whose commit moved meanwhile is gone, not corrupt). Reading one (fetch)
+# downloads its data object by ranged, parallel GETs into memory, every blob's CRC-32 checked as
+# it arrives (pitstop.shell.store.objectread) — nothing live is touched before every one matched
+# (in a file of the cache where other ranks read it: in_memory False; which do, readers). The
+# requests are pitstop.shell.store.s3client's. Every client error becomes an OSError naming the
 # URL; a missing bucket and refused credentials say so. A remote tier's upload names the local
 # file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
 # A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
@@ -31,9 +34,10 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Iterator, Mapping
+import threading
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
 from pitstop.core.naming import (
     LATEST_JSON,
@@ -54,21 +58,17 @@ from pitstop.core.s3.objects import (
     decode_commit,
     deletion_order,
     encode_commit,
-    parse_url,
 )
-from pitstop.errors import CheckpointCorrupt, ConfigError
+from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
-from pitstop.shell.store.objectread import download, download_files, let_go
-from pitstop.shell.store.s3client import StoreError, cause, obstore_module, open_store
+from pitstop.shell.store.objectread import download, download_files, let_go, pool
+from pitstop.shell.store.s3client import SMALL, Requests, StoreError
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = ["ObjectStorage", "StoreError", "reader_cache", "token_of"]
 
-_T = TypeVar("_T")
-_SMALL = 1 << 20  # the largest pointer, commit or lease object read
 
-
-class ObjectStorage:
+class ObjectStorage(Requests):
     """A checkpoint directory at ``s3://bucket/prefix``; temp files live in ``cache``."""
 
     def __init__(
@@ -78,13 +78,7 @@ class ObjectStorage:
         storage_options: Mapping[str, Any] | None = None,
         cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        try:
-            self.location = parse_url(url)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        self.url = self.location.url()
-        self.options = dict(storage_options or {})
-        self.client = open_store(self.location, storage_options)
+        super().__init__(url, storage_options)
         self._own_cache = cache is None
         self.cache = Path(cache if cache is not None else tempfile.mkdtemp(prefix="pitstop-s3-"))
         self._local = LocalStorage(self.cache, mode=0o600)
@@ -95,8 +89,9 @@ class ObjectStorage:
         """Which ranks read which one's fetch (each group's first rank fetches into its own
         cache; pitstop.shell.nodes); ``None``: each rank reads its own (one rank)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
-        self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
         self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
+        self._scan = threading.local()  # .read: what listed() read, on this thread, in its block
+        self._commits: dict[str, tuple[str | None, Commit]] = {}  # the last listing's: ETag, record
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -104,106 +99,67 @@ class ObjectStorage:
     def __str__(self) -> str:
         return self.url
 
-    # --- requests ---------------------------------------------------------------------
-
-    def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T:
-        """``request(obstore)``; a failure is a :class:`StoreError` naming the URL and cause
-        (a missing object stays ``FileNotFoundError``, a failed condition ``FileExistsError``)."""
-        obstore = obstore_module()
-        try:
-            return request(obstore)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(
-                errno.ENOENT, f"{self.location.url(name)} does not exist"
-            ) from exc
-        except Exception as exc:
-            kind = type(exc).__name__
-            if kind in {"AlreadyExistsError", "PreconditionError"}:
-                raise FileExistsError(
-                    errno.EEXIST, f"{self.location.url(name)} was written by another writer"
-                ) from exc
-            raise StoreError(f"could not {what} {self.location.url(name)}: {cause(exc)}") from exc
-
-    def get(self, name: str, limit: int = _SMALL) -> bytes:
-        """The object ``name`` (at most ``limit`` bytes, else ``ValueError``); its ETag noted."""
-        key = self.location.key(name)
-        result = self.call("read", name, lambda o: o.get(self.client, key))
-        if result.meta["size"] > limit:
-            raise ValueError(f"{self.location.url(name)} is larger than {limit} bytes")
-        data = bytes(self.call("read", name, lambda o: result.bytes()))
-        if result.meta.get("e_tag"):
-            self._etags[name] = result.meta["e_tag"]
-        return data
-
-    def etag(self, name: str) -> str | None:
-        """The ETag of ``name`` this process last read or wrote."""
-        return self._etags.get(name)
-
-    def put(self, name: str, data: bytes | Path, mode: object) -> str:
-        """Put ``data`` at ``name`` with ``mode`` (``"create"``, ``{"e_tag": ...}``); the ETag."""
-        key = self.location.key(name)
-        body: Any = data if isinstance(data, bytes) else data.open("rb")
-        try:
-            result = self.call("write", name, lambda o: o.put(self.client, key, body, mode=mode))
-        finally:
-            if not isinstance(body, bytes):
-                body.close()
-        etag = str(result.get("e_tag") or "")
-        self._etags[name] = etag
-        return etag
-
-    def swap(self, name: str, data: bytes) -> None:
-        """Replace the small object ``name`` by compare-and-swap on the ETag last seen (created
-        if none was seen and none is there); ``FileExistsError`` when another writer moved it."""
-        etag = self._etags.get(name)
-        if etag is None:
-            meta = self.head(name)
-            etag = None if meta is None else meta.get("e_tag")
-        self.put(name, data, "create" if etag is None else {"e_tag": etag})
-
-    def head(self, name: str) -> dict[str, Any] | None:
-        """The object's metadata, ``None`` when it does not exist."""
-        key = self.location.key(name)
-        try:
-            meta = self.call("look up", name, lambda o: o.head(self.client, key))
-        except FileNotFoundError:
-            return None
-        return dict(meta)
-
-    def delete(self, name: str) -> None:
-        """Delete the object ``name`` (one already gone is no error)."""
-        key = self.location.key(name)
-        self.call("delete", name, lambda o: o.delete(self.client, key))
-        self._etags.pop(name, None)
-
-    def listing(self, under: str = "") -> tuple[list[str], list[str]]:
-        """``(objects, common prefixes)`` directly under the prefix (or ``under`` in it), as
-        names relative to the prefix."""
-        prefix = self.location.key(under) if under else self.location.prefix
-        found = self.call(
-            "list", under, lambda o: o.list_with_delimiter(self.client, prefix or None)
-        )
-        cut = len(prefix) + 1 if prefix else 0
-        objects = [str(o["path"])[cut:] for o in found["objects"]]
-        return objects, [str(p)[cut:].rstrip("/") for p in found["common_prefixes"]]
-
-    def data_names(self) -> list[str]:
-        """Every data object's name relative to the prefix (``.data/<token>/<name>``)."""
-        prefix = self.location.key(".data") + "/"
-        cut = len(self.location.prefix) + 1 if self.location.prefix else 0
-
-        def walk(o: Any) -> list[str]:
-            return [str(m["path"])[cut:] for chunk in o.list(self.client, prefix) for m in chunk]
-
-        return self.call("list", ".data", walk)
-
     def commit(self, name: str) -> Commit:
         """The commit object of checkpoint ``name`` (``FileNotFoundError``: not committed)."""
-        raw = self.get(name)
+        return self._decode(name, self.get(name))
+
+    def _decode(self, name: str, raw: bytes) -> Commit:
         try:
             return decode_commit(name, raw)
         except ValueError as exc:
             raise CheckpointCorrupt(f"{self.location.url(name)}: {exc}") from None
+
+    # --- a listing read at once -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def listed(self) -> Iterator[list[str]]:
+        """:meth:`names`, every commit object, pointer and ``latest.json`` listed read at once
+        (in parallel, once each); in the block, on this thread, ``kind``, ``size``,
+        ``read_meta``, ``read_link`` and ``read_bytes`` answer from what was read (a name not
+        listed is missing). The commits read stay known to :meth:`fetch` until the next listing
+        (while their ETag is the one this process last saw)."""
+        objects, _ = self.listing()
+        wanted = [n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)]
+        self._commits.clear()
+        self._scan.read = dict(zip(wanted, pool().map(self._try_get, wanted), strict=True))
+        try:
+            yield self._with_local(wanted)
+        finally:
+            self._scan.read = None
+
+    def _try_get(self, name: str) -> bytes | OSError:
+        try:
+            return self.get(name)
+        except OSError as exc:  # raised where it is asked for (missing: FileNotFoundError)
+            return exc
+
+    def _read(self, name: str, limit: int = SMALL) -> bytes | None:
+        """The bytes of ``name`` the open listing read (``None``: no listing open here, or a
+        name it does not stand for); raises as its GET did (not listed: ``FileNotFoundError``)."""
+        read: dict[str, bytes | OSError] | None = getattr(self._scan, "read", None)
+        if read is None or name in self._links or classify(name) is EntryKind.TEMP:
+            return None
+        found = read.get(name)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, f"{self.location.url(name)} is not listed")
+        if isinstance(found, OSError):
+            raise found
+        if len(found) > limit:
+            raise ValueError(f"{self.location.url(name)} is larger than {limit} bytes")
+        return found
+
+    def _commit_read(self, name: str) -> Commit:
+        """The commit of ``name``: as the open listing read it, or as the last listing did (its
+        ETag still the one last seen), else read now."""
+        raw = self._read(name)
+        if raw is not None:
+            commit = self._decode(name, raw)
+            self._commits[name] = (self.etag(name), commit)
+            return commit
+        carried = self._commits.get(name)
+        if carried is None or carried[0] != self.etag(name):
+            return self.commit(name)
+        return carried[1]
 
     # --- Storage ----------------------------------------------------------------------
 
@@ -214,9 +170,13 @@ class ObjectStorage:
     def names(self) -> list[str]:
         """The committed checkpoints, pointers and ``latest.json``, and local temp files."""
         objects, _ = self.listing()
-        wanted = {n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)}
+        return self._with_local(
+            [n for n in objects if n in POINTER_NAMES or n == LATEST_JSON or _committed(n)]
+        )
+
+    def _with_local(self, listed: list[str]) -> list[str]:
         local = {n for n in self._local.names() if not _is_sharded(n)}  # not fetched copies
-        return sorted(wanted | local | set(self._links))
+        return sorted(set(listed) | local | set(self._links))
 
     def kind(self, name: str) -> FileKind:
         """A commit object is a regular file (a sharded one's: a directory), a pointer object a
@@ -226,19 +186,25 @@ class ObjectStorage:
         if classify(name) is EntryKind.TEMP:
             return self._local.kind(name)
         if name in POINTER_NAMES:
-            return FileKind.MISSING if self.head(name) is None else FileKind.SYMLINK
-        if name == LATEST_JSON or _is_file(name):
-            return FileKind.MISSING if self.head(name) is None else FileKind.REGULAR
-        if _is_sharded(name):  # its commit object stands for the directory
-            return FileKind.MISSING if self.head(name) is None else FileKind.DIRECTORY
-        return FileKind.MISSING
+            kind = FileKind.SYMLINK
+        elif name == LATEST_JSON or _is_file(name):
+            kind = FileKind.REGULAR
+        elif _is_sharded(name):  # its commit object stands for the directory
+            kind = FileKind.DIRECTORY
+        else:
+            return FileKind.MISSING
+        try:
+            there = self._read(name) is not None or self.head(name) is not None
+        except FileNotFoundError:
+            there = False
+        return kind if there else FileKind.MISSING
 
     def size(self, name: str) -> int:
         """A checkpoint's size, as its commit records."""
         if classify(name) is EntryKind.TEMP:
             return self._local.size(name)
         if _committed(name):
-            return self.commit(name).size
+            return self._commit_read(name).size
         meta = self.head(name)
         if meta is None:
             raise FileNotFoundError(errno.ENOENT, f"{self.location.url(name)} does not exist")
@@ -259,7 +225,7 @@ class ObjectStorage:
             self.swap(target, self._links[source].encode("utf-8"))
             del self._links[source]
         elif target == LATEST_JSON:
-            self.swap(target, self._local.read_bytes(source, _SMALL))
+            self.swap(target, self._local.read_bytes(source, SMALL))
             self._local.remove(source)
         elif _is_file(target):
             self._commit(source, target)
@@ -318,13 +284,15 @@ class ObjectStorage:
         """The checkpoint name the pointer object ``name`` holds."""
         if name in self._links:
             return self._links[name]
-        return self.get(name, 4096).decode("utf-8", "replace").strip()
+        raw = self._read(name, 4096)
+        return (raw if raw is not None else self.get(name, 4096)).decode("utf-8", "replace").strip()
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         """The object ``name`` (``ValueError`` when larger than ``limit``)."""
         if classify(name) is EntryKind.TEMP:
             return self._local.read_bytes(name, limit)
-        return self.get(name, limit)
+        raw = self._read(name, limit)
+        return raw if raw is not None else self.get(name, limit)
 
     def remove(self, name: str) -> None:
         """Remove ``name``: a checkpoint's commit object first, then its data."""
@@ -343,18 +311,39 @@ class ObjectStorage:
 
     def read_meta(self, name: str) -> Mapping[str, Any]:
         """The catalog fields of checkpoint ``name``, from its commit object alone."""
-        return self.commit(name).entry
+        return self._commit_read(name).entry
 
     def fetch(self, name: str) -> Path:
         """Read checkpoint ``name`` into memory by ranged, parallel GETs, every blob's CRC-32
         checked as it arrives (pitstop.shell.store.objectread); its local path in the cache,
         where every reader opens it until :meth:`release`. ``CheckpointCorrupt`` naming the
-        URL when it does not verify (its data missing or not the size its commit records). A
-        sharded checkpoint: its local folder, every file fetched (:meth:`fetch_files`)."""
+        URL when it does not verify (its data missing or not the size its commit records);
+        ``FileNotFoundError`` when its commit is gone or replaced meanwhile (a writer's
+        retention: gone, not corrupt). A sharded checkpoint: its local folder, every file
+        fetched (:meth:`fetch_files`). The commit the last listing read is not read again."""
         if _is_sharded(name):
             self.fetch_files(name)
             return self._local.path(name)
-        return download(self, name, self._local.path(name), memory=self.in_memory)
+        commit = self._commit_read(name)
+        with self._gone_if_moved(name):
+            return download(self, name, commit, self._local.path(name), memory=self.in_memory)
+
+    @contextlib.contextmanager
+    def _gone_if_moved(self, name: str) -> Iterator[None]:
+        """A read of ``name`` that fails as corrupt raises ``FileNotFoundError`` instead when
+        its commit is no longer the one read (deleted or replaced while it was read)."""
+        seen = self.etag(name)
+        try:
+            yield
+        except CheckpointCorrupt:
+            try:
+                meta = self.head(name)
+            except OSError:  # cannot tell: corrupt, as it read
+                meta = {"e_tag": seen}
+            if meta is None or meta.get("e_tag") != seen:
+                url = self.location.url(name)
+                raise FileNotFoundError(errno.ENOENT, f"{url} was removed while read") from None
+            raise
 
     def fetch_files(
         self, name: str, files: Collection[str] | None = None
@@ -364,14 +353,15 @@ class ObjectStorage:
         each file's size and CRC-32 checked against its commit as it arrives; ``{file: (size,
         CRC-32)}`` of what arrived. ``CheckpointCorrupt`` naming the URL and the file for one
         the commit does not list, or one missing, short or failing its checksum."""
-        commit = self.commit(name)
+        commit = self._commit_read(name)
         listed = {f.name: f for f in commit.files}
         wanted = sorted(listed if files is None else set(files))
         for file in wanted:
             if file not in listed:
                 raise CheckpointCorrupt(f"{self.location.url(name)}: its commit lists no {file}")
         chosen = [listed[f] for f in wanted]
-        return download_files(self, name, commit.data, chosen, self._local.path(name))
+        with self._gone_if_moved(name):
+            return download_files(self, name, commit.data, chosen, self._local.path(name))
 
     def release(self) -> None:
         """Free the checkpoint the last fetch holds in memory (tensors loaded from it keep

@@ -19,7 +19,7 @@ import os
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pitstop.core.metadata import (
     entry_from_meta,
@@ -52,6 +52,9 @@ from pitstop.shell.store.directory import (
 )
 from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
 from pitstop.shell.store.tiers import TieredDirectory
+
+if TYPE_CHECKING:
+    from pitstop.shell.store.objectstore import ObjectStorage
 
 __all__ = [
     "RESOLVE_ATTEMPTS",
@@ -274,34 +277,55 @@ def split_object_url(url: str) -> tuple[str, str | PointerName]:
 
 def _resolve_object(url: str, *, fallback: bool, verify: Callable[[Path], None]) -> Path:
     """:func:`resolve_checkpoint` for an ``s3://`` URL: the checkpoint it names, fetched to a
-    local file of this process (removed at exit) that ``verify`` checks before it is used."""
+    local file of this process (removed at exit) that ``verify`` checks before it is used. A
+    pointer or prefix whose checkpoint a live writer deleted meanwhile is resolved again (at
+    most RESOLVE_ATTEMPTS times); a checkpoint named by its name is not."""
     from pitstop.shell.store.objectstore import ObjectStorage, reader_cache
 
     prefix, what = split_object_url(url)
     storage = ObjectStorage(prefix, cache=reader_cache())
-    try:
-        if not isinstance(what, PointerName):
-            return storage.fetch(what)
-        if not fallback:
-            named, _ = pointer_on_disk(storage, what)
-            if named is not None:
-                return storage.fetch(named)
-        data, _ = read_latest_json(storage)
-        policy = policy_from_latest_json(data)
-        best = None if policy is None else policy.best
-        found = scan(storage, best)
-        if fallback:
-            choice = choose_resume(storage, found, what, best, verify=verify)
-            if choice.path is not None:
-                return choice.path
-            detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
-            raise CheckpointNotFound(f"{prefix} has no valid {what.value} checkpoint{detail}")
-        target = found.pointers.target(what)
-        if target is NO_CHECKPOINT:
-            raise CheckpointNotFound(f"{prefix} has no {what.value} checkpoint")
-        return storage.fetch(target)
-    except FileNotFoundError as exc:
-        raise CheckpointNotFound(f"no checkpoint at {url}: {exc.strerror or exc}") from None
+    for attempt in range(RESOLVE_ATTEMPTS):
+        last_try = attempt + 1 == RESOLVE_ATTEMPTS or not isinstance(what, PointerName)
+        try:
+            return _resolve_object_once(storage, prefix, what, fallback, verify, last_try)
+        except FileNotFoundError as exc:
+            if last_try:
+                raise CheckpointNotFound(f"no checkpoint at {url}: {exc.strerror or exc}") from None
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _resolve_object_once(
+    storage: ObjectStorage,
+    prefix: str,
+    what: str | PointerName,
+    fallback: bool,
+    verify: Callable[[Path], None],
+    last_try: bool,
+) -> Path:
+    """One attempt of :func:`_resolve_object`; ``FileNotFoundError`` when what it chose was
+    deleted before it was read (a checkpoint gone while tried, unless ``last_try``)."""
+    if not isinstance(what, PointerName):
+        return storage.fetch(what)
+    if not fallback:
+        named, _ = pointer_on_disk(storage, what)
+        if named is not None:
+            return storage.fetch(named)
+    data, _ = read_latest_json(storage)
+    policy = policy_from_latest_json(data)
+    best = None if policy is None else policy.best
+    found = scan(storage, best)
+    if fallback:
+        choice = choose_resume(storage, found, what, best, verify=verify)
+        if choice.path is not None:
+            return choice.path
+        if choice.gone and not last_try:
+            raise FileNotFoundError(f"{prefix}: {len(choice.gone)} deleted while being read")
+        detail = f" ({len(choice.skipped)} corrupt)" if choice.skipped else ""
+        raise CheckpointNotFound(f"{prefix} has no valid {what.value} checkpoint{detail}")
+    target = found.pointers.target(what)
+    if target is NO_CHECKPOINT:
+        raise CheckpointNotFound(f"{prefix} has no {what.value} checkpoint")
+    return storage.fetch(target)
 
 
 def verify(checkpoint: str | os.PathLike[str]) -> Path:

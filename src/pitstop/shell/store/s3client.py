@@ -12,33 +12,37 @@
 # obstore does not make — listing the incomplete multipart uploads under a prefix, and aborting
 # one (what a writer killed mid-upload leaves) — are signed here (AWS Signature Version 4) with
 # the same endpoint and static credentials (from any of the three sources); without static
-# credentials (an instance role) they are skipped.
+# credentials (an instance role) they are skipped. Requests are one prefix's requests (get,
+# put, head, delete, list), each failure a StoreError naming the URL, each ETag seen noted.
 # How: obstore, imported on first use; urllib and hmac for the two signed requests.
 
-"""The S3 client behind ``s3://`` locations: opening it, and what its errors mean."""
+"""The S3 client behind ``s3://`` locations: opening it, its requests, what its errors mean."""
 
 from __future__ import annotations
 
 import configparser
 import datetime
+import errno
 import hashlib
 import hmac
 import os
 import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pitstop.core.s3.objects import Location
+from pitstop.core.s3.objects import Location, parse_url
 from pitstop.core.s3.s3config import profile_settings, retry_settings
 from pitstop.errors import ConfigError
 from pitstop.shell.format.untrusted import read_untrusted
 
 __all__ = [
     "DEADLINE_S",
+    "SMALL",
+    "Requests",
     "StoreError",
     "abort_upload",
     "cause",
@@ -101,6 +105,117 @@ def open_store(location: Location, options: Mapping[str, Any] | None = None) -> 
         )
     except Exception as exc:  # a bad option: obstore's message names it
         raise ConfigError(f"{location.url()}: cannot configure the S3 client: {exc}") from exc
+
+
+_T = TypeVar("_T")
+SMALL = 1 << 20
+"""The largest pointer, commit or lease object read."""
+
+
+class Requests:
+    """The requests to one ``s3://bucket/prefix``: a failure is a :class:`StoreError` naming
+    the URL and its cause; the ETag of each object this process last read or wrote is noted."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        try:
+            self.location = parse_url(url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.url = self.location.url()
+        self.options = dict(storage_options or {})
+        self.client = open_store(self.location, storage_options)
+        self._etags: dict[str, str] = {}  # the ETag this process last saw, by name
+
+    def call(self, what: str, name: str, request: Callable[[Any], _T]) -> _T:
+        """``request(obstore)``; a failure is a :class:`StoreError` naming the URL and cause
+        (a missing object stays ``FileNotFoundError``, a failed condition ``FileExistsError``)."""
+        obstore = obstore_module()
+        try:
+            return request(obstore)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                errno.ENOENT, f"{self.location.url(name)} does not exist"
+            ) from exc
+        except Exception as exc:
+            kind = type(exc).__name__
+            if kind in {"AlreadyExistsError", "PreconditionError"}:
+                raise FileExistsError(
+                    errno.EEXIST, f"{self.location.url(name)} was written by another writer"
+                ) from exc
+            raise StoreError(f"could not {what} {self.location.url(name)}: {cause(exc)}") from exc
+
+    def get(self, name: str, limit: int = SMALL) -> bytes:
+        """The object ``name`` (at most ``limit`` bytes, else ``ValueError``); its ETag noted."""
+        key = self.location.key(name)
+        result = self.call("read", name, lambda o: o.get(self.client, key))
+        if result.meta["size"] > limit:
+            raise ValueError(f"{self.location.url(name)} is larger than {limit} bytes")
+        data = bytes(self.call("read", name, lambda o: result.bytes()))
+        if result.meta.get("e_tag"):
+            self._etags[name] = result.meta["e_tag"]
+        return data
+
+    def etag(self, name: str) -> str | None:
+        """The ETag of ``name`` this process last read or wrote."""
+        return self._etags.get(name)
+
+    def put(self, name: str, data: bytes | Path, mode: object) -> str:
+        """Put ``data`` at ``name`` with ``mode`` (``"create"``, ``{"e_tag": ...}``); the ETag."""
+        key = self.location.key(name)
+        body: Any = data if isinstance(data, bytes) else data.open("rb")
+        try:
+            result = self.call("write", name, lambda o: o.put(self.client, key, body, mode=mode))
+        finally:
+            if not isinstance(body, bytes):
+                body.close()
+        etag = str(result.get("e_tag") or "")
+        self._etags[name] = etag
+        return etag
+
+    def swap(self, name: str, data: bytes) -> None:
+        """Replace the small object ``name`` by compare-and-swap on the ETag last seen (created
+        if none was seen and none is there); ``FileExistsError`` when another writer moved it."""
+        etag = self._etags.get(name)
+        if etag is None:
+            meta = self.head(name)
+            etag = None if meta is None else meta.get("e_tag")
+        self.put(name, data, "create" if etag is None else {"e_tag": etag})
+
+    def head(self, name: str) -> dict[str, Any] | None:
+        """The object's metadata, ``None`` when it does not exist."""
+        key = self.location.key(name)
+        try:
+            meta = self.call("look up", name, lambda o: o.head(self.client, key))
+        except FileNotFoundError:
+            return None
+        return dict(meta)
+
+    def delete(self, name: str) -> None:
+        """Delete the object ``name`` (one already gone is no error)."""
+        key = self.location.key(name)
+        self.call("delete", name, lambda o: o.delete(self.client, key))
+        self._etags.pop(name, None)
+
+    def listing(self, under: str = "") -> tuple[list[str], list[str]]:
+        """``(objects, common prefixes)`` directly under the prefix (or ``under`` in it), as
+        names relative to the prefix."""
+        prefix = self.location.key(under) if under else self.location.prefix
+        found = self.call(
+            "list", under, lambda o: o.list_with_delimiter(self.client, prefix or None)
+        )
+        cut = len(prefix) + 1 if prefix else 0
+        objects = [str(o["path"])[cut:] for o in found["objects"]]
+        return objects, [str(p)[cut:].rstrip("/") for p in found["common_prefixes"]]
+
+    def data_names(self) -> list[str]:
+        """Every data object's name relative to the prefix (``.data/<token>/<name>``)."""
+        prefix = self.location.key(".data") + "/"
+        cut = len(self.location.prefix) + 1 if self.location.prefix else 0
+
+        def walk(o: Any) -> list[str]:
+            return [str(m["path"])[cut:] for chunk in o.list(self.client, prefix) for m in chunk]
+
+        return self.call("list", ".data", walk)
 
 
 def _resolved(options: Mapping[str, Any] | None) -> dict[str, Any]:

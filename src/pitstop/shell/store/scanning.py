@@ -7,6 +7,7 @@
 # its target is a plain checkpoint name of this directory. A sharded checkpoint (a directory,
 # pitstop.shell.store.sharddir) is listed once its manifest reads back. Choosing a resume point
 # tries the core's resume order until a candidate verifies, warning about each one skipped.
+# On an object store the listing reads every entry it names at once (RemoteStorage.listed).
 # Readers take no lock, so a live writer's retention may delete a checkpoint between the listing
 # and the reading: one that fails to read and is no longer there is "gone" (``Scan.gone``,
 # ``ResumeChoice.gone``), never "unreadable" or "corrupt": the scan starts over (the newer one
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -156,7 +158,8 @@ def read_latest_json(storage: Storage) -> tuple[object, str | None]:
     regular file, a file over :data:`LATEST_JSON_LIMIT`, bytes that are not JSON, or JSON
     nested too deeply to decode is refused without being read whole, never raised.
     """
-    kind = storage.kind(LATEST_JSON)
+    remote = isinstance(storage, RemoteStorage)  # there: one GET, no HEAD first
+    kind = FileKind.REGULAR if remote else storage.kind(LATEST_JSON)
     if kind is FileKind.MISSING:
         return None, None
     if kind is not FileKind.REGULAR:
@@ -164,6 +167,8 @@ def read_latest_json(storage: Storage) -> tuple[object, str | None]:
     try:
         return json.loads(storage.read_bytes(LATEST_JSON, LATEST_JSON_LIMIT).decode("utf-8")), None
     except (OSError, ValueError, RecursionError) as exc:
+        if remote and isinstance(exc, FileNotFoundError):
+            return None, None
         return None, f"{storage.path(LATEST_JSON)} is unreadable ({exc}); ignored"
 
 
@@ -216,13 +221,26 @@ SCAN_ATTEMPTS = 8
 """How many times a scan starts over when checkpoints vanish while it reads them."""
 
 
+def _listed(storage: Storage) -> contextlib.AbstractContextManager[list[str]]:
+    """The directory's names; an object store's every listed entry read at once (in parallel),
+    the scan's reads answered from that: one request per entry, none before the listing."""
+    if isinstance(storage, RemoteStorage):
+        return storage.listed()
+    return contextlib.nullcontext(storage.names())
+
+
 def _scan_once(storage: Storage, best: Best | None) -> Scan:
+    with _listed(storage) as names:
+        return _scan_names(storage, best, names)
+
+
+def _scan_names(storage: Storage, best: Best | None, names: list[str]) -> Scan:
     warnings: list[str] = []
     entries: list[CheckpointEntry] = []
     unreadable: dict[str, str] = {}
     sizes: dict[str, int] = {}
     gone: set[str] = set()
-    for name in storage.names():
+    for name in names:
         if classify(name) is not EntryKind.CHECKPOINT:
             continue
         if parse_sharded_name(name) is not NOT_A_CHECKPOINT:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import stat
@@ -93,6 +94,11 @@ class RemoteStorage(Storage, Protocol):
 
     def read_meta(self, name: str) -> Mapping[str, Any]:
         """The catalog fields of checkpoint ``name`` (as its manifest's meta holds them)."""
+        ...
+
+    def listed(self) -> contextlib.AbstractContextManager[list[str]]:
+        """:meth:`names`, every entry they list read at once; within the block, on this
+        thread, the reads of those entries answer from that (one request each per scan)."""
         ...
 
     def fetch(self, name: str) -> Path:
