@@ -134,9 +134,9 @@ def resume_from(
             run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
             raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
         target = _replicated(live) if sharded else live
-        loaded = ranks.each(partial(_load, path, reading, live, target, ranks, may_change, plan))
-        tree, meta, found, deferred, plan = loaded
-        found = _union(ranks.all_gather(found))
+        read = partial(_load, path, reading, live, target, ranks, may_change, plan)
+        loaded, found = _compared(ranks, read)  # each rank's differences in the same round
+        tree, meta, _, deferred, plan = loaded
         if judge(found, strict=strict):
             raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
         for difference in found:
@@ -148,8 +148,9 @@ def resume_from(
         same_world = stored_world_size(meta) == ranks.world_size
         restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
         try:
-            ranks.each(restore.prepare)
-            if sharded:  # checked and verified on every rank before DCP touches a tensor
+            if not sharded:
+                ranks.each(restore.prepare)
+            else:  # checked and verified on every rank before DCP touches a tensor
                 from pitstop.shell.sharded.engine import read_sharded
 
                 # every file was verified when the checkpoint was chosen, with this plan (and
@@ -163,6 +164,7 @@ def resume_from(
                     chosen=plan,
                     ema=live.ema,
                     checked=checked,
+                    before=restore.prepare,  # agreed in the apply's round
                 )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
@@ -238,6 +240,21 @@ def _load(
     if plan is not None:
         found += plan.differences
     return tree, meta, found, deferred, plan
+
+
+def _compared(
+    ranks: Ranks, read: Callable[[], tuple[Any, Any, list[Difference], Any, Any]]
+) -> tuple[tuple[Any, Any, list[Difference], Any, Any], list[Difference]]:
+    """Every rank: ``read()`` (what :func:`_load` returns) and every rank's differences, each
+    once, in one round; a failure to read on any rank raised on every rank."""
+    loaded: list[Any] = []
+
+    def differences_here() -> list[Difference]:
+        loaded.append(read())
+        return list(loaded[0][2])
+
+    found = _union(ranks.all_gather_each(differences_here))  # raises unless it read here
+    return loaded[0], found
 
 
 def _replicated(live: LiveState) -> LiveState:
