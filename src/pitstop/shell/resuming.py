@@ -102,14 +102,17 @@ def resume_from(
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
-        plan = checked = None
+        plan = checked = compared = None
+        target = _replicated(live) if sharded else live
         across = groups is not None and not groups.shared
         if sharded and pointer is not None and across:  # each node holds its ranks' shards
             assert groups is not None
             planner = partial(plan_of, live=live, ranks=ranks)
             path, wire, plan = choose_sharded_across(directory, pointer, ranks, groups, planner)
         elif sharded and pointer is not None:
-            path, wire, plan, checked = choose_sharded(directory, pointer, reading, live, ranks)
+            compare = partial(_compare, reading, live, target, ranks, may_change)
+            chosen = choose_sharded(directory, pointer, reading, live, ranks, compare)
+            path, wire, plan, checked, compared = chosen
             if checked is not None:  # its files, open until it is applied or refused
                 opened.callback(checked.close)
         elif across and pointer is not None:
@@ -133,9 +136,11 @@ def resume_from(
             held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
             run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
             raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
-        target = _replicated(live) if sharded else live
-        read = partial(_load, path, reading, live, target, ranks, may_change, plan)
-        loaded, found = _compared(ranks, read)  # each rank's differences in the same round
+        if compared is not None:  # compared as it was checked, in the same round
+            loaded, found = compared[0], _union(compared[1])
+        else:
+            read = partial(_load, path, reading, live, target, ranks, may_change, plan)
+            loaded, found = _compared(ranks, read)  # each rank's differences in one round
         tree, meta, _, deferred, plan = loaded
         if judge(found, strict=strict):
             raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
@@ -240,6 +245,20 @@ def _load(
     if plan is not None:
         found += plan.differences
     return tree, meta, found, deferred, plan
+
+
+def _compare(
+    reading: ResumeRead,
+    live: LiveState,
+    target: LiveState,
+    ranks: Ranks,
+    may_change: tuple[str, ...],
+    path: Path,
+    plan: ShardedPlan,
+) -> tuple[tuple[Any, Mapping[str, Any], list[Difference], frozenset[str], Any], list[Difference]]:
+    """A sharded candidate's :func:`_load` (kept on this rank) and its differences (told)."""
+    loaded = _load(path, reading, live, target, ranks, may_change, plan)
+    return loaded, loaded[2]
 
 
 def _compared(
