@@ -7,8 +7,10 @@
 # the same probe, in the caches' parent, finds which ranks see rank 0's cache (ObjectStorage.
 # readers), and after rank 0's resume choice the first rank of each other group fetches it into
 # its own cache (checked as it arrives) for its group (fetch_for_readers). Each directory's writer
-# (its group's lowest rank; the core's DirectoryGroups) locks, scans and writes its directory;
-# with one group that is rank 0 alone, as before. Sharded state is
+# (its group's lowest rank; the core's DirectoryGroups) locks, scans and writes its directory —
+# a local one (no remote tier) in the probe's second round, as its own sighting shows it a writer
+# (writes_as_seen), closed again when the sightings or another writer's open fail; with one
+# group that is rank 0 alone, as before. Sharded state is
 # pitstop.shell.sharded.acrossnodes' (each node its ranks' shards); sharded state saved in the
 # background across directories is refused for now (ConfigError, at construction, on every
 # rank), and so is sharded state with a remote tier. A background save (async_save) is written

@@ -14,8 +14,9 @@
 # of its readers, nothing live touched; on object storage each rank downloads and checks its
 # own copy as it arrives; with a remote tier rank 0 copies a remote candidate in first; across
 # directories the ranks do not share, pitstop.shell.sharded.acrossnodes); its replicated tree
-# is checked and restored as above, and its layout checked on every rank in the same pass;
-# then the state is applied and the checked tensors copied in from the same open files. An
+# is checked and restored as above, and its layout checked on every rank in the same pass
+# (agreed with the files' checks where it was chosen); the restore prepared and the state
+# applied in one round, then the checked tensors copied in from the same open files. An
 # optimizer that had no state has none again unless the resume restored it
 # (pitstop.shell.state.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
