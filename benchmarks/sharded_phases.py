@@ -81,8 +81,10 @@ RESUME_PHASES = (  # each wrapped where its caller finds it
     ("pitstop.shell.sharded.engine", None, ("verify_sharded", "load_checked", "apply_state")),
     ("pitstop.shell.sharded.engine", None, ("_apply_checked",)),
     ("pitstop.shell.sharded.engine", "_Kept", ("__init__", "put_back")),
-    ("pitstop.shell.sharded.rawread", None, ("check_agreed", "check_read", "_checked_file")),
+    ("pitstop.shell.sharded.choice", None, ("_check_agreed",)),
+    ("pitstop.shell.sharded.rawread", None, ("check_read", "_checked_file")),
     ("pitstop.shell.sharded.rawread", "Checked", ("copy",)),
+    ("pitstop.shell.ranks.distributed", "Ranks", ("_wait",)),
     ("pitstop.shell.sharded.dcpio", None, ("load",)),
     ("pitstop.shell.sharded.dcpstate", None, ("get_model_state_dict", "get_optimizer_state_dict")),
     ("pitstop.shell.sharded.dcpstate", None, ("set_model_state_dict", "set_optimizer_state_dict")),
@@ -190,10 +192,11 @@ def _dump() -> None:
 def _report(out: Path) -> None:
     for path in sorted(out.glob("rank*.json")):
         times: dict[str, list[float]] = json.loads(path.read_text())
-        print(f"\n{path.stem}: median ms (calls)")
+        print(f"\n{path.stem}: median ms (calls), ms a top call in all")
         for key in sorted(times, key=lambda k: (k.split(" / ")[0], -statistics.median(times[k]))):
-            runs = times[key]
-            print(f"  {statistics.median(runs) * 1e3:9.2f} ({len(runs):3d})  {key}")
+            runs, top = times[key], times.get(key.split(" / ")[0], [])
+            each = f"{sum(runs) / len(top) * 1e3:9.2f}" if top else " " * 9
+            print(f"  {statistics.median(runs) * 1e3:9.2f} ({len(runs):3d}) {each}  {key}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -339,6 +339,12 @@ def directory_groups(seen: Sequence[Collection[int]], *, directory: str = "") ->
     return DirectoryGroups(tuple(groups))
 
 
+def writes_as_seen(rank: int, seen: Collection[int]) -> bool:
+    """Whether ``rank`` writes its directory, judged from ``seen`` alone (the ranks whose probe
+    files it found there): the lowest of them, as :func:`directory_groups` makes it once agreed."""
+    return rank in seen and min(seen) == rank
+
+
 REMOTE = -1
 """The source of a :class:`Transfer` from the remote tier (no rank: the target downloads it)."""
 

@@ -7,8 +7,10 @@
 # the same probe, in the caches' parent, finds which ranks see rank 0's cache (ObjectStorage.
 # readers), and after rank 0's resume choice the first rank of each other group fetches it into
 # its own cache (checked as it arrives) for its group (fetch_for_readers). Each directory's writer
-# (its group's lowest rank; the core's DirectoryGroups) locks, scans and writes its directory;
-# with one group that is rank 0 alone, as before. Sharded state is
+# (its group's lowest rank; the core's DirectoryGroups) locks, scans and writes its directory —
+# a local one (no remote tier) in the probe's second round, as its own sighting shows it a writer
+# (writes_as_seen), closed again when the sightings or another writer's open fail; with one
+# group that is rank 0 alone, as before. Sharded state is
 # pitstop.shell.sharded.acrossnodes' (each node its ranks' shards, in the background too:
 # pitstop.shell.shardsave); sharded state with a remote tier across directories is refused for
 # now (ConfigError, at construction, on every rank). A background save (async_save) is written
@@ -49,7 +51,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-from pitstop.core.ranks import REMOTE, DirectoryGroups, catch_up, entry_to_wire, merged_order
+from pitstop.core.ranks import (
+    REMOTE,
+    DirectoryGroups,
+    catch_up,
+    entry_to_wire,
+    merged_order,
+    writes_as_seen,
+)
 from pitstop.core.records import PointerName
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from pitstop.shell.ranks.distributed import Ranks
@@ -74,19 +83,22 @@ def open_directories(
     failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
     state with a remote tier in directories the ranks do not share."""
     groups = DirectoryGroups.one(ranks.world_size)
-    if ranks.many and not isinstance(directory.storage, RemoteStorage):
-        groups = probe_groups(ranks, directory.path)
-    if not groups.shared:
-        if sharded and isinstance(directory, TieredDirectory):
-            raise ConfigError(
-                f"{directory.path} is a different directory on ranks {list(groups.writers)} "
-                f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state "
-                f"(FSDP2, DTensor) with a remote tier (remote={directory.remote.url!r}) in "
-                f"directories the ranks do not share is not supported yet: give every rank "
-                f"one shared directory, or save to the s3:// URL itself"
-            )
-        if isinstance(directory, TieredDirectory):  # one upload per checkpoint: rank 0's
-            directory.uploads = ranks.leader
+    probed = ranks.many and not isinstance(directory.storage, RemoteStorage)
+    # a plain local directory: each writer opens it in the probe's second round
+    opened: list[bool] | None = (
+        [] if probed and not isinstance(directory, TieredDirectory) else None
+    )
+    try:
+        if probed:
+            then = None if opened is None else partial(_open_seen, directory, ranks.rank, opened)
+            groups = probe_groups(ranks, directory.path, then)
+        _refuse(groups, directory, sharded=sharded)
+    except BaseException:  # another rank's open failed, the sightings disagree, or refused
+        if opened:
+            directory.close()
+        raise
+    if not groups.shared and isinstance(directory, TieredDirectory):  # one upload each: rank 0's
+        directory.uploads = ranks.leader
     if groups.shared and ranks.many:  # every rank reads what rank 0 fetched: a file, not memory
         remote = directory.remote.objects if isinstance(directory, TieredDirectory) else None
         for objects in (directory.storage, remote):
@@ -96,7 +108,9 @@ def open_directories(
             readers = probe_groups(ranks, directory.storage.cache.parent)
             directory.storage.readers = readers
             directory.storage.in_memory = len(readers.groups[readers.group_of(ranks.rank)]) == 1
-    if groups.shared:
+    if opened is not None:
+        pass  # opened by its writers already
+    elif groups.shared:
         ranks.lead(lambda: _open(directory))  # only rank 0 locks and reads the directory
     else:
         try:
@@ -131,8 +145,33 @@ def fetch_for_readers(ranks: Ranks, directory: CheckpointDirectory, path: Path) 
     return Path(cast(str, ranks.all_gather_each(fetch)[readers.writer(ranks.rank)]))
 
 
+def _refuse(groups: DirectoryGroups, directory: CheckpointDirectory, *, sharded: bool) -> None:
+    """ConfigError where sharded state cannot be kept in directories the ranks do not share
+    (with a remote tier)."""
+    if groups.shared or not sharded:
+        return
+    if isinstance(directory, TieredDirectory):
+        raise ConfigError(
+            f"{directory.path} is a different directory on ranks {list(groups.writers)} "
+            f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state "
+            f"(FSDP2, DTensor) with a remote tier (remote={directory.remote.url!r}) in "
+            f"directories the ranks do not share is not supported yet: give every rank "
+            f"one shared directory, or save to the s3:// URL itself"
+        )
+
+
 def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its writer
     directory.open()
+
+
+def _open_seen(
+    directory: CheckpointDirectory, rank: int, opened: list[bool], seen: list[int]
+) -> None:
+    """Open ``directory`` where ``rank`` writes it, as the probe files it ``seen`` say (noted in
+    ``opened``)."""
+    if writes_as_seen(rank, seen):
+        directory.open()
+        opened.append(True)
 
 
 def choose_across(

@@ -14,8 +14,9 @@
 # of its readers, nothing live touched; on object storage each rank downloads and checks its
 # own copy as it arrives; with a remote tier rank 0 copies a remote candidate in first; across
 # directories the ranks do not share, pitstop.shell.sharded.acrossnodes); its replicated tree
-# is checked and restored as above, and its layout checked on every rank in the same pass;
-# then the state is applied and the checked tensors copied in from the same open files. An
+# is checked and restored as above, and its layout checked on every rank in the same pass
+# (agreed with the files' checks where it was chosen); the restore prepared and the state
+# applied in one round, then the checked tensors copied in from the same open files. An
 # optimizer that had no state has none again unless the resume restored it
 # (pitstop.shell.state.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
@@ -102,7 +103,8 @@ def resume_from(
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
         listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
-        plan = checked = None
+        plan = checked = compared = None
+        target = _replicated(live) if sharded else live
         across = groups is not None and not groups.shared
         if sharded and pointer is not None and across:  # each node holds its ranks' shards
             assert groups is not None
@@ -114,7 +116,9 @@ def resume_from(
             picked = choose_sharded_path_across(directory, source, ranks, groups, planner)
             path, wire, plan = picked
         elif sharded and pointer is not None:
-            path, wire, plan, checked = choose_sharded(directory, pointer, reading, live, ranks)
+            compare = partial(_compare, reading, live, target, ranks, may_change)
+            chosen = choose_sharded(directory, pointer, reading, live, ranks, compare)
+            path, wire, plan, checked, compared = chosen
             if checked is not None:  # its files, open until it is applied or refused
                 opened.callback(checked.close)
         elif across and pointer is not None:
@@ -138,10 +142,12 @@ def resume_from(
             held = "sharded state (a DCP directory)" if is_directory else "unsharded state (a file)"
             run = "sharded (FSDP2, DTensor)" if sharded else "not sharded"
             raise IncompatibleCheckpoint([f"{path.name}: holds {held}; this run's model is {run}"])
-        target = _replicated(live) if sharded else live
-        loaded = ranks.each(partial(_load, path, reading, live, target, ranks, may_change, plan))
-        tree, meta, found, deferred, plan = loaded
-        found = _union(ranks.all_gather(found))
+        if compared is not None:  # compared as it was checked, in the same round
+            loaded, found = compared[0], _union(compared[1])
+        else:
+            read = partial(_load, path, reading, live, target, ranks, may_change, plan)
+            loaded, found = _compared(ranks, read)  # each rank's differences in one round
+        tree, meta, _, deferred, plan = loaded
         if judge(found, strict=strict):
             raise IncompatibleCheckpoint(f"{path.name}: {d}" for d in found)
         for difference in found:
@@ -153,8 +159,9 @@ def resume_from(
         same_world = stored_world_size(meta) == ranks.world_size
         restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
         try:
-            ranks.each(restore.prepare)
-            if sharded:  # checked and verified on every rank before DCP touches a tensor
+            if not sharded:
+                ranks.each(restore.prepare)
+            else:  # checked and verified on every rank before DCP touches a tensor
                 from pitstop.shell.sharded.engine import read_sharded
 
                 # every file was verified when the checkpoint was chosen, with this plan (and
@@ -168,6 +175,7 @@ def resume_from(
                     chosen=plan,
                     ema=live.ema,
                     checked=checked,
+                    before=restore.prepare,  # agreed in the apply's round
                 )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
@@ -243,6 +251,35 @@ def _load(
     if plan is not None:
         found += plan.differences
     return tree, meta, found, deferred, plan
+
+
+def _compare(
+    reading: ResumeRead,
+    live: LiveState,
+    target: LiveState,
+    ranks: Ranks,
+    may_change: tuple[str, ...],
+    path: Path,
+    plan: ShardedPlan,
+) -> tuple[tuple[Any, Mapping[str, Any], list[Difference], frozenset[str], Any], list[Difference]]:
+    """A sharded candidate's :func:`_load` (kept on this rank) and its differences (told)."""
+    loaded = _load(path, reading, live, target, ranks, may_change, plan)
+    return loaded, loaded[2]
+
+
+def _compared(
+    ranks: Ranks, read: Callable[[], tuple[Any, Any, list[Difference], Any, Any]]
+) -> tuple[tuple[Any, Any, list[Difference], Any, Any], list[Difference]]:
+    """Every rank: ``read()`` (what :func:`_load` returns) and every rank's differences, each
+    once, in one round; a failure to read on any rank raised on every rank."""
+    loaded: list[Any] = []
+
+    def differences_here() -> list[Difference]:
+        loaded.append(read())
+        return list(loaded[0][2])
+
+    found = _union(ranks.all_gather_each(differences_here))  # raises unless it read here
+    return loaded[0], found
 
 
 def _replicated(live: LiveState) -> LiveState:

@@ -33,11 +33,11 @@ from typing import Any, BinaryIO, Final, TypeVar
 
 import torch
 
-from pitstop.core.ranks import DirectoryGroups, directory_groups
+from pitstop.core.ranks import OK, DirectoryGroups, Outcome, agree, directory_groups
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.writebehind import WriteBehind
-from pitstop.shell.ranks.distributed import PART_BOX, Ranks
+from pitstop.shell.ranks.distributed import PART_BOX, Ranks, raise_outcome
 from pitstop.shell.ranks.packing import pack_state, unpack_state
 
 __all__ = ["CHUNK", "PROBE_PREFIX", "gather_to_writers", "probe_groups", "receive", "send"]
@@ -51,9 +51,13 @@ CHUNK: Final = 8 << 20
 """Bytes of a copy sent in one message (each side holds two; 32 MiB measured no faster)."""
 
 
-def probe_groups(ranks: Ranks, directory: Path) -> DirectoryGroups:
+def probe_groups(
+    ranks: Ranks, directory: Path, then: Callable[[list[int]], object] | None = None
+) -> DirectoryGroups:
     """Every rank: which ranks share ``directory`` (created if missing), found out with probe
-    files and agreed in two all-gathers (one rank: one group, nothing written)."""
+    files and agreed in two all-gathers (one rank: one group, nothing written). ``then``: run
+    with the ranks this one saw, before the second round, which agrees its outcome too (a
+    failure of it on any rank raised on every rank)."""
     if not ranks.many:
         return DirectoryGroups.one(1)
     token = uuid.uuid4().hex
@@ -67,13 +71,23 @@ def probe_groups(ranks: Ranks, directory: Path) -> DirectoryGroups:
 
     try:
         tokens = ranks.all_gather_each(write)
-        seen = ranks.all_gather_each(
-            lambda: [r for r, t in enumerate(tokens) if (directory / f"{PROBE_PREFIX}{t}").exists()]
-        )
+
+        def sighting() -> tuple[list[int], Outcome]:
+            seen = [r for r, t in enumerate(tokens) if (directory / f"{PROBE_PREFIX}{t}").exists()]
+            if then is not None:
+                _, outcome, own[0] = ranks._attempt(lambda: then(seen))
+                return seen, outcome
+            return seen, OK
+
+        own: list[BaseException | None] = [None]
+        sightings = ranks.all_gather_each(sighting)
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()
-    return directory_groups(seen, directory=str(directory))
+    groups = directory_groups([seen for seen, _ in sightings], directory=str(directory))
+    agreed = agree([outcome for _, outcome in sightings])  # then's, once the sightings agree
+    raise_outcome(agreed, own=own[0] if agreed == sightings[ranks.rank][1] else None)
+    return groups
 
 
 def gather_to_writers(

@@ -6,8 +6,9 @@
 # copied into the directory by rank 0, checked and published by its rename, before the ranks
 # try it); the ranks gather the files their read plans name, each file read is verified once,
 # by one of its readers (pitstop.core.sharding.sharded.share_checks), together with where each item
-# this rank reads lies in its file (pitstop.shell.sharded.rawread.check_agreed: nothing live
-# touched) — and all move to the next candidate, whose files are read only then, when any rank
+# this rank reads lies in its file (pitstop.shell.sharded.rawread.check_read: nothing live
+# touched) and the run compared with the replicated tree (read beside), all agreed in one
+# round — and all move to the next candidate, whose files are read only then, when any rank
 # found a problem; where a rank's state does not fit the layout, the files are verified alone.
 # On object storage each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
@@ -27,12 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pitstop.core.compat import Kind
-from pitstop.core.ranks import entry_to_wire
+from pitstop.core.ranks import OK, agree, entry_to_wire
 from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
 from pitstop.core.sharding.sharded import MANIFEST_NAME, share_checks
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
-from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.distributed import Ranks, outcome_of, raise_outcome
 from pitstop.shell.state.capture import LiveState, sharded_components
 from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
 from pitstop.shell.store.objectstore import ObjectStorage
@@ -164,6 +165,51 @@ def _checks(
     return mine
 
 
+Compare = Callable[[Path, "ShardedPlan"], tuple[Any, Any]]
+"""A resume's comparison of a candidate with this rank's run: what it keeps here, and what it
+tells every rank."""
+
+Compared = tuple[Any, list[Any]] | None
+"""What :data:`Compare` kept here and what every rank told (``None``: not compared)."""
+
+
+def _check_agreed(
+    plan: ShardedPlan,
+    checks: tuple[str, ...],
+    ranks: Ranks,
+    beside: Callable[[], str | None] | None,
+    compare: Callable[[], tuple[Any, Any]] | None,
+) -> tuple[Checked | None, list[str | None], Compared]:
+    """Every rank: :func:`~pitstop.shell.sharded.rawread.check_read` and, where it found
+    nothing wrong, ``compare()``, agreed in one round. The checked read (``None`` where any
+    rank found a problem), every rank's problem — only the checks' where a check found one
+    (another rank's read of a damaged file says nothing more) — and what ``compare`` kept and
+    told, when every check passed; its error on any rank is then raised on every rank (the
+    files closed). Nothing live touched."""
+    from pitstop.shell.sharded.rawread import check_read
+
+    checked, own, checking = check_read(plan.directory, plan, checks, beside)
+    kept, told, outcome, error = None, None, OK, None
+    if own is None and compare is not None:
+        try:
+            kept, told = compare()
+        except (Exception, KeyboardInterrupt) as exc:  # heard by every rank, as Ranks.each does
+            outcome, error = outcome_of(exc, ranks.rank), exc
+    found = ranks.all_gather((own, checking, outcome, told))
+    if any(problem is not None and by_check for problem, by_check, _, _ in found):
+        problems = [problem if by_check else None for problem, by_check, _, _ in found]
+    else:
+        problems = [problem for problem, _, _, _ in found]
+    agreed = agree([o for _, _, o, _ in found])
+    if checked is not None and (any(problems) or not agreed.ok):
+        checked.close()
+        checked = None
+    if any(problems) or compare is None:
+        return checked, problems, None
+    raise_outcome(agreed, own=error if agreed == outcome else None)
+    return checked, problems, (kept, [t for _, _, _, t in found])
+
+
 def _fetched(
     storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
 ) -> tuple[Path, _Planned]:
@@ -184,10 +230,13 @@ def choose_sharded(
     reading: Reading,
     live: LiveState,
     ranks: Ranks,
-) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None]:
+    compare: Compare | None = None,
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None, Compared]:
     """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
-    this rank's plan of it, and the state DCP read into staging as it was checked); all ranks
-    move on together, rank 0 warning about each one skipped and why (and where)."""
+    this rank's plan of it, and its checked read where every rank's state fits); all ranks
+    move on together, rank 0 warning about each one skipped and why (and where). ``compare``:
+    run on every rank with the candidate a checked read verified on that rank, agreed in the
+    check's round (what it keeps here and what every rank told, or its error on every rank)."""
     candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
@@ -207,28 +256,31 @@ def choose_sharded(
             problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
         else:
             planned = _planned(path, live, ranks)
+            beside = None
             if planned[0] is not None:  # the disk reads them while the ranks agree
                 prefetch(path, [(name, 0, 0) for name in planned[0].files])  # checked whole
+                if _fits(planned):  # and the manifest is read, its GIL-bound part off the check
+                    beside = reading.read_beside(path)
             files = planned[0].files if planned[0] is not None else ()
             gathered = ranks.all_gather((files, _fits(planned)))
             shares = _shares(planned, [f for f, _ in gathered])
             streamed = all(fits for _, fits in gathered)
             if streamed and planned[0] is not None:  # every check, and the manifest, in the read
-                from pitstop.shell.sharded.rawread import check_agreed
-
-                beside = reading.read_beside(path)
                 checks = _checks(planned[0], shares, ranks)
-                checked, problems = check_agreed(planned[0], checks, ranks, beside)
+                here = None if compare is None else partial(compare, path, planned[0])
+                checked, problems, compared = _check_agreed(planned[0], checks, ranks, beside, here)
                 if checked is not None:  # checked on every rank: read when applied
-                    return path, wire, planned[0], checked
+                    return path, wire, planned[0], checked, compared
             else:
+                if beside is not None:
+                    beside()  # read again by the checks below: not at the same time
                 problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
             if problem is not None:
                 found.setdefault(problem, []).append(rank)
         if not found:
-            return path, wire, planned[0], checked
+            return path, wire, planned[0], checked, None
         if remote is not None:
             shutil.rmtree(path, ignore_errors=True)
         if ranks.leader or remote is not None:  # one line per problem, with the ranks that found it
@@ -241,4 +293,4 @@ def choose_sharded(
                 )
     if pointer is not PointerName.LAST and any_found:
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
-    return None, None, None, None
+    return None, None, None, None, None

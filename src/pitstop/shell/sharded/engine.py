@@ -30,7 +30,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,7 @@ def read_sharded(
     chosen: ShardedPlan | None = None,
     ema: nn.Module | None = None,
     checked: Checked | None = None,
+    before: Callable[[], object] | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
     directory, all or nothing (the ``ema`` only when the checkpoint holds one).
@@ -284,12 +286,14 @@ def read_sharded(
     it, without reading the manifest or planning again. ``checked``: the resume's check of
     ``chosen`` on every rank (:func:`~pitstop.shell.sharded.rawread.check_read`, every file
     verified): the state is applied, then its tensors copied in; DCP reads nothing.
+    ``before``: run on every rank just before the apply, agreed in the same round (a
+    resume's restore of the replicated state: the caller undoes it when this raises).
     """
     root = Path(directory)
     if checked is not None:
         if chosen is None:
             raise ValueError("a checked read is applied with the plan it was checked with")
-        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema)
+        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema, before)
         return chosen.layout
     with FreshOptimizers(optimizers) as fresh:
         if chosen is not None:
@@ -304,7 +308,8 @@ def read_sharded(
         try:
             load_checked(root, state, layout, process_group=group)
             live_ema = ema if EMA in state else None
-            ranks.each(lambda: apply_state(model, optimizers, live_ema, state, stored_fresh))
+            apply = partial(apply_state, model, optimizers, live_ema, state, stored_fresh)
+            ranks.each(partial(_then, before, apply))
         except BaseException:
             kept.put_back()
             raise
@@ -320,6 +325,7 @@ def _apply_checked(
     chosen: ShardedPlan,
     checked: Checked,
     ema: nn.Module | None,
+    before: Callable[[], object] | None = None,
 ) -> None:
     """Every rank: apply ``chosen``'s state — its tensors the live ones, unwritten yet, its
     other values as read — all or nothing (each optimizer's own state and groups kept by
@@ -329,13 +335,21 @@ def _apply_checked(
         kept = _Kept(state, optimizers, only=())  # no tensor is written before the copy
         try:
             live_ema = ema if EMA in state else None
-            ranks.each(lambda: apply_state(model, optimizers, live_ema, state, stored_fresh))
+            apply = partial(apply_state, model, optimizers, live_ema, state, stored_fresh)
+            ranks.each(partial(_then, before, apply))  # one round for both
         except BaseException:
             checked.close()
             kept.put_back()
             raise
         ranks.each(checked.copy)  # verified on every rank: only an I/O error stops it
         fresh.keep()
+
+
+def _then(before: Callable[[], object] | None, work: Callable[[], object]) -> None:
+    """``before()`` (where there is one), then ``work()``."""
+    if before is not None:
+        before()
+    work()
 
 
 def full_state_dict(

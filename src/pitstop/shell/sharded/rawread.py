@@ -40,9 +40,8 @@ from pitstop.core.sharding.sharded import ShardedLayout, file_problem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.untrusted import open_untrusted
-from pitstop.shell.ranks.distributed import Ranks
 
-__all__ = ["Checked", "check_agreed", "check_read", "raw_record"]
+__all__ = ["Checked", "check_read", "raw_record"]
 
 _PIECE: Final = 1 << 20
 """Bytes a file's check reads at a time, into one buffer."""
@@ -380,21 +379,3 @@ def _check_item(
     if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != shape:
         raise CheckpointCorrupt(f"{directory}: {info.relative_path} holds no {shape} tensor there")
     checked._loaded.append((item, loaded))
-
-
-def check_agreed(
-    plan: Any, checks: Collection[str], ranks: Ranks, beside: Callable[[], str | None] | None
-) -> tuple[Checked | None, list[str | None]]:
-    """Every rank: :func:`check_read`, agreed in one round. The checked read (``None`` where
-    any rank found a problem) and every rank's problem — only the checks' where a check found
-    one (another rank's read of a damaged file says nothing more); nothing live touched."""
-    checked, own, checking = check_read(plan.directory, plan, checks, beside)
-    found = ranks.all_gather((own, checking))
-    if any(problem is not None and by_check for problem, by_check in found):
-        problems = [problem if by_check else None for problem, by_check in found]
-    else:
-        problems = [problem for problem, _ in found]
-    if checked is not None and any(problems):
-        checked.close()
-        checked = None
-    return checked, problems
