@@ -15,10 +15,10 @@ share this machine's disk and CPUs (a real second node brings its own).
   in parallel, and the outcome is agreed;
 * *resume, local*: a fresh ``Checkpointer(...).resume()`` on both ranks, each node holding its
   copy (each writer verifies and loads its own);
-* *resume, catch-up*: the same after node 1's copy was deleted: rank 0 sends its copy to node 1
-  over the gloo group (8 MiB messages, double-buffered, its manifest first) while it verifies
-  (and loads) it on a thread; node 1 checks each chunk against the manifest as it lands, writes
-  it, and loads what it wrote (no second check) before publishing it;
+* *resume, catch-up*: the same after node 1's copy was deleted: rank 0 verifies (and loads) its
+  copy, sends it to node 1 over the gloo group (8 MiB messages, double-buffered, its manifest
+  first); node 1 checks each chunk against the manifest as it lands, writes it, and loads what
+  it wrote (no second check) before publishing it;
 * *floor*: node 1 writing the same number of bytes to a file and fsyncing it — what any
   catch-up that keeps a durable copy pays at least.
 
@@ -34,8 +34,8 @@ that what is measured is pitstop's work and the ranks' traffic, not one shared d
 Per phase (the second table): in the timed saves and the catch-up, each rank's time in the
 calls that do the work — writing a copy, verifying (and loading) a copy, sending and receiving
 one over gloo (``transfer``: without the receiver's load of it, counted as ``verify``) —
-each counted without the phases it calls (medians; rank 0's verify runs beside its send, so
-both count); ``collectives`` is the time in pitstop's agreement rounds (all-gathers, gathers,
+each counted without the phases it calls (medians; a phase on another thread counts too);
+``collectives`` is the time in pitstop's agreement rounds (all-gathers, gathers,
 broadcasts), waiting in them for the other rank's phases included; ``the rest`` is the call's
 time outside the main thread's phases: planning, packing, scanning.
 

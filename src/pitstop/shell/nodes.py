@@ -22,11 +22,9 @@
 # that has it (the core's catch_up), over torch.distributed, into a temp file, every byte checked
 # against the file's own manifest as it lands (pitstop.shell.ranks.arrival) and then loaded for
 # the resume without a second checking read, before the store's atomic writer publishes it — a
-# copy that changed on its way, or on its sender's disk, is never published. A directory that
-# lists no copy of the candidate at all starts receiving it at once (catch_up over what each
-# directory lists), while each sender checks its own copy on a thread beside the send; what
-# each check and each copy found is then agreed as one answer per directory, and catch_up over
-# those answers sends again whatever is still lacking (from a holder whose copy checked valid).
+# copy that changed on its way, or on its sender's disk, is never published. (Sending while the
+# sender still verifies its own copy, on a thread, was measured slower on 2 shared cores: the
+# two passes contend; the copy starts once the holders' checks are agreed.)
 # With a remote tier
 # (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
 # node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
@@ -49,15 +47,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 from pitstop.core.ranks import REMOTE, DirectoryGroups, catch_up, entry_to_wire, merged_order
 from pitstop.core.records import PointerName
-from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError, SaveError
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import probe_groups
 from pitstop.shell.resumeread import ResumeRead
@@ -169,10 +165,6 @@ def choose_across(
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
         path = directory.storage.path(name)
         checked = partial(_verified, path, reading) if name in mine else lambda: False
-        listed = [any(n == name for n, _ in order) for order, _ in orders]
-        early = catch_up(groups, listed) if any(listed) and not all(listed) else None
-        if early:  # the directories that lack it receive it while its holders check theirs
-            checked = partial(_checked_moving, early, path, reading, ranks, directory, checked)
         answers = ranks.all_gather_each(checked)  # a fault other than a bad copy: everywhere
         valid = [answers[w] is True for w in groups.writers]
         _warn_invalid(ranks, groups, name, answers, "rank {}'s directory")
@@ -196,11 +188,7 @@ def choose_across(
                     move.source,
                 )
         ranks.each(partial(_move, transfers, path, reading, ranks, directory))
-        holder = [
-            o
-            for (o, _), w in zip(orders, groups.writers, strict=True)
-            if answers[w] is True and name in dict(o)
-        ]
+        holder = [o for (o, _), w in zip(orders, groups.writers, strict=True) if answers[w] is True]
         if holder:
             return path, dict(holder[0])[name]  # the entry as a directory holding it lists it
         return path, ranks.lead(partial(_catalog_wire, directory, name))  # rank 0's copy
@@ -305,44 +293,6 @@ def _verified(path: Path, reading: ResumeRead) -> bool | str:
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc) or type(exc).__name__
     return True
-
-
-def _checked_moving(
-    transfers: Any,
-    path: Path,
-    reading: ResumeRead,
-    ranks: Ranks,
-    directory: CheckpointDirectory,
-    checked: Callable[[], bool | str],
-) -> bool | str:
-    """A writer's answer for ``path`` while the copies ``transfers`` (to the directories that do
-    not list it) travel: a sender checks its own copy on a thread as it sends it; a receiver's
-    answer is its copy, checked as it arrived (True, or what was wrong: a holder that checks
-    valid sends it again, in the round after)."""
-    receiving = any(m.target == ranks.rank for m in transfers)
-    answer: list[bool | str] = []
-    error: list[BaseException] = []
-
-    def check() -> None:
-        try:
-            answer.append(checked())
-        except BaseException as exc:  # raised on the calling thread
-            error.append(exc)
-
-    thread = threading.Thread(target=check, name="pitstop-verify")
-    thread.start()
-    moved: str | None = None
-    try:
-        _move(transfers, path, reading, ranks, directory)
-    except (CheckpointCorrupt, SaveError, OSError) as exc:
-        moved = str(exc) or type(exc).__name__
-    finally:
-        thread.join()
-    if error:
-        raise error[0]
-    if receiving:
-        return True if moved is None else moved
-    return answer[0]  # a sender that could not send: its own check says whether it is valid
 
 
 def _move(
