@@ -15,9 +15,10 @@ share this machine's disk and CPUs (a real second node brings its own).
   in parallel, and the outcome is agreed;
 * *resume, local*: a fresh ``Checkpointer(...).resume()`` on both ranks, each node holding its
   copy (each writer verifies and loads its own);
-* *resume, catch-up*: the same after node 1's copy was deleted: rank 0 verifies its copy, sends
-  it to node 1 over the gloo group (8 MiB messages, double-buffered, CRC-32), node 1 verifies it
-  and publishes it;
+* *resume, catch-up*: the same after node 1's copy was deleted: rank 0 verifies (and loads) its
+  copy, sends it to node 1 over the gloo group (8 MiB messages, double-buffered, its manifest
+  first); node 1 checks each chunk against the manifest as it lands, writes it, and loads what
+  it wrote (no second check) before publishing it;
 * *floor*: node 1 writing the same number of bytes to a file and fsyncing it — what any
   catch-up that keeps a durable copy pays at least.
 
@@ -30,11 +31,13 @@ before each resume (``posix_fadvise(DONTNEED)``), so every resume reads from the
 ``--dir /dev/shm`` keeps every file in memory (tmpfs: no disk, and no page cache to drop), so
 that what is measured is pitstop's work and the ranks' traffic, not one shared disk.
 
-Per phase (the second table): in the timed 2-node save and catch-up, each rank's time in the
+Per phase (the second table): in the timed saves and the catch-up, each rank's time in the
 calls that do the work — writing a copy, verifying (and loading) a copy, sending and receiving
-one over gloo (``transfer``: without the receiver's verify of it, counted as ``verify``) —
-each counted without the phases it calls (medians); ``rounds and the rest`` is the call's time
-outside them: the agreement rounds (and waiting in them for the other rank's phases), planning.
+one over gloo (``transfer``: without the receiver's load of it, counted as ``verify``) —
+each counted without the phases it calls (medians; a phase on another thread counts too);
+``collectives`` is the time in pitstop's agreement rounds (all-gathers, gathers,
+broadcasts), waiting in them for the other rank's phases included; ``the rest`` is the call's
+time outside the main thread's phases: planning, packing, scanning.
 
     .venv/bin/python benchmarks/multinode.py --size-mib 256 --repeats 5
     .venv/bin/python benchmarks/multinode.py --size-mib 64 --repeats 5 --dir /dev/shm
@@ -55,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -89,19 +93,28 @@ PHASES = {
     "pitstop.shell.format.fileformat:write": "write a copy",
     "pitstop.shell.resumeread:ResumeRead.verify": "verify (+ load) a copy",
     "pitstop.shell.nodes:send_file": "transfer: send",
-    "pitstop.shell.nodes:receive_file": "transfer: receive + write",
+    "pitstop.shell.nodes:receive_file": "transfer: receive + check + write",
+    "pitstop.shell.state.restore:Restore.prepare": "restore the live state",
+    "pitstop.shell.state.restore:Restore.commit": "restore the live state",
+    "pitstop.shell.store.directory:CheckpointDirectory.rescan": "rescan, pointers",
+    "pitstop.shell.ranks.distributed:Ranks.all_gather": "collectives (waits included)",
+    "pitstop.shell.ranks.distributed:Ranks.broadcast": "collectives (waits included)",
+    "pitstop.shell.ranks.distributed:Ranks.gather": "collectives (waits included)",
 }
 """The calls each timed per phase (``module:attribute``) and the phase's name."""
 
 
 class Phases:
-    """Each rank's time in the :data:`PHASES` calls, each without the phases it calls."""
+    """Each rank's time in the :data:`PHASES` calls, each without the phases it calls (on
+    every thread: a check that runs beside a send counts in both; ``main`` is this thread's)."""
 
     def __init__(self) -> None:
         import importlib
 
         self.spent: dict[str, float] = {}
-        self._stack: list[list[Any]] = []  # [phase, started, time in inner phases]
+        self.main = 0.0  # time in phases on the calling thread, outermost only
+        self._local = threading.local()  # each thread's [phase, started, time in inner phases]
+        self._owner = threading.get_ident()
         for where, phase in PHASES.items():
             module_name, _, attribute = where.partition(":")
             owner: Any = importlib.import_module(module_name)
@@ -112,22 +125,25 @@ class Phases:
 
     def _timed(self, call: Any, phase: str) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self._stack.append([phase, time.perf_counter(), 0.0])
+            stack = self._local.__dict__.setdefault("stack", [])
+            stack.append([phase, time.perf_counter(), 0.0])
             try:
                 return call(*args, **kwargs)
             finally:
-                _, started, inner = self._stack.pop()
+                _, started, inner = stack.pop()
                 took = time.perf_counter() - started
                 self.spent[phase] = self.spent.get(phase, 0.0) + took - inner
-                if self._stack:
-                    self._stack[-1][2] += took
+                if stack:
+                    stack[-1][2] += took
+                elif threading.get_ident() == self._owner:
+                    self.main += took
 
         return timed
 
-    def take(self) -> dict[str, float]:
-        """The time per phase since the last take."""
-        spent, self.spent = self.spent, {}
-        return spent
+    def take(self) -> tuple[dict[str, float], float]:
+        """The time per phase since the last take, and the calling thread's part of it."""
+        spent, main, self.spent, self.main = self.spent, self.main, {}, 0.0
+        return spent, main
 
 
 def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out: Path) -> None:
@@ -140,7 +156,7 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     phases = Phases()
-    split: dict[str, list[dict[str, float]]] = {"2 nodes": [], "catch-up": []}
+    split: dict[str, list[dict[str, float]]] = {"1 node": [], "2 nodes": [], "catch-up": []}
     torch.manual_seed(0)
     per = max(1, size_mib * (1 << 20) // 4 // 3 // tensors)  # a third weights, two moments
     model = nn.ParameterList([nn.Parameter(torch.randn(per)) for _ in range(tensors)])
@@ -166,8 +182,8 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
             started = time.perf_counter()
             ckpt.save(progress) if call == "save" else ckpt.resume()
             took = time.perf_counter() - started
-            spent = phases.take()
-            spent["rounds and the rest"] = took - sum(spent.values())
+            spent, main = phases.take()
+            spent["the rest"] = took - main
             both: list[Any] = [None, None]
             dist.all_gather_object(both, spent)
             if case in split:
@@ -220,6 +236,13 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
             _write_durably(root / "node1" / "floor", size)
         floors.append(slowest(time.perf_counter() - started if rank == 1 else 0.0))
     rows.append({"call": "floor", "case": "write", "median_s": statistics.median(floors)})
+    wire = []  # the transfer's own floor: the same bytes over gloo alone, no file, no check
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        _gloo_alone(rank, size)
+        wire.append(slowest(time.perf_counter() - started))
+    rows.append({"call": "floor", "case": "gloo", "median_s": statistics.median(wire)})
     pairs: dict[str, list[float]] = {"one": [], "both": []}  # one writer, then two at once
     for _ in range(repeats):
         for case, writes in (("one", rank == 0), ("both", True)):
@@ -248,6 +271,23 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
         out.write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _gloo_alone(rank: int, size: int, chunk: int = 8 << 20) -> None:
+    """Rank 0 sends ``size`` bytes to rank 1 as a catch-up's messages travel (``chunk`` each,
+    the next posted once the one before is done), from and into memory alone."""
+    import torch
+    import torch.distributed as dist
+
+    buffers = [torch.ones(min(chunk, size), dtype=torch.uint8) for _ in range(2)]
+    travelling = None
+    for k, offset in enumerate(range(0, size, chunk)):
+        part = buffers[k % 2][: min(chunk, size - offset)]
+        if travelling is not None:
+            travelling.wait()
+        travelling = (dist.isend if rank == 0 else dist.irecv)(part, 1 - rank)
+    if travelling is not None:
+        travelling.wait()
 
 
 def _medians(call: str, times: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -299,25 +339,28 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for call in ("save", "resume"):
         base, other = (r["median_s"] for r in rows if r["call"] == call)
         print(f"| {call} | {base:.3f} | {other:.3f} | {other / base:.2f}x | ≤ {TARGETS[call]}x |")
-    floor = next(r["median_s"] for r in rows if r["call"] == "floor")
-    print(f"floor of the catch-up: node 1 writing the same bytes and fsyncing them: {floor:.3f} s")
+    floor = {r["case"]: r["median_s"] for r in rows if r["call"] == "floor"}
+    print(
+        f"floors of the catch-up: node 1 writing the same bytes and fsyncing them: "
+        f"{floor['write']:.3f} s; gloo alone moving them (8 MiB messages): {floor['gloo']:.3f} s"
+    )
     one, both = (r["median_s"] for r in rows if r["call"] == "parallel floor")
     print(
         f"parallel floor: one rank writing them {one:.3f} s, both at once {both:.3f} s: "
         f"{both / one:.2f}x"
     )
     print("\nper phase, median s (rank 0 / rank 1)")
-    print("| phase | 2-node save | catch-up |")
-    print("|---|---|---|")
+    print("| phase | 1-node save | 2-node save | catch-up |")
+    print("|---|---|---|---|")
     phased = [r for r in rows if r["call"] == "phase"]
     for phase in dict.fromkeys(r["phase"] for r in phased):
         cells = []
-        for case in ("2 nodes", "catch-up"):
+        for case in ("1 node", "2 nodes", "catch-up"):
             got = {
                 r["rank"]: r["median_s"] for r in phased if (r["phase"], r["case"]) == (phase, case)
             }
             cells.append(" / ".join(f"{got.get(k, 0.0):.3f}" for k in (0, 1)))
-        print(f"| {phase} | {cells[0]} | {cells[1]} |")
+        print(f"| {phase} | {' | '.join(cells)} |")
 
 
 def main(argv: list[str] | None = None) -> int:

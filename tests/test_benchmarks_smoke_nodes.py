@@ -36,14 +36,18 @@ def test_multinode_prints_save_and_catch_up_rows_and_ends_its_workers(
         ("resume", "local"),
         ("resume", "catch-up"),
         ("floor", "write"),
+        ("floor", "gloo"),
         ("parallel floor", "one"),
         ("parallel floor", "both"),
     ]
     phases = {(r["case"], r["phase"], r["rank"]) for r in rows if r["call"] == "phase"}
     assert ("2 nodes", "write a copy", 1) in phases, phases  # node 1's writer writes its copy
     assert ("catch-up", "transfer: send", 0) in phases, phases
-    assert ("catch-up", "transfer: receive + write", 1) in phases, phases
+    assert ("catch-up", "transfer: receive + check + write", 1) in phases, phases
+    assert ("1 node", "collectives (waits included)", 1) in phases, phases
     assert all(r["median_s"] >= 0 and r["bytes"] > 1 << 20 for r in rows), rows
-    assert "floor of the catch-up" in out, out
-    assert re.search(r"^\| transfer: send \| [\d.]+ / [\d.]+ \| [\d.]+ / [\d.]+ \|", out, re.M), out
+    assert "floors of the catch-up" in out, out
+    assert "gloo alone" in out, out
+    cell = r" [\d.]+ / [\d.]+ \|"
+    assert re.search(rf"^\| transfer: send \|{cell}{cell}{cell}$", out, re.M), out
     assert list(tmp_path.iterdir()) == [out_json]  # the nodes' files are removed

@@ -10,6 +10,10 @@
 * A sender whose file changed on its disk after it was checked: its CRC-32 of the whole is of
   the changed bytes, so only the format's check of the received copy (before it is published)
   finds it; nothing is published.
+* A checkpoint sent as a catch-up sends it (its manifest first, every chunk checked against it
+  as it lands, no second read and no CRC-32 of the whole): over three chunks it arrives whole;
+  a byte flipped in transit (the sender's reads flip it, after its own check) or on the
+  sender's disk is caught by that check, naming the blob; nothing is published.
 * A directory that caught up (each rank a directory of its own, rank 1's deleted before the
   resume) holds its pointers, as a save would leave them: the next open finds ``last``.
 
@@ -19,21 +23,26 @@ Prints ``ok <n>`` and exits 0, or raises.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import shutil
 import sys
 import zlib
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import pitstop
 from pitstop.errors import SaveError
-from pitstop.shell.format.fileread import verify
+from pitstop.shell.format.fileread import load, verify
 from pitstop.shell.format.filewrite import prepare, write
 from pitstop.shell.ranks import distributed
+from pitstop.shell.ranks.arrival import tail_start
 from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.peers import send
 from pitstop.shell.sharded.acrossnodes import receive_file, send_file
 from pitstop.shell.store.directory import CheckpointDirectory
 
@@ -44,6 +53,12 @@ group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
 ranks = Ranks(rank, 2, group, timeout_s=60)
 CHUNK = 8 << 20  # peers.CHUNK: receive_file uses it
 checked = 0
+
+
+def ahead(file: Any) -> dict[str, Any]:
+    """How a catch-up sends a checkpoint ``file``: its manifest first, no CRC-32 of the whole."""
+    return {"first": tail_start(file, os.fstat(file.fileno()).st_size), "crc": False}
+
 
 # Waits far longer than a slice: the sender builds its copy only once rank 1 waits for it.
 distributed.WAIT_SLICE_S = 0.001
@@ -75,7 +90,7 @@ def nothing_published(directory: Path, name: str, work: object) -> str:
 # A byte flipped in transit: rank 0 sends as peers.send does, one byte flipped after its CRC.
 data = bytes((i * 31 + 7) % 256 for i in range(2 * CHUNK + 5))
 if rank == 0:
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), 1, group=group)
+    dist.send(torch.tensor([len(data), 0], dtype=torch.int64), 1, group=group)  # size, first
     for offset in range(0, len(data), CHUNK):
         part = torch.frombuffer(bytearray(data[offset : offset + CHUNK]), dtype=torch.uint8)
         if offset == CHUNK:
@@ -109,6 +124,57 @@ else:
     assert "changed.pitstop" in said, said
     print(said, flush=True)
 checked += 1
+
+
+# A checkpoint sent as a catch-up sends it (manifest first, checked as it lands: no CRC-32 of
+# the whole): over three chunks, it arrives whole; a byte changed in transit (the sender's
+# reads flip one, after its own check) or on the sender's disk is caught by the receiver's
+# check against the file's own manifest as it arrives, and nothing is published.
+class Flipping(io.FileIO):
+    """A file whose reads flip the byte at ``at`` (what a bad link does to the copy)."""
+
+    at = 0
+
+    def readinto(self, buffer: Any) -> int:
+        start = self.tell()
+        got = super().readinto(buffer) or 0
+        if start <= self.at < start + got:
+            memoryview(buffer).cast("B")[self.at - start] ^= 0x20
+        return got
+
+
+tree = {"w": torch.arange(5 << 20, dtype=torch.float32), "b": torch.ones(100)}  # 3 chunks
+for case in ("whole", "transit", "disk"):
+    source = root / "node0" / f"ckpt-{case}.pitstop"
+    target = root / "node1" / f"ckpt-{case}.pitstop"
+    if rank == 0:
+        with open(source, "wb") as file:
+            write(file, prepare(tree), {})
+        verify(source)
+        if case == "transit":  # a byte of the data region past the first chunk, as it travels
+            Flipping.at = CHUNK + 4321
+            with Flipping(source, "rb") as flipping:
+                send(ranks, 1, flipping, source.stat().st_size, str(source), **ahead(flipping))
+        else:
+            if case == "disk":  # one byte of the data region, after the check
+                with open(source, "r+b") as file:
+                    file.seek(2 * CHUNK + 99)
+                    byte = file.read(1)
+                    file.seek(2 * CHUNK + 99)
+                    file.write(bytes([byte[0] ^ 0x01]))
+            send_file(ranks, 1, source, checkpoint=True)
+    elif case == "whole":
+        receive_file(ranks, 0, target, checkpoint=True)
+        verify(target)
+        assert load(target, verify=False)["w"].equal(tree["w"])
+    else:
+        said = nothing_published(
+            target.parent, target.name, partial(receive_file, ranks, 0, target, checkpoint=True)
+        )
+        assert "fails its checksum" in said, said  # the blob's CRC-32, as it landed
+        assert "from rank 0" in said, said
+        print(said, flush=True)
+    checked += 1
 
 # A directory that caught up gets its pointers, as a save would: the next open finds `last`.
 node = root / f"run{rank}"  # a directory of each rank's own: the ranks share none

@@ -21,9 +21,12 @@
 # and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
 # loaded in the same pass), and the first candidate that verifies in at least one directory is
 # chosen. A directory whose copy is missing or does not verify receives the copy of a directory
-# that has it (the core's catch_up), over torch.distributed, into a temp file that is verified
-# (every byte, loaded in the same pass: the resume's read) before the store's atomic writer
-# publishes it — a copy that changed on its way, or on its sender's disk, is never published.
+# that has it (the core's catch_up), over torch.distributed, into a temp file, every byte checked
+# against the file's own manifest as it lands (pitstop.shell.ranks.arrival) and then loaded for
+# the resume without a second checking read, before the store's atomic writer publishes it — a
+# copy that changed on its way, or on its sender's disk, is never published. (Sending while the
+# sender still verifies its own copy, on a thread, was measured slower on 2 shared cores: the
+# two passes contend; the copy starts once the holders' checks are agreed.)
 # With a remote tier
 # (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
 # node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
@@ -334,12 +337,13 @@ def _move(
     for move in transfers:
         try:
             if ranks.rank == move.source:
-                send_file(ranks, move.target, path)
+                send_file(ranks, move.target, path, checkpoint=True)
             elif ranks.rank == move.target:
                 with contextlib.suppress(OSError):  # an explicit path's folder: else drained
                     path.parent.mkdir(parents=True, exist_ok=True)
-                # the copy received, every byte, before it is published: and loaded for the read
-                receive_file(ranks, move.source, path, partial(reading.verify, known_as=path))
+                # every byte checked as it lands, before it is published; then loaded for the read
+                load = partial(reading.verify, known_as=path, arrived=True)
+                receive_file(ranks, move.source, path, load, checkpoint=True)
                 directory.rescan(repoint=path == directory.storage.path(path.name))
         except Exception as exc:
             failed = failed or exc

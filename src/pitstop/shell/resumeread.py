@@ -79,10 +79,19 @@ class ResumeRead:
         index = rest[1]
         return self._devices.get((name, index)) if isinstance(index, int) else None
 
-    def verify(self, path: Path, *, shards: bool = True, known_as: Path | None = None) -> None:
+    def verify(
+        self,
+        path: Path,
+        *,
+        shards: bool = True,
+        known_as: Path | None = None,
+        arrived: bool = False,
+    ) -> None:
         """Check every byte of ``path`` and load it, in one pass; raise CheckpointCorrupt.
         ``known_as``: the path :meth:`load` will ask for (a temp file checked before it is
         published there: the tree loaded from it stays valid once it is renamed).
+        ``arrived``: every byte was checked as it arrived from a peer (the catch-up's
+        receive, pitstop.shell.ranks.arrival): loaded without checking it again.
 
         A sharded checkpoint directory: its manifest is checked whole and its replicated
         tree loaded, and with ``shards`` every DCP file it lists is checked too (a resume's
@@ -95,7 +104,7 @@ class ResumeRead:
             self._tree = load(path / MANIFEST_NAME, verify="file")
             if shards:
                 verify_sharded(path, read_layout(path)[0])
-        elif checked(path):  # read into memory from object storage, every byte checked on arrival
+        elif arrived or checked(path):  # every byte checked as it arrived (a peer; object storage)
             self._tree = load(path, verify=False, place=self.place)
         else:
             self._tree = load(path, verify="file", place=self.place, drop_placed=self._drop)

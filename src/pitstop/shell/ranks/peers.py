@@ -13,9 +13,14 @@
 # chunk k+1 while chunk k travels, the receiver writes chunk k while chunk k+1 travels (memory
 # bounded by two chunks on each side; one message in flight each way, so they arrive in order),
 # with a CRC-32 of the whole (the format's fastest engine: ISA-L where installed) compared before
-# the caller may publish; the receiver hands what it wrote to the disk's writeback as it goes
-# (WriteBehind), drains every chunk even when its own write fails, and a sender that cannot read
-# sends zeros and says so at the end, so that neither side is left waiting for the other.
+# the caller may publish — or, for a checkpoint file, its manifest and footer sent first and
+# every chunk checked as it lands against them (pitstop.shell.ranks.arrival: the file's own
+# checksums, so a byte changed on the way or on the sender's disk is caught in the one pass
+# that writes it, and no second read checks it); the receiver writes each chunk where it
+# belongs (seeking once, after the tail sent first), hands what it wrote to the disk's
+# writeback as it goes (WriteBehind), drains every chunk even when its own write or check
+# fails, and a sender that cannot read sends zeros and says so at the end, so that neither side
+# is left waiting for the other.
 # How: point-to-point isend/irecv on pitstop's own gloo group, each wait bounded by its timeout
 # like every collective of pitstop's (Ranks._named, Ranks._wait; in one piece: gloo closes a pair
 # whose message outlives a wait); the files are the caller's (the store's atomic writer publishes
@@ -34,7 +39,7 @@ from typing import Any, BinaryIO, Final, TypeVar
 import torch
 
 from pitstop.core.ranks import OK, DirectoryGroups, Outcome, agree, directory_groups
-from pitstop.errors import CheckpointCorrupt, SaveError
+from pitstop.errors import CheckpointCorrupt, PitstopError, SaveError
 from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.writebehind import WriteBehind
 from pitstop.shell.ranks.distributed import PART_BOX, Ranks, raise_outcome
@@ -130,86 +135,130 @@ def _exchange(ranks: Ranks, tensor: torch.Tensor, peer: int, *, sending: bool) -
     _done(ranks, _post(ranks, tensor, peer, sending=sending), peer, tensor, sending=sending)
 
 
-def _buffers(size: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two chunk buffers of one side of a copy (one when the copy fits one chunk)."""
-    first = torch.empty(min(chunk, max(size, 1)), dtype=torch.uint8)
-    return first, (torch.empty_like(first) if size > chunk else first)
+def _buffers(ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two chunk buffers of one side of a copy sent as ``ranges`` (one for one range)."""
+    first = torch.empty(max([n for _, n in ranges] + [1]), dtype=torch.uint8)
+    return first, (torch.empty_like(first) if len(ranges) > 1 else first)
+
+
+def _ranges(size: int, first: int, chunk: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` of each message of a copy of ``size`` bytes: bytes ``first``
+    on first (a checkpoint's manifest and footer), then the bytes before them, ``chunk`` at most
+    each."""
+    first = max(0, min(first, size))
+    return [
+        (offset, min(chunk, stop - offset))
+        for start, stop in ((first, size), (0, first))
+        for offset in range(start, stop, chunk)
+    ]
 
 
 def send(
-    ranks: Ranks, target: int, file: BinaryIO | None, size: int, where: str, chunk: int = CHUNK
+    ranks: Ranks,
+    target: int,
+    file: BinaryIO | None,
+    size: int,
+    where: str,
+    chunk: int = CHUNK,
+    *,
+    first: int = 0,
+    crc: bool = True,
 ) -> None:
     """The writer ``ranks.rank``: send ``size`` bytes of ``file`` to ``target`` in messages of
-    ``chunk`` bytes, each read while the one before travels (``file`` ``None``, or one that
-    fails to read: zeros, and the receiver is told it failed, after every message)."""
-    _exchange(ranks, torch.tensor([size], dtype=torch.int64), target, sending=True)
-    crc, failed = 0, "" if file is not None else "it could not be opened"
-    buffers = _buffers(size, chunk)
+    ``chunk`` bytes, each read while the one before travels, bytes ``first`` on first, then
+    those before them (``file`` ``None``, or one that fails to read: zeros, and the receiver is
+    told it failed, after every message); ``crc``: with the CRC-32 of the whole (else 0, for a
+    receiver that checks what arrives itself)."""
+    _exchange(ranks, torch.tensor([size, first], dtype=torch.int64), target, sending=True)
+    whole, failed = 0, "" if file is not None else "it could not be opened"
+    ranges = _ranges(size, first, chunk)
+    buffers = _buffers(ranges)
     travelling: Any = None  # the message of the chunk before, still on its way
-    for k, offset in enumerate(range(0, size, chunk)):
-        n = min(chunk, size - offset)
+    at = 0  # where the file stands
+    for k, (offset, n) in enumerate(ranges):
         part = buffers[k % 2][:n]
         view = part.numpy().data
         if not failed and file is not None:
             try:
+                if offset != at:
+                    file.seek(offset)
                 got = file.readinto(view)  # type: ignore[attr-defined]
+                at = offset + (got or 0)
                 if got != n:
-                    raise OSError(f"{where} ended at byte {offset + (got or 0)} of {size}")
+                    raise OSError(f"{where} ended at byte {at} of {size}")
             except OSError as exc:
                 failed = str(exc) or type(exc).__name__
         if failed:
             part.zero_()
-        else:
-            crc = crc32_update(view, crc)
+        elif crc:
+            whole = crc32_update(view, whole)
         if travelling is not None:
             _done(ranks, travelling, target, *buffers, sending=True)
         travelling = _post(ranks, part, target, sending=True)
     if travelling is not None:
         _done(ranks, travelling, target, *buffers, sending=True)
-    trailer = torch.tensor([crc, int(bool(failed))], dtype=torch.int64)  # a CRC fits in 63 bits
+    trailer = torch.tensor([whole, int(bool(failed))], dtype=torch.int64)  # CRCs fit 63 bits
     _exchange(ranks, trailer, target, sending=True)
     if failed or file is None:
         raise SaveError(f"rank {ranks.rank} could not send {where}: {failed}")
 
 
-def receive(ranks: Ranks, source: int, file: BinaryIO, where: str, chunk: int = CHUNK) -> int:
+def receive(
+    ranks: Ranks,
+    source: int,
+    file: BinaryIO,
+    where: str,
+    chunk: int = CHUNK,
+    *,
+    look: Callable[[memoryview, int], object] | None = None,
+) -> int:
     """The writer ``ranks.rank``: receive what ``source`` :func:`send` s (``chunk``: as sent)
-    into ``file``, each chunk written while the next one travels; its size. Every chunk is
-    received whatever fails here (the sender never waits in vain); then a failed write, a
-    failed sender or a CRC that differs is raised."""
-    header = torch.zeros(1, dtype=torch.int64)
+    into ``file``, each chunk written where it belongs while the next one travels; its size.
+    ``look(bytes, offset)``: each chunk checked once written, in the order sent (its
+    CheckpointCorrupt ends the writing; no CRC-32 of the whole is compared then). Every chunk is
+    received whatever fails here (the sender never waits in vain); then a failed write or
+    check, a failed sender or a CRC that differs is raised."""
+    header = torch.zeros(2, dtype=torch.int64)
     _exchange(ranks, header, source, sending=False)
-    size = int(header[0])
-    crc, problem = 0, ""
+    size, first = int(header[0]), int(header[1])
+    whole = 0
+    problem: PitstopError | None = None  # the first failure here: raised once every chunk is in
     behind = WriteBehind.of(file)  # the disk starts on the copy as it comes
-    buffers = _buffers(size, chunk)
-    offsets = range(0, size, chunk)
-    travelling = (
-        _post(ranks, buffers[0][: min(chunk, size)], source, sending=False) if size else None
-    )
-    for k, offset in enumerate(offsets):
-        n = min(chunk, size - offset)
+    ranges = _ranges(size, first, chunk)
+    buffers = _buffers(ranges)
+    travelling = _post(ranks, buffers[0][: ranges[0][1]], source, sending=False) if ranges else None
+    at = 0  # where the file stands
+    for k, (offset, n) in enumerate(ranges):
         _done(ranks, travelling, source, *buffers, sending=False)
-        if offset + chunk < size:  # the next chunk travels while this one is written
-            ahead = min(chunk, size - offset - chunk)
+        if k + 1 < len(ranges):  # the next chunk travels while this one is written
+            ahead = ranges[k + 1][1]
             travelling = _post(ranks, buffers[(k + 1) % 2][:ahead], source, sending=False)
-        if problem:
+        if problem is not None:
             continue
         data = buffers[k % 2][:n].numpy().data
-        crc = crc32_update(data, crc)
+        if look is None:
+            whole = crc32_update(data, whole)
         try:
+            if offset != at:
+                file.seek(offset)
             file.write(data)
-            behind.wrote(offset + n)
+            at = offset + n
+            if offset < first or first == 0:  # not the tail sent first: its pages go with the fsync
+                behind.wrote(at)
+            if look is not None:
+                look(data, offset)
         except OSError as exc:
-            problem = f"could not write {where}: {exc}"
+            problem = SaveError(f"could not write {where}: {exc}")
+        except CheckpointCorrupt as exc:
+            problem = exc
     trailer = torch.zeros(2, dtype=torch.int64)
     _exchange(ranks, trailer, source, sending=False)
     if int(trailer[1]):
         raise SaveError(f"rank {source} could not send {where} to rank {ranks.rank}")
-    if problem:
-        raise SaveError(problem)
-    if int(trailer[0]) != crc:
+    if problem is not None:
+        raise problem
+    if look is None and int(trailer[0]) != whole:
         raise CheckpointCorrupt(
-            f"{where} from rank {source}: CRC-32 {crc:08x} received, {int(trailer[0]):08x} sent"
+            f"{where} from rank {source}: CRC-32 {whole:08x} received, {int(trailer[0]):08x} sent"
         )
     return size

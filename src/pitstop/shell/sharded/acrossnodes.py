@@ -44,6 +44,7 @@ from pitstop.core.sharding.shardcover import FileMove, cover_nodes
 from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format.fileread import verify as verify_file
+from pitstop.shell.ranks.arrival import Arrival, tail_start
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import receive, send
 from pitstop.shell.store.atomic import write_atomically
@@ -70,15 +71,19 @@ Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], bool]
 holds any checkpoint."""
 
 
-def send_file(ranks: Ranks, target: int, path: Path) -> None:
-    """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so)."""
+def send_file(ranks: Ranks, target: int, path: Path, *, checkpoint: bool = False) -> None:
+    """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so);
+    ``checkpoint``: a pitstop file, its manifest and footer first, for a receiver that checks
+    it as it arrives (:func:`receive_file` with ``checkpoint``)."""
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
         send(ranks, target, None, 0, str(path))
         return
     with file:
-        send(ranks, target, file, os.fstat(file.fileno()).st_size, str(path))
+        size = os.fstat(file.fileno()).st_size
+        first = tail_start(file, size) if checkpoint else 0
+        send(ranks, target, file, size, str(path), first=first, crc=not checkpoint)
 
 
 class _Discard:
@@ -87,22 +92,36 @@ class _Discard:
     def write(self, data: object) -> None:
         """Drop ``data``."""
 
+    def seek(self, offset: int) -> None:
+        """Nowhere to go."""
+
 
 def receive_file(
-    ranks: Ranks, source: int, path: Path, check: Callable[[Path], object] | None = None
+    ranks: Ranks,
+    source: int,
+    path: Path,
+    check: Callable[[Path], object] | None = None,
+    *,
+    checkpoint: bool = False,
 ) -> None:
     """Receive ``source``'s copy into ``path``, published atomically (once ``check`` of the
     temp file, if given, passed); drained even when the temp file cannot be made, so that the
-    sender is not left waiting."""
+    sender is not left waiting. ``checkpoint``: a pitstop file sent by :func:`send_file` with
+    ``checkpoint``, every byte checked against its own manifest as it arrives (so ``check``
+    need not read it again)."""
     began = False
+    temp: list[Path] = []
 
     def write(file: BinaryIO) -> None:
         nonlocal began
         began = True
-        receive(ranks, source, file, str(path))
+        look = Arrival(file, temp[-1], f"{path} from rank {source}") if checkpoint else None
+        receive(ranks, source, file, str(path), look=look)
+        if look is not None:
+            look.finish()
 
     try:
-        write_atomically(path, write, check=check)
+        write_atomically(path, write, check=check, opened=temp.append)
     except BaseException:
         if not began:
             receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]

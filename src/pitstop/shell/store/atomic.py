@@ -37,6 +37,7 @@ def write_atomically(
     write: Callable[[BinaryIO], object],
     *,
     check: Callable[[Path], object] | None = None,
+    opened: Callable[[Path], object] | None = None,
 ) -> Path:
     """Make ``path`` hold what ``write(file)`` writes, atomically and durably; return the path.
 
@@ -47,7 +48,8 @@ def write_atomically(
     :class:`~pitstop.errors.SaveError` naming ``path`` when any step fails; then ``path`` is
     as it was and no temp file is left — unless only the directory fsync after the new file
     replaced an old one failed: the old one is gone, so ``path`` keeps the new one (complete,
-    fsynced) and the message says so.
+    fsynced) and the message says so. ``opened``, if given, is called with the temp file's
+    path before ``write`` (a writer that reads back what it wrote).
     """
     target = Path(path)
     if target.name in {"", ".", ".."}:
@@ -58,6 +60,8 @@ def write_atomically(
     def put(file: BinaryIO, _sync: Callable[[], None]) -> None:
         buffered = io.BufferedWriter(cast(io.RawIOBase, file))
         try:
+            if opened is not None:
+                opened(storage.path(temp_name(target.name, token)))
             write(cast(BinaryIO, buffered))
             buffered.flush()
             if check is not None:
