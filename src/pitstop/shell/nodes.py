@@ -65,7 +65,7 @@ from pitstop.core.ranks import (
 from pitstop.core.records import PointerName
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.ranks.peers import probe_groups
+from pitstop.shell.ranks.peers import look_on_writers, probe_groups
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file, send_file
 from pitstop.shell.store.directory import CheckpointDirectory
@@ -240,13 +240,11 @@ def choose_path_across(
     entry (as it travels), on every node once this returns: a node without a valid copy at that
     path receives one from a node that has it. Raises
     :class:`~pitstop.errors.CheckpointNotFound` on every rank when no node holds it valid."""
-    writes = groups.writes(ranks.rank)
-    found = ranks.all_gather_each(partial(_found, directory, source, reading) if writes else _no)
-    holders = [w for w in groups.writers if found[w][1] is not None]
+    seen = look_on_writers(ranks, groups, partial(_found, directory, source, reading))
+    found, holders = seen.found, seen.holders
     if not holders:
-        said = "; ".join(f"rank {w}'s node: {found[w][0]}" for w in groups.writers)
         raise CheckpointNotFound(
-            f"resume({str(source)!r}): no node holds a valid checkpoint there ({said}); the "
+            f"resume({str(source)!r}): no node holds a valid checkpoint there ({seen.said}); the "
             "ranks share no checkpoint directory, so the path must exist on at least one node "
             "(any node lacking it receives a copy)"
         )
@@ -261,10 +259,6 @@ def choose_path_across(
             )
     ranks.each(partial(_move, transfers, path, reading, ranks, directory))
     return path, wire
-
-
-def _no() -> tuple[str, None]:
-    return "", None
 
 
 def _found(

@@ -34,8 +34,9 @@ import contextlib
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Final, TypeVar
+from typing import Any, BinaryIO, Final, Generic, TypeVar
 
+import attrs
 import torch
 
 from pitstop.core.ranks import OK, DirectoryGroups, Outcome, agree, directory_groups
@@ -45,7 +46,16 @@ from pitstop.shell.format.writebehind import WriteBehind
 from pitstop.shell.ranks.distributed import PART_BOX, Ranks, raise_outcome
 from pitstop.shell.ranks.packing import pack_state, unpack_state
 
-__all__ = ["CHUNK", "PROBE_PREFIX", "gather_to_writers", "probe_groups", "receive", "send"]
+__all__ = [
+    "CHUNK",
+    "PROBE_PREFIX",
+    "Sightings",
+    "gather_to_writers",
+    "look_on_writers",
+    "probe_groups",
+    "receive",
+    "send",
+]
 
 T = TypeVar("T")
 
@@ -111,6 +121,34 @@ def gather_to_writers(
         return work(trees)
 
     return ranks.each(write)
+
+
+@attrs.frozen
+class Sightings(Generic[T]):
+    """What each directory's writer found (:func:`look_on_writers`): per rank, a path or what
+    was wrong, and the thing found (``None``: nothing); the writers that found it, in order."""
+
+    found: list[tuple[str, T | None]]
+    holders: list[int]
+    said: str
+    """Each writer's finding, for an error naming every node's."""
+
+
+def look_on_writers(
+    ranks: Ranks, groups: DirectoryGroups, look: Callable[[], tuple[str, T | None]]
+) -> Sightings[T]:
+    """Every rank: ``look()`` on each directory's writer (its node's finding: a path and what
+    it holds there, or what is wrong and ``None``), every finding to every rank; a failure of
+    ``look`` on any writer raised on every rank."""
+    writes = groups.writes(ranks.rank)
+    found: list[tuple[str, T | None]] = ranks.all_gather_each(look if writes else _nothing)
+    holders = [w for w in groups.writers if found[w][1] is not None]
+    said = "; ".join(f"rank {w}'s node: {found[w][0]}" for w in groups.writers)
+    return Sightings(found, holders, said)
+
+
+def _nothing() -> tuple[str, None]:
+    return "", None
 
 
 def _post(ranks: Ranks, tensor: torch.Tensor, peer: int, *, sending: bool) -> Any:

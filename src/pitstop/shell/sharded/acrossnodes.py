@@ -46,7 +46,7 @@ from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format.fileread import verify as verify_file
 from pitstop.shell.ranks.arrival import Arrival, tail_start
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.ranks.peers import receive, send
+from pitstop.shell.ranks.peers import look_on_writers, receive, send
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, scan
 from pitstop.shell.store.resolve import resolve_checkpoint
@@ -263,15 +263,13 @@ def choose_sharded_path_across(
     there) receives the manifest and the files its ranks read at the same path. Raises
     :class:`~pitstop.errors.CheckpointNotFound` on every rank when no node holds its manifest
     whole, :class:`~pitstop.errors.CheckpointCorrupt` when its files are whole on no node."""
-    writes = groups.writes(ranks.rank)
-    found = ranks.all_gather_each(partial(_look, source) if writes else lambda: ("", None))
-    holders = [w for w in groups.writers if found[w][1] is not None]
+    seen = look_on_writers(ranks, groups, partial(_look, source))
+    found, holders = seen.found, seen.holders
     if not holders:
-        said = "; ".join(f"rank {w}'s node: {found[w][0]}" for w in groups.writers)
         raise CheckpointNotFound(
-            f"resume({str(source)!r}): no node holds a sharded checkpoint there whole ({said}); "
-            "the ranks share no checkpoint directory, so its manifest must be on at least one "
-            "node (any node lacking it receives it, and the files its ranks read)"
+            f"resume({str(source)!r}): no node holds a sharded checkpoint there whole "
+            f"({seen.said}); the ranks share no checkpoint directory, so its manifest must be on "
+            "at least one node (any node lacking it receives it, and the files its ranks read)"
         )
     path, wire = Path(found[holders[0]][0]), found[holders[0]][1]
     chosen = _candidate(directory, path, wire, ranks, groups, plan)
