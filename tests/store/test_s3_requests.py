@@ -12,6 +12,9 @@ again; and readers racing a live writer on the prefix that prunes every save nev
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 
 import pitstop
 from multirank import Job
+from pitstop.cli import main
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.s3.objects import deletion_order
 from pitstop.errors import CheckpointCorrupt
@@ -169,12 +173,26 @@ def test_a_reader_whose_choice_is_pruned_resolves_again(
     assert raced == [checkpoint_name(4)]
 
 
+def _cli(*argv: str) -> None:
+    """``pitstop ARGV`` in this process: exit status 0, and ``ls --json`` rows all readable."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(list(argv))
+    assert code == 0, out.getvalue()
+    if "--json" in argv:
+        rows = json.loads(out.getvalue())
+        assert rows, out.getvalue()
+        assert all("unreadable" not in row for row in rows), out.getvalue()
+
+
 def test_readers_racing_a_pruning_writer_on_s3(s3_url: str, s3_env: dict[str, str]) -> None:
-    """A real writer saves 20 times with ``keep_last=1`` (each save deletes the one before)
-    while this process loads, inspects and verifies the prefix in a loop: no failure."""
+    """A real writer saves 100 times with ``keep_last=1`` (each save deletes the one before)
+    while this process reads the prefix in a loop through every public reader — ``load``,
+    ``info``, ``verify`` of ``last``, ``pitstop ls`` (plain, ``--json``, ``--check``) and
+    ``pitstop verify`` — : no failure."""
     failures: list[str] = []
     rounds = 0
-    with Job(WRITER, s3_url, "20", ranks=1, env=s3_env) as job:
+    with Job(WRITER, s3_url, "100", ranks=1, env=s3_env) as job:
         job.wait_for(0, "saved 1")
         while job.running() or rounds == 0:
             rounds += 1
@@ -182,6 +200,10 @@ def test_readers_racing_a_pruning_writer_on_s3(s3_url: str, s3_env: dict[str, st
                 ("load", lambda: pitstop.load(s3_url)),
                 ("info", lambda: pitstop.info(s3_url)),
                 ("verify last", lambda: pitstop.verify(f"{s3_url}/last")),
+                ("pitstop ls", lambda: _cli("ls", s3_url)),
+                ("pitstop ls --json", lambda: _cli("ls", s3_url, "--json")),
+                ("pitstop ls --check", lambda: _cli("ls", s3_url, "--check")),
+                ("pitstop verify last", lambda: _cli("verify", f"{s3_url}/last")),
             ):
                 try:
                     read()
@@ -189,4 +211,4 @@ def test_readers_racing_a_pruning_writer_on_s3(s3_url: str, s3_env: dict[str, st
                     failures.append(f"round {rounds}, {what}: {type(exc).__name__}: {exc}")
         job.wait().check()
     assert failures == [], f"{len(failures)} failures in {rounds} rounds:\n" + "\n".join(failures)
-    assert pitstop.info(s3_url).step == 20
+    assert pitstop.info(s3_url).step == 100
