@@ -67,7 +67,8 @@ def _legal(path: Path) -> int:
 
 
 def _sharded(directory: Path, values: int) -> None:
-    from pitstop.core.sharding.sharded import LAYOUT_FORMAT, ShardedLayout, StoredChunk, StoredValue
+    from pitstop.core.sharding.layoutwire import LAYOUT_FORMAT
+    from pitstop.core.sharding.sharded import ShardedLayout, StoredChunk, StoredValue
     from pitstop.shell.store.sharddir import file_table, write_manifest
 
     directory.mkdir()

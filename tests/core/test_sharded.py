@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name
+from pitstop.core.sharding.layoutwire import layout_from_wire, layout_to_wire
 from pitstop.core.sharding.sharded import (
     LiveValue,
     ShardedLayout,
@@ -21,8 +22,6 @@ from pitstop.core.sharding.sharded import (
     files_for,
     fresh_optimizers,
     layout_differences,
-    layout_from_wire,
-    layout_to_wire,
     parse_sharded_name,
     sharded_name,
     share_checks,

@@ -39,7 +39,7 @@ import pitstop
 from pitstop.errors import SaveError
 from pitstop.shell.format.fileread import load, verify
 from pitstop.shell.format.filewrite import prepare, write
-from pitstop.shell.ranks import distributed
+from pitstop.shell.ranks import collectives
 from pitstop.shell.ranks.arrival import tail_start
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import send
@@ -61,7 +61,7 @@ def ahead(file: Any) -> dict[str, Any]:
 
 
 # Waits far longer than a slice: the sender builds its copy only once rank 1 waits for it.
-distributed.WAIT_SLICE_S = 0.001
+collectives.WAIT_SLICE_S = 0.001
 source, target = root / "node0" / "long.bin", root / "node1" / "long.bin"
 if rank == 0:
     source.parent.mkdir(parents=True)
@@ -70,7 +70,7 @@ if rank == 0:
 else:
     receive_file(ranks, 0, target)
     assert target.read_bytes() == bytes(range(256)) * (3 * CHUNK // 256 + 1000)
-distributed.WAIT_SLICE_S = 1.0
+collectives.WAIT_SLICE_S = 1.0
 checked += 1
 
 

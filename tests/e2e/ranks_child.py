@@ -1,7 +1,7 @@
 """One rank of tests/e2e/test_ranks.py: pitstop's collectives with values of every size.
 
 Each rank all-gathers (with the default box and with ``PART_BOX``), gathers to rank 0 and
-broadcasts values from empty to far past each box (``pitstop.shell.ranks.distributed``), the ranks'
+broadcasts values from empty to far past each box (``pitstop.shell.ranks.collectives``), the ranks'
 sizes differing, and checks what it got; then ``gather_then_lead`` (and the same round begun
 by ``begin`` on rank 0 before any other rank's value is sent) with a failure on each side, and
 a Ctrl-C in a round's work on one rank, which every rank raises; a Checkpointer whose directory
@@ -28,7 +28,8 @@ import pitstop
 from pitstop.core.ranks import Outcome
 from pitstop.core.records import NO_CHECKPOINT, Progress, SaveReason
 from pitstop.errors import ConfigError, DirectoryLocked, SaveError
-from pitstop.shell.ranks.distributed import BROADCAST_BOX, GATHER_BOX, PART_BOX, Ranks
+from pitstop.shell.ranks.collectives import BROADCAST_BOX, GATHER_BOX, PART_BOX
+from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.store.lock import DirectoryLock
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import pitstop.shell.manager as manager
+import pitstop.shell.opening as opening
 import pitstop.shell.store.directory as directory_module
 from pitstop import Checkpointer, IncompatibleCheckpoint, PitstopError, Progress, SaveError
 from pitstop.core.naming import LATEST_JSON, LOCK_NAME
@@ -41,7 +41,7 @@ def test_a_constructor_that_fails_after_locking_releases_the_directory(
         raise Boom("the saver could not be made")
 
     with monkeypatch.context() as patched:
-        patched.setattr(manager, "Saver", failing_saver)
+        patched.setattr(opening, "Saver", failing_saver)
         with pytest.raises(Boom, match="the saver could not be made"):
             Checkpointer(tmp_path, model=_model())
     assert not (tmp_path / LOCK_NAME).exists()

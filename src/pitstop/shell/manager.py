@@ -5,6 +5,7 @@
 # fits the run (compat), and what each call must wait for (core.session). This class is the
 # driver: it checks its arguments, makes every rank take part in each call's collectives, and
 # hands the work to the module that does it, each with one reason to change:
+#   pitstop.shell.opening       its parts made and wired, the directory locked and read
 #   pitstop.shell.savecall      one save call on every rank: hear, decide, plan, write
 #   pitstop.shell.saving        rank 0 plans a save with the core and carries it out (capture,
 #                               write through a locked CheckpointDirectory, or hand over)
@@ -25,38 +26,27 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import torch
 from torch import nn
 
 from pitstop.core.compat import may_change_patterns
 from pitstop.core.ranks import entry_from_wire
 from pitstop.core.records import NO_CHECKPOINT, Policy, Progress, SaveReason
-from pitstop.core.saving.schedule import Call, ScheduleState
+from pitstop.core.saving.schedule import Call
 from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
 from pitstop.errors import PitstopError
-from pitstop.shell.checkpoint import Checkpoint, checked_options, config_of, manual_reason, records
-from pitstop.shell.lifetime import close_run, on_writers, release, settle_on_writers, shut_down
-from pitstop.shell.nodes import open_directories
-from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.registration import add_component, register_component
+from pitstop.shell.checkpoint import Checkpoint, checked_options, manual_reason, records
+from pitstop.shell.lifetime import close_run, on_writers, settle_on_writers
+from pitstop.shell.opening import hook_optimizer, open_parts
+from pitstop.shell.registration import register_component
 from pitstop.shell.resuming import resume_from
-from pitstop.shell.savecall import SaveCalls
-from pitstop.shell.saving import Saver
-from pitstop.shell.session import RemoteTicket, SaveSession, SaveTicket
-from pitstop.shell.sharded.support import require_sharded
-from pitstop.shell.shardsave import ShardedSaves, holds_sharded
-from pitstop.shell.state.capture import LiveState
-from pitstop.shell.state.staging import StagingPool
-from pitstop.shell.state.unwrap import unwrap_model
+from pitstop.shell.session import RemoteTicket, SaveTicket
 from pitstop.shell.store.directory import scan
-from pitstop.shell.store.location import checkpoint_directory
 from pitstop.shell.store.storage import Storage
 
 __all__ = ["Checkpoint", "Checkpointer", "Stateful"]
@@ -131,65 +121,27 @@ class Checkpointer:
         self._config_may_change = may_change_patterns(config_may_change)
         self.async_save = options.async_save
         self.policy = options.policy
-        self._live = LiveState(
-            model=unwrap_model(model),
-            ema=ema,
-            components={},
-            config=config_of(config),
-            per_rank=set(options.per_rank),
-        )
-        for name, obj in (state or {}).items():
-            add_component(self._live, name, obj)
         self._resumed_from: Path | None = None
-        sharded = holds_sharded(self._live)
-        if sharded:
-            require_sharded("a Checkpointer whose model or optimizer holds DTensors")
-        self._ranks = Ranks.current(options.timeout_s)
-        tier = (remote, remote_policy)  # a remote tier (s3://), and its retention
-        self._directory = checkpoint_directory(
-            directory, self.policy, storage, storage_options, not options.overwrite, tier
+        self._remote: RemoteTicket | None = None
+        self.last_blocking_s = 0.0
+        """Seconds the last save held the training loop (capture, and the copy when async)."""
+        parts = open_parts(
+            self,
+            directory,
+            options,
+            model=model,
+            ema=ema,
+            state=state,
+            config=config,
+            storage=storage,
+            storage_options=storage_options,
+            remote=remote,
+            remote_policy=remote_policy,
         )
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._ranks.call(f"Checkpointer({str(directory)!r})")
-        self._groups = open_directories(  # each directory's writer locks and reads it
-            self._ranks, self._directory, sharded=sharded
-        )
-        try:
-            schedule = ScheduleState(timer_start=time.monotonic())
-            self.last_blocking_s = 0.0
-            """Seconds the last save held the training loop (capture, and the copy when async)."""
-            background = bool(options.async_save) and self._groups.writes(self._ranks.rank)
-            self._session = SaveSession(self._directory.path, background=background)
-            self._saver = Saver(
-                schedule=schedule,
-                live=self._live,
-                directory=self._directory,
-                session=self._session,
-                pool=StagingPool() if background else None,
-                sharded=sharded,
-            )
-            self._remote: RemoteTicket | None = None
-            self._shards = ShardedSaves.of(
-                self._saver, self._ranks, background=options.async_save, timeout_s=options.timeout_s
-            )
-            self._calls = SaveCalls(
-                saver=self._saver,
-                ranks=self._ranks,
-                shards=self._shards,
-                live=self._live,
-                groups=self._groups,
-            )
-            for obj in self._live.optimizers():
-                self._hook(obj)
-            # A Checkpointer dropped or left open at exit still publishes what is in flight. The
-            # finalizer refers to the session, the directory and the hooks — never to self.
-            abandon = self._shards.abandon if self._shards is not None else None
-            self._finalizer = weakref.finalize(
-                self, shut_down, self._session, self._directory, self._hooks, abandon
-            )
-        except BaseException:  # whatever failed, nothing stays locked or hooked
-            release(self._directory, self._hooks)
-            raise
+        self._live, self._ranks, self._directory = parts.live, parts.ranks, parts.directory
+        self._hooks, self._groups, self._session = parts.hooks, parts.groups, parts.session
+        self._saver, self._shards, self._calls = parts.saver, parts.shards, parts.calls
+        self._finalizer = parts.finalizer
 
     @property
     def model(self) -> nn.Module:
@@ -307,9 +259,8 @@ class Checkpointer:
     # --- components ---------------------------------------------------------------------
 
     def _hook(self, obj: object) -> None:
-        if self.async_save == "overlap" and isinstance(obj, torch.optim.Optimizer):
-            hook = self._session.step_hook if self._shards is None else self._shards.step_hook
-            self._hooks.append(obj.register_step_pre_hook(hook))
+        overlap = self.async_save == "overlap"
+        hook_optimizer(obj, self._hooks, self._session, self._shards, overlap=overlap)
 
     def register(self, name: str, obj: Stateful, *, per_rank: bool = False) -> None:
         """Add a component; if the resumed checkpoint holds it, restore it now (deferred).

@@ -38,7 +38,8 @@ from pitstop.core.ranks import CallInput, DirectoryGroups, merge_inputs, stop_or
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.core.saving.schedule import Call, foresees_write
 from pitstop.shell.checkpoint import call_input
-from pitstop.shell.ranks.distributed import GATHER_BOX, Ranks, Round
+from pitstop.shell.ranks.collectives import GATHER_BOX
+from pitstop.shell.ranks.distributed import Ranks, Round
 from pitstop.shell.ranks.peers import gather_to_writers
 from pitstop.shell.saving import Saver
 from pitstop.shell.shardsave import ShardedSaves, Staged

@@ -17,7 +17,7 @@
 # How: a plain object holding the core's StopState; the C-level disposition is saved and
 # restored as opaque bytes through the C library's sigaction(); sync() is one all-reduce of a
 # small code per rank, on the default process group, bounded by its timeout (a failure names
-# the call and the ranks that did not arrive: pitstop.shell.ranks.distributed.named_failure).
+# the call and the ranks that did not arrive: pitstop.shell.ranks.roundfailure.named_failure).
 
 """StopRequest: pause a run cleanly on a signal, a scheduler's notice, or a request."""
 
@@ -58,7 +58,7 @@ _SIGACTION_BYTES = 1024
 _LAST_FLAG: list[torch.Tensor] = []
 """The last sync()'s tensor, referenced until the next sync (past its StopRequest): torch
 2.4's gloo worker that drops a collective's last tensor reference takes the GIL, which
-destroy_process_group holds while it joins that worker (pitstop.shell.ranks.distributed)."""
+destroy_process_group holds while it joins that worker (pitstop.shell.ranks.collectives)."""
 
 
 def _libc() -> Any:

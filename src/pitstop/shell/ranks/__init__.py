@@ -1,7 +1,8 @@
 """Agreement between ranks: rank 0 decides and writes; every rank hears the same answer.
 
 Rules: :class:`~pitstop.shell.ranks.distributed.Ranks` carries out :mod:`pitstop.core.ranks`'s
-rounds over torch.distributed (one process: no collective at all); ``outcomes`` raises an
+rounds over torch.distributed (one process: no collective at all), on the named, bounded
+collectives of :class:`~pitstop.shell.ranks.collectives.Collectives`; ``outcomes`` raises an
 error on one rank as the same error on every rank, ``roundfailure`` names a collective that
 did not complete, ``boxes`` carries a value in a collective's fixed-size box (``valuecodec``
 encodes it: msgpack, a closed set of types, never a pickle), and ``packing``

@@ -5,7 +5,7 @@
 # first. A value is encoded by pitstop.shell.ranks.valuecodec (msgpack, a closed set of types:
 # nothing is ever unpickled), and one that cannot travel still fills its box, as its refusal,
 # so that every rank completes the round.
-# How: uint8 tensors; pitstop.shell.ranks.distributed sends and receives them.
+# How: uint8 tensors; pitstop.shell.ranks.collectives sends and receives them.
 
 """Boxes: a value encoded into a fixed-size byte tensor for a collective, and back."""
 

@@ -43,7 +43,8 @@ from pitstop.core.ranks import OK, DirectoryGroups, Outcome, agree, directory_gr
 from pitstop.errors import CheckpointCorrupt, PitstopError, SaveError
 from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.writebehind import WriteBehind
-from pitstop.shell.ranks.distributed import PART_BOX, Ranks, raise_outcome
+from pitstop.shell.ranks.collectives import PART_BOX
+from pitstop.shell.ranks.distributed import Ranks, raise_outcome
 from pitstop.shell.ranks.packing import pack_state, unpack_state
 
 __all__ = [

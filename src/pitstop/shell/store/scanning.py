@@ -51,7 +51,8 @@ from pitstop.core.records import (
     Pointers,
 )
 from pitstop.core.saving.pointers import reconcile_pointers, resume_order
-from pitstop.core.sharding.sharded import MANIFEST_NAME, files_from_wire
+from pitstop.core.sharding.layoutwire import files_from_wire
+from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.untrusted import held

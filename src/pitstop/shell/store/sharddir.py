@@ -37,14 +37,13 @@ from typing import Any, BinaryIO
 
 from pitstop.core.naming import NOT_A_CHECKPOINT, parse_aside
 from pitstop.core.replacement import Found, Holds, Settlement, settle_replacement
+from pitstop.core.sharding.layoutwire import layout_from_wire, layout_to_wire
 from pitstop.core.sharding.shardcover import part_here
 from pitstop.core.sharding.sharded import (
     MANIFEST_NAME,
     ShardedLayout,
     ShardFile,
     file_problem,
-    layout_from_wire,
-    layout_to_wire,
 )
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat

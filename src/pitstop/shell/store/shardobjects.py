@@ -41,7 +41,8 @@ from pitstop.core.s3.objects import (
     encode_commit,
     sharded_commit,
 )
-from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile, file_problem, files_from_wire
+from pitstop.core.sharding.layoutwire import files_from_wire
+from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile, file_problem
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32
