@@ -8,7 +8,7 @@ same step, saved with the stop's reason.
     python sharded_nodes_loop.py --dir D --target T --out OUT [--every 2] [--keep-last 3]
         [--hold-at N --hold-rank R] [--hang-manifest-at N --hang-rank R]
         [--async-save off|on|overlap] [--fail-shards-at N --fail-rank R] [--resume-from SOURCE]
-        [--try-resume-from SOURCE]
+        [--try-resume-from SOURCE] [--remote URL [--remote-keep-last K]]
 
 ``--hold-at N --hold-rank R``: after printing ``step N`` rank R waits until a signal has
 reached it (so that the test's SIGTERM lands at that step). Each rank prints ``resumed <step>``
@@ -22,6 +22,7 @@ After the resume each rank prints ``last <name>``: where its node's ``last`` poi
 step-N shards raises OSError; a SaveError from a save call then prints ``save error <message as
 JSON>`` and training goes on. ``--try-resume-from SOURCE``: first a resume from SOURCE that must
 fail: it prints ``resume error <Type> <message as JSON>`` (one that succeeds exits 4).
+``--remote URL``: a remote tier (``s3://``) behind ``--dir``, keeping its last K checkpoints.
 """
 
 from __future__ import annotations
@@ -93,8 +94,12 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         os.set_blocking(wakeup_w, False)
         signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
     stop = pitstop.StopRequest()
+    tier: dict[str, Any] = {}
+    if args.remote is not None:
+        tier = {"remote": args.remote, "remote_policy": pitstop.Policy(keep_last=args.remote_keep)}
     ckpt = pitstop.Checkpointer(
         args.dir,
+        **tier,
         model=model,
         ema=ema,
         state={"optimizer": optimizer, "schedule": schedule},
@@ -154,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-save", choices=("off", "on", "overlap"), default="off")
     parser.add_argument("--fail-shards-at", type=int)
     parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--remote", help="a remote tier: s3://bucket/prefix")
+    parser.add_argument("--remote-keep-last", dest="remote_keep", type=int, default=2)
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)

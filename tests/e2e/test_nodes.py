@@ -244,34 +244,6 @@ def test_a_node_killed_mid_save_resumes_from_the_newest_copy_complete_somewhere(
     assert_same_copies(run)
 
 
-@pytest.mark.parametrize(
-    ("script", "options", "named"),
-    [
-        pytest.param(
-            "sharded_train.py",
-            ("--remote", "s3://pitstop/nodes-tier"),  # refused before any request
-            "with a remote tier",
-            marks=pytest.mark.slow,
-        ),
-    ],
-    ids=["sharded remote tier"],
-)
-def test_what_is_not_supported_across_unshared_directories_is_refused_on_every_rank(
-    tmp_path: Path, script: str, options: tuple[str, ...], named: str
-) -> None:
-    run = Run(tmp_path)
-    here = Path(__file__).with_name(script)
-    with run.nodes("out", "--target", "2", *options, script=here) as nodes:
-        finished = nodes.wait(TIMEOUT)
-    for node in finished:
-        said = [line for line in node.lines(0) if line.startswith("error ")]
-        assert said, node.describe()
-        assert said[0].startswith("error ConfigError"), said
-        assert named in said[0], said
-        assert "not supported yet" in said[0], said
-    assert not list(run.node(0).glob("step_*")), "nothing is written"
-
-
 def test_a_write_failing_on_one_node_raises_on_every_rank_and_the_other_copy_resumes(
     tmp_path: Path, straight: list[dict[str, Any]]
 ) -> None:

@@ -8,8 +8,11 @@ checkpoint, and no upload fails; a node whose directory is gone while the other 
 the newest checkpoint is damaged (or gone too) takes it from the remote tier, and the resume is
 bitwise the straight run's; two ranks sharing a directory that was deleted resume bitwise from
 the remote tier, on every rank; two ranks saving straight to an ``s3://`` prefix pause on a
-SIGTERM and resume bitwise. Each wait is bounded; every process and the server are ended
-when a test ends, passing or not.
+SIGTERM and resume bitwise. FSDP2 on the two nodes (tests/e2e/sharded_nodes_loop.py) with a
+remote tier: every node's writer uploads its rank's shards and rank 0 commits each checkpoint,
+whose files are the nodes' own bytes; a run on the prefix itself resumes from it bitwise; with
+both nodes wiped the resume names the remote tier's checkpoints (no fresh start). Each wait is
+bounded; every process and the server are ended when a test ends, passing or not.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import pitstop
 from multirank import Job
 from nodes import Nodes, can_simulate_nodes
 from pitstop.shell.format import fileformat
+from pitstop.shell.store.objectstore import ObjectStorage
+from pitstop.shell.store.sharddir import file_table
+from pitstop.shell.store.shardobjects import download_sharded
 from s3server import BUCKET, S3Server, remote_steps
 from trees import assert_same
 
@@ -252,3 +258,107 @@ def test_two_nodes_resume_bitwise_straight_from_an_s3_prefix(
     assert remote_steps(url) == [STOP_AT, 6, 9, 10][-3:]
     for node in node_dirs:
         assert not list(node.glob("pitstop-s3-*")), "every rank's cache is removed at close"
+
+
+SHARDED = Path(__file__).with_name("sharded_nodes_loop.py")  # FSDP2, two ranks
+SHARDED_TARGET = 6  # saves at 2, 4, 6; the remote tier keeps the last 2
+SHARDED_COMPARED = ("local", "full", "param_groups", "schedule", "draws")
+
+
+def sharded_nodes(root: Path, url: str, out: str, *options: str) -> Nodes:
+    """The FSDP2 loop on two nodes sharing no directory, with the remote tier ``url``."""
+    mount = root / "mnt"
+    args = ("--dir", mount / "ckpt", "--out", root / out, "--remote", url, *options)
+    node_dirs = [root / "node0", root / "node1"]
+    return Nodes(SHARDED, *args, node_dirs=node_dirs, mount=mount, timeout=TIMEOUT)
+
+
+def sharded_run(root: Path, url: str, out: str = "first", target: int = SHARDED_TARGET) -> str:
+    """Train to ``target`` on the nodes; what they printed."""
+    with sharded_nodes(root, url, out, "--target", str(target)) as running:
+        finished = [node.check() for node in running.wait(TIMEOUT)]
+    return "".join(node.outputs[0] for node in finished)
+
+
+def remote_files(url: str, step: int, into: Path) -> list[str]:
+    """The files of the remote tier's checkpoint of ``step``, downloaded (each checked)."""
+    storage = ObjectStorage(url)
+    try:
+        download_sharded(storage, f"step_{step:012d}", into, file_table)
+    finally:
+        storage.close()
+    return sorted(p.name for p in into.iterdir())
+
+
+@needs_nodes
+def test_sharded_state_on_nodes_is_uploaded_by_every_node_and_restores_bitwise_from_s3(
+    tmp_path: Path, url: str
+) -> None:
+    """FSDP2 on two nodes that share no directory, with a remote tier: each node's writer
+    uploads its own rank's shards, rank 0 commits each checkpoint once every file is listed,
+    and the remote tier keeps its last two; each committed file is byte for byte the copy on
+    the node that wrote it; a run on the s3:// prefix itself resumes from it bitwise."""
+    no_failed_upload(sharded_run(tmp_path, url))
+    assert remote_steps(url) == [4, SHARDED_TARGET]
+    for step in (4, SHARDED_TARGET):
+        name, got = f"step_{step:012d}", tmp_path / f"remote-{step}"
+        files = remote_files(url, step, got)
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.pitstop"]
+        for file in files:  # the node holding a file holds it as uploaded
+            held = [d / "ckpt" / name / file for d in (tmp_path / "node0", tmp_path / "node1")]
+            there = [p for p in held if p.is_file()]
+            assert there, f"{file} of {name} is on no node"
+            if file != "manifest.pitstop":  # each node's manifest is its own copy
+                assert all(p.read_bytes() == (got / file).read_bytes() for p in there), file
+    args = ("--dir", url, "--out", tmp_path / "second", "--target", str(SHARDED_TARGET))
+    with Job(SHARDED, *args, env={"TMPDIR": str(tmp_path)}, timeout=TIMEOUT) as job:
+        job.wait().check()
+    for rank, (before, after) in enumerate(
+        zip(outputs(tmp_path / "first"), outputs(tmp_path / "second"), strict=True)
+    ):
+        assert after["resumed"] == SHARDED_TARGET, rank
+        for key in SHARDED_COMPARED:
+            assert_same(before[key], after[key], f"rank {rank} {key}")
+
+
+@needs_nodes
+@pytest.mark.slow
+def test_sharded_nodes_with_every_directory_wiped_name_the_remote_tier_not_a_fresh_start(
+    tmp_path: Path, url: str
+) -> None:
+    """Taking a sharded checkpoint from the remote tier into the nodes' own directories is not
+    done yet: with both nodes wiped, the resume is an error naming the remote tier's
+    checkpoints on every rank (a fresh start would let its retention retire them)."""
+    sharded_run(tmp_path, url)
+    for node in (tmp_path / "node0", tmp_path / "node1"):
+        shutil.rmtree(node / "ckpt")
+        (node / "ckpt").mkdir()
+    with sharded_nodes(tmp_path, url, "second", "--target", str(SHARDED_TARGET)) as running:
+        finished = running.wait(TIMEOUT)
+    for node in finished:
+        errors = [line for line in node.lines(0) if line.startswith("error ")]
+        assert errors, node.describe()
+        assert "CheckpointNotFound" in errors[0], errors
+        assert f"step_{SHARDED_TARGET:012d}" in errors[0], errors
+        assert "not supported yet" in errors[0], errors
+    assert remote_steps(url) == [4, SHARDED_TARGET]
+
+
+@needs_nodes
+@pytest.mark.slow
+def test_sharded_nodes_resumed_with_a_remote_tier_go_on_uploading_in_the_background(
+    tmp_path: Path, url: str
+) -> None:
+    """Resumed on the same nodes (the remote tier's catch-up on every node's writer) and saving
+    in the background (``async_save``): each later checkpoint is committed with both ranks'
+    shards, none fails, and the remote tier keeps its last two."""
+    no_failed_upload(sharded_run(tmp_path, url, target=4))
+    assert remote_steps(url) == [2, 4]
+    with sharded_nodes(tmp_path, url, "second", "--target", "8", "--async-save", "on") as running:
+        said = "".join(node.check().outputs[0] for node in running.wait(TIMEOUT))
+    no_failed_upload(said)
+    assert "resumed 4" in said, said
+    assert remote_steps(url) == [6, 8]
+    for step in (6, 8):
+        files = remote_files(url, step, tmp_path / f"remote-{step}")
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.pitstop"]

@@ -12,10 +12,10 @@
 # (writes_as_seen), closed again when the sightings or another writer's open fail; with one
 # group that is rank 0 alone, as before. Sharded state is
 # pitstop.shell.sharded.acrossnodes' (each node its ranks' shards, in the background too:
-# pitstop.shell.shardsave); sharded state with a remote tier across directories is refused for
-# now (ConfigError, at construction, on every rank). A background save (async_save) is written
-# by every writer's own writer thread; how it ended is agreed at the next call that settles it
-# (pitstop.shell.lifetime).
+# pitstop.shell.shardsave); with a remote tier every node's writer uploads its node's files and
+# rank 0 commits (shardobjects.NodeUploads; a resume reads the nodes' directories). A background
+# save (async_save) is written by every writer's own writer thread; how it ended is agreed at the
+# next call that settles it (pitstop.shell.lifetime).
 # A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every
 # writer lists its directory's resume order, the core merges them (newest first for ``last``),
 # and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
@@ -63,7 +63,7 @@ from pitstop.core.ranks import (
     writes_as_seen,
 )
 from pitstop.core.records import PointerName
-from pitstop.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
+from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import look_on_writers, probe_groups
 from pitstop.shell.resumeread import ResumeRead
@@ -71,6 +71,7 @@ from pitstop.shell.sharded.acrossnodes import Listed, listed_order, receive_file
 from pitstop.shell.store.directory import CheckpointDirectory
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.resolve import find_resume
+from pitstop.shell.store.shardobjects import NodeUploads
 from pitstop.shell.store.storage import RemoteStorage
 from pitstop.shell.store.tiers import TieredDirectory
 
@@ -83,8 +84,7 @@ def open_directories(
     ranks: Ranks, directory: CheckpointDirectory, *, sharded: bool
 ) -> DirectoryGroups:
     """Every rank: find out which ranks share ``directory``, and open it on each writer (a
-    failure raised on every rank). Raises :class:`~pitstop.errors.ConfigError` for sharded
-    state with a remote tier in directories the ranks do not share."""
+    failure raised on every rank)."""
     groups = DirectoryGroups.one(ranks.world_size)
     probed = ranks.many and not isinstance(directory.storage, RemoteStorage)
     # a plain local directory: each writer opens it in the probe's second round
@@ -95,13 +95,14 @@ def open_directories(
         if probed:
             then = None if opened is None else partial(_open_seen, directory, ranks.rank, opened)
             groups = probe_groups(ranks, directory.path, then)
-        _refuse(groups, directory, sharded=sharded)
-    except BaseException:  # another rank's open failed, the sightings disagree, or refused
+    except BaseException:  # another rank's open failed, or the sightings disagree
         if opened:
             directory.close()
         raise
     if not groups.shared and isinstance(directory, TieredDirectory):  # one upload each: rank 0's
         directory.uploads = ranks.leader
+        if sharded:  # and each node's writer its node's files, into rank 0's data folder
+            _share_remote(ranks, groups, directory)
     if groups.shared and ranks.many:  # every rank reads what rank 0 fetched: a file, not memory
         remote = directory.remote.objects if isinstance(directory, TieredDirectory) else None
         for objects in (directory.storage, remote):
@@ -118,10 +119,24 @@ def open_directories(
     else:
         try:
             ranks.each(lambda: _open(directory) if groups.writes(ranks.rank) else None)
+            if isinstance(directory, TieredDirectory) and directory.remote.nodes is not None:
+                ranks.each(lambda: directory.remote.opened() if ranks.leader else None)
         except BaseException:  # another writer's open failed: this one's lock goes too
             directory.close()
             raise
     return groups
+
+
+def _share_remote(ranks: Ranks, groups: DirectoryGroups, directory: TieredDirectory) -> None:
+    """Sharded state with a remote tier on nodes that share no directory: every node's writer
+    uploads the files its node's ranks wrote into one data folder per checkpoint (named by rank
+    0's run id, agreed here), and rank 0, which opens the prefix (its lease, its orphans
+    cleared) before any save, commits each once the listing shows every file."""
+    token = ranks.all_gather_each(lambda: directory.remote.directory.run_id)[0]
+    mine = groups.groups[groups.group_of(ranks.rank)]
+    nodes = NodeUploads(token, mine, commits=ranks.leader, patience=ranks.timeout_s)
+    directory.remote.nodes = nodes
+    directory.uploads = groups.writes(ranks.rank)
 
 
 def fetch_for_readers(ranks: Ranks, directory: CheckpointDirectory, path: Path) -> Path:
@@ -146,21 +161,6 @@ def fetch_for_readers(ranks: Ranks, directory: CheckpointDirectory, path: Path) 
         return str(objects.fetch(path.name))
 
     return Path(cast(str, ranks.all_gather_each(fetch)[readers.writer(ranks.rank)]))
-
-
-def _refuse(groups: DirectoryGroups, directory: CheckpointDirectory, *, sharded: bool) -> None:
-    """ConfigError where sharded state cannot be kept in directories the ranks do not share
-    (with a remote tier)."""
-    if groups.shared or not sharded:
-        return
-    if isinstance(directory, TieredDirectory):
-        raise ConfigError(
-            f"{directory.path} is a different directory on ranks {list(groups.writers)} "
-            f"(ranks sharing one: {[list(g) for g in groups.groups]}); sharded state "
-            f"(FSDP2, DTensor) with a remote tier (remote={directory.remote.url!r}) in "
-            f"directories the ranks do not share is not supported yet: give every rank "
-            f"one shared directory, or save to the s3:// URL itself"
-        )
 
 
 def _open(directory: CheckpointDirectory) -> None:  # what it finds stays on its writer

@@ -169,6 +169,11 @@ class Collectives:
         return self.rank == 0
 
     @property
+    def timeout_s(self) -> float:
+        """How long one of pitstop's collectives may wait, in seconds."""
+        return self._timeout.total_seconds()
+
+    @property
     def many(self) -> bool:
         """Whether there is more than one rank."""
         return self.world_size > 1

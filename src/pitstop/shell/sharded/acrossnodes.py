@@ -51,6 +51,7 @@ from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, scan
 from pitstop.shell.store.resolve import resolve_checkpoint
 from pitstop.shell.store.sharddir import read_layout, verify_sharded
+from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
@@ -239,6 +240,7 @@ def choose_sharded_across(
             continue
         path, mine = chosen
         return path, wire, mine
+    _refuse_remote(directory, ranks, lost)
     if lost:
         raise CheckpointCorrupt(
             f"{directory.path}: no checkpoint is complete across the nodes' directories (each "
@@ -248,6 +250,24 @@ def choose_sharded_across(
     if pointer is not PointerName.LAST and any(found for _, found in orders):
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
     return None, None, None
+
+
+def _refuse_remote(directory: CheckpointDirectory, ranks: Ranks, lost: Sequence[str]) -> None:
+    """Every rank: no checkpoint is complete across the nodes' directories; where their remote
+    tier holds one, an error naming it (a sharded checkpoint is not yet taken from the remote
+    tier into nodes' own directories), never a fresh start that would retire it."""
+    if not isinstance(directory, TieredDirectory):
+        return
+    held = ranks.lead(lambda: [name for name, _ in directory.remote_order(PointerName.LAST)])
+    if held:
+        lacking = f" (missing: {'; '.join(lost)})" if lost else ""
+        raise CheckpointNotFound(
+            f"{directory.path}: no checkpoint is complete across the nodes' directories"
+            f"{lacking}, but the remote tier {directory.remote.url} holds {', '.join(held)}; "
+            "restoring a sharded checkpoint from the remote tier into directories the ranks do "
+            "not share is not supported yet: resume from the URL itself (Checkpointer("
+            f"{directory.remote.url!r})), or with one directory every rank shares"
+        )
 
 
 def choose_sharded_path_across(

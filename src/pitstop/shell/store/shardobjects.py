@@ -29,10 +29,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from pitstop.core.naming import temp_name
+from pitstop.core.records import CheckpointEntry
 from pitstop.core.s3.objects import (
     Commit,
     commit_problem,
@@ -51,12 +56,42 @@ from pitstop.shell.store.objectstore import ObjectStorage, token_of
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = [
+    "NodeUploads",
+    "await_files",
     "commit_sharded",
     "download_sharded",
     "publish_objects",
     "stage_links",
+    "upload_node_files",
     "upload_shards",
 ]
+
+
+@attrs.frozen
+class NodeUploads:
+    """A node's writer's part in a sharded remote tier on nodes that share no directory:
+    ``token`` (rank 0's run id, agreed) names one data folder per checkpoint for every node;
+    ``ranks`` share this writer's directory; ``commits``: rank 0, which holds the lease and
+    commits once the listing shows every file (waiting at most ``patience`` seconds)."""
+
+    token: str
+    ranks: tuple[int, ...]
+    commits: bool
+    patience: float
+
+    def temp(self, entry: CheckpointEntry) -> str:
+        """The attempt at ``entry`` every node's writer uploads into (its name and seq)."""
+        return temp_name(entry.name, f"{self.token}-{entry.seq}")
+
+    def send(self, storage: ObjectStorage, entry: CheckpointEntry, staged: Path) -> None:
+        """Another node's writer than rank 0's: upload its ranks' files of the sharded
+        checkpoint ``entry`` staged at ``staged`` (:func:`upload_node_files`)."""
+        if entry.sharded:
+            upload_node_files(storage, self.temp(entry), staged, self.ranks)
+
+    def wait(self, storage: ObjectStorage, temp: str) -> None:
+        """Rank 0: :func:`await_files` for the attempt ``temp``, ``patience`` at most."""
+        await_files(storage, temp, self.patience)
 
 
 def _final(temp: str) -> str:
@@ -72,6 +107,56 @@ def upload_shards(storage: ObjectStorage, directory: Path, table: Iterable[Shard
     folder = data_name(name, token_of(directory.name, name))
     for file in table:
         storage.put(f"{folder}/{file.name}", directory / file.name, "overwrite")
+
+
+def _table(staged: Path) -> tuple[ShardFile, ...]:
+    """Every rank's files, as the manifest staged in ``staged`` lists them."""
+    meta = fileformat.read_manifest(staged / MANIFEST_NAME).meta
+    return files_from_wire(meta.get("sharded"), f"{staged / MANIFEST_NAME}: sharded")
+
+
+def upload_node_files(
+    storage: ObjectStorage, temp: str, staged: Path, ranks: Iterable[int]
+) -> list[str]:
+    """A node's writer other than rank 0's: upload the files of the sharded checkpoint staged
+    at ``staged`` that ``ranks`` (the ranks sharing its directory) wrote, into the data folder
+    of the attempt ``temp`` that rank 0 commits (no lease taken: rank 0 holds it). Their names;
+    raises ``OSError`` naming the object."""
+    name = _final(temp)
+    folder = data_name(name, token_of(temp, name))
+    mine = set(ranks)
+    sent = []
+    for file in _table(staged):
+        if file.rank in mine and file.name != MANIFEST_NAME and (staged / file.name).is_file():
+            storage.put(f"{folder}/{file.name}", staged / file.name, "overwrite")
+            sent.append(file.name)
+    return sent
+
+
+def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
+    """Rank 0, before it commits the attempt ``temp`` (staged in ``storage.path(temp)``): wait
+    until the listing shows every file of the manifest's table it does not hold at its size
+    (other nodes' writers upload them), for at most ``patience`` seconds. Raises
+    :class:`~pitstop.errors.SaveError` naming the checkpoint and each file still missing."""
+    local = storage.path(temp)
+    name = _final(temp)
+    folder = data_name(name, token_of(temp, name))
+    others = [f for f in _table(local) if not (local / f.name).is_file()]
+    deadline = time.monotonic() + patience
+    pause = 0.05
+    while True:
+        listed = _listed(storage, folder)
+        missing = [f for f in others if listed.get(f"{folder}/{f.name}") != f.size]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            lack = ", ".join(f"{f.name} (rank {f.rank}, {f.size} bytes)" for f in missing)
+            raise SaveError(
+                f"{storage.location.url(name)} is not committed: after {patience:.0f} s the "
+                f"other nodes' writers had not uploaded {lack}; see their logs"
+            )
+        time.sleep(pause)  # another process's upload: nothing to wait on but the listing
+        pause = min(pause * 2, 1.0)
 
 
 def publish_objects(

@@ -1,31 +1,24 @@
 # A local checkpoint directory with a remote tier (an s3:// prefix) behind it.
 #
-# Rules: a save publishes to the local directory exactly as without a tier (same path, same
-# speed); once it is published, its file is hard-linked into the tier's cache (a temp entry of
-# the local directory, so on the same filesystem, and removed by the next open if this process
-# dies) — so the local retention may delete it meanwhile — and queued. One thread uploads the
-# queue in order, each through the object store's own publish (the data object, then the
-# conditional-put commit, then the remote pointers and latest.json by compare-and-swap, then the
-# remote retention, commit objects first): the core's plan_arrival says what each arrival does
-# there (the checkpoint keeps its seq; the remote tier's own Policy retires the rest). The
-# remote prefix is opened (its lease taken) by the first upload or resume, never by the
-# constructor. An upload that fails (an unreachable endpoint, refused credentials, a lost lease)
-# loses nothing local: it is logged, kept, and raised by the Checkpointer's next call (the
-# core's waits_for_uploads says which calls wait for the queue first: the run's end and a
-# resume); the next upload tries again. A resume tries the core's tiered_resume_order over both
-# tiers' catalogs until a candidate verifies — a remote one is downloaded into the cache first —
-# and a remote checkpoint it restored is copied into the local directory once the resume has
-# succeeded (adopt), with its own seq, so the next save continues after it in both tiers.
-# After that resume the remote tier catches up, on the upload thread before any later save:
-# the local checkpoints it lacks (an upload failed, or was queued when the process was killed)
-# are uploaded, oldest first, less those its retention would retire at once (plan_catch_up).
-# A sharded checkpoint (a directory) is staged by hard links to its files and committed as one
-# on s3:// is (pitstop.shell.store.shardobjects: every file, then the one commit object); a
-# sharded resume (rank 0, pitstop.shell.sharded.choice) tries tiered_order over both tiers, and a
-# remote candidate is first downloaded into this directory (bring_sharded: checked, then
-# published by the rename), so every rank reads it as a local one; the pointers follow at adopt.
-# How: a RemoteTier (the prefix's CheckpointDirectory, a queue, a thread and a condition
-# variable) and TieredDirectory, a CheckpointDirectory that hands each publish to it.
+# Rules: a save publishes locally exactly as without a tier; then its file is hard-linked into
+# the tier's cache (a temp entry of the local directory, removed by the next open if this process
+# dies; the local retention may delete the original meanwhile) and queued. One thread uploads the
+# queue in order, each by the object store's own publish (data, conditional-put commit, pointers
+# and latest.json by compare-and-swap, retention), as the core's plan_arrival says (its seq kept;
+# the tier's own Policy retires). The prefix is opened (its lease taken) by the first upload or
+# resume, never by the constructor. A failed upload loses nothing local: logged, kept, raised by
+# the Checkpointer's next call (the core's waits_for_uploads: the run's end and a resume wait for
+# the queue); the next upload tries again. A resume tries the core's tiered_resume_order over both
+# catalogs until one verifies (a remote one downloaded into the cache first), and copies a remote
+# one it restored into the local directory once it succeeded (adopt), with its seq. Then the
+# remote tier catches up on the upload thread before any later save: the local checkpoints it
+# lacks are uploaded, oldest first, less those its retention would retire (plan_catch_up). A
+# sharded checkpoint (a directory) is staged by hard links and committed as one on s3:// is
+# (shardobjects: every file, then the commit); on nodes sharing no directory each node's writer
+# uploads its ranks' files and rank 0 commits once all are listed (shardobjects.NodeUploads). A
+# sharded resume (rank 0, sharded.choice) tries tiered_order over both tiers; a remote candidate
+# is first downloaded into this directory (bring_sharded: checked, published by the rename).
+# How: RemoteTier (the prefix's directory, a queue, a thread) and TieredDirectory, handing it each.
 
 """The remote tier: local publish first, upload in the background, its own retention."""
 
@@ -62,7 +55,7 @@ from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, 
 from pitstop.shell.store.lease import ObjectLease
 from pitstop.shell.store.objectstore import ObjectStorage, token_of
 from pitstop.shell.store.sharddir import file_table, publish_sharded
-from pitstop.shell.store.shardobjects import download_sharded, stage_links
+from pitstop.shell.store.shardobjects import NodeUploads, download_sharded, stage_links
 from pitstop.shell.store.storage import FileKind, Storage, fetch
 
 __all__ = ["RemoteTier", "TieredDirectory"]
@@ -104,6 +97,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._staged = 0
         self._catching: tuple[Catalog, Callable[[str], Path]] | None = None  # a catch-up to do
+        self.nodes: NodeUploads | None = None  # sharded state on nodes sharing no directory
 
     # --- the loop's side --------------------------------------------------------------------
 
@@ -246,9 +240,10 @@ class RemoteTier:
     def _catch_up(self, local: Catalog, where: Callable[[str], Path]) -> None:
         """The upload thread: upload what plan_catch_up says, oldest first."""
         todo: tuple[CheckpointEntry, ...] = ()
-        try:
-            directory = self.opened()
-            todo = plan_catch_up(local, directory.catalog, directory.policy)
+        try:  # another node's writer lists the prefix without its lease (rank 0's)
+            peer = self.nodes is not None and not self.nodes.commits
+            found = scan(self.objects).catalog if peer else self.opened().catalog
+            todo = plan_catch_up(local, found, self.directory.policy)
         except Exception as exc:  # the remote tier cannot be reached: raised at the next call
             error = SaveError(f"catching up the remote tier {self.url} failed: {exc}")
             error.__cause__ = exc
@@ -267,11 +262,16 @@ class RemoteTier:
             self._cond.notify_all()
 
     def _upload(self, entry: CheckpointEntry, staged: Path) -> None:
-        directory = self.opened()
+        if self.nodes is not None and not self.nodes.commits:  # its ranks' files; rank 0 commits
+            self.nodes.send(self.objects, entry, staged)
+            return
+        directory, nodes = self.opened(), self.nodes
         plan = plan_arrival(directory.catalog, entry, directory.policy)
         if entry.sharded:  # its files, then the one commit (shardobjects.publish_objects)
-            temp = directory.sharded_temp(entry)
+            temp = directory.sharded_temp(entry) if nodes is None else nodes.temp(entry)
             os.replace(staged, self.objects.path(temp))
+            if nodes is not None:  # once every node's writer has uploaded its files
+                nodes.wait(self.objects, temp)
             deleted = directory.publish_sharded(plan, entry, None, None, {}, temp=temp)
         else:
             self.objects.upload_from(entry.name, staged)
