@@ -10,8 +10,8 @@ bitwise the straight run's; two ranks sharing a directory that was deleted resum
 the remote tier, on every rank; two ranks saving straight to an ``s3://`` prefix pause on a
 SIGTERM and resume bitwise. FSDP2 on the two nodes (tests/e2e/sharded_nodes_loop.py) with a
 remote tier: every node's writer uploads its rank's shards and rank 0 commits each checkpoint,
-whose files are the nodes' own bytes; a run on the prefix itself resumes from it bitwise; with
-both nodes wiped the resume names the remote tier's checkpoints (no fresh start). Each wait is
+whose files are the nodes' own bytes; a node wiped, or both (``-m slow``), resumes bitwise from
+it, each node taking it from the remote tier, and so does a run on the prefix. Each wait is
 bounded; every process and the server are ended when a test ends, passing or not.
 """
 
@@ -291,13 +291,13 @@ def remote_files(url: str, step: int, into: Path) -> list[str]:
 
 
 @needs_nodes
-def test_sharded_state_on_nodes_is_uploaded_by_every_node_and_restores_bitwise_from_s3(
+def test_sharded_state_on_nodes_is_uploaded_by_every_node_and_committed_by_rank_0(
     tmp_path: Path, url: str
 ) -> None:
     """FSDP2 on two nodes that share no directory, with a remote tier: each node's writer
     uploads its own rank's shards, rank 0 commits each checkpoint once every file is listed,
     and the remote tier keeps its last two; each committed file is byte for byte the copy on
-    the node that wrote it; a run on the s3:// prefix itself resumes from it bitwise."""
+    the node that wrote it (the resumes from it: ``-m slow``, below)."""
     no_failed_upload(sharded_run(tmp_path, url))
     assert remote_steps(url) == [4, SHARDED_TARGET]
     for step in (4, SHARDED_TARGET):
@@ -310,38 +310,47 @@ def test_sharded_state_on_nodes_is_uploaded_by_every_node_and_restores_bitwise_f
             assert there, f"{file} of {name} is on no node"
             if file != "manifest.pitstop":  # each node's manifest is its own copy
                 assert all(p.read_bytes() == (got / file).read_bytes() for p in there), file
-    args = ("--dir", url, "--out", tmp_path / "second", "--target", str(SHARDED_TARGET))
-    with Job(SHARDED, *args, env={"TMPDIR": str(tmp_path)}, timeout=TIMEOUT) as job:
-        job.wait().check()
+
+
+def resume_from_the_tier(tmp_path: Path, url: str, wiped: tuple[int, ...]) -> None:
+    """Wipe the nodes ``wiped``; the nodes resume SHARDED_TARGET from the remote tier (rank 1's
+    shards on no node), bitwise the state the first run ended in; each node's ``last`` on it."""
+    for index in wiped:
+        shutil.rmtree(tmp_path / f"node{index}" / "ckpt")
+    with sharded_nodes(tmp_path, url, "second", "--target", str(SHARDED_TARGET)) as running:
+        said = "".join(node.check().outputs[0] for node in running.wait(TIMEOUT))
+    assert "each takes it from the remote tier" in said, said
     for rank, (before, after) in enumerate(
         zip(outputs(tmp_path / "first"), outputs(tmp_path / "second"), strict=True)
     ):
         assert after["resumed"] == SHARDED_TARGET, rank
         for key in SHARDED_COMPARED:
             assert_same(before[key], after[key], f"rank {rank} {key}")
+    for node in ("node0", "node1"):
+        last = tmp_path / node / "ckpt" / "last"
+        assert last.resolve().name == f"step_{SHARDED_TARGET:012d}", node
 
 
 @needs_nodes
-@pytest.mark.slow
-def test_sharded_nodes_with_every_directory_wiped_name_the_remote_tier_not_a_fresh_start(
-    tmp_path: Path, url: str
+@pytest.mark.slow  # two node jobs: ~30 s
+@pytest.mark.parametrize("wiped", [(1,), (0, 1)], ids=["rank 1's node", "both nodes"])
+def test_sharded_nodes_wiped_resume_bitwise_from_the_remote_tier_and_so_does_the_prefix(
+    tmp_path: Path, url: str, wiped: tuple[int, ...]
 ) -> None:
-    """Taking a sharded checkpoint from the remote tier into the nodes' own directories is not
-    done yet: with both nodes wiped, the resume is an error naming the remote tier's
-    checkpoints on every rank (a fresh start would let its retention retire them)."""
+    """A node wiped (rank 1's shards on no node) or both: every node's writer takes the remote
+    tier's newest checkpoint into its directory and the resume is bitwise; a 2-rank run on the
+    ``s3://`` prefix itself resumes from it bitwise too."""
     sharded_run(tmp_path, url)
-    for node in (tmp_path / "node0", tmp_path / "node1"):
-        shutil.rmtree(node / "ckpt")
-        (node / "ckpt").mkdir()
-    with sharded_nodes(tmp_path, url, "second", "--target", str(SHARDED_TARGET)) as running:
-        finished = running.wait(TIMEOUT)
-    for node in finished:
-        errors = [line for line in node.lines(0) if line.startswith("error ")]
-        assert errors, node.describe()
-        assert "CheckpointNotFound" in errors[0], errors
-        assert f"step_{SHARDED_TARGET:012d}" in errors[0], errors
-        assert "not supported yet" in errors[0], errors
-    assert remote_steps(url) == [4, SHARDED_TARGET]
+    resume_from_the_tier(tmp_path, url, wiped=wiped)
+    args = ("--dir", url, "--out", tmp_path / "third", "--target", str(SHARDED_TARGET))
+    with Job(SHARDED, *args, env={"TMPDIR": str(tmp_path)}, timeout=TIMEOUT) as job:
+        job.wait().check()
+    for rank, (before, after) in enumerate(
+        zip(outputs(tmp_path / "first"), outputs(tmp_path / "third"), strict=True)
+    ):
+        assert after["resumed"] == SHARDED_TARGET, rank
+        for key in SHARDED_COMPARED:
+            assert_same(before[key], after[key], f"rank {rank} {key}")
 
 
 @needs_nodes

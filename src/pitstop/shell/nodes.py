@@ -13,7 +13,7 @@
 # group that is rank 0 alone, as before. Sharded state is
 # pitstop.shell.sharded.acrossnodes' (each node its ranks' shards, in the background too:
 # pitstop.shell.shardsave); with a remote tier every node's writer uploads its node's files and
-# rank 0 commits (shardobjects.NodeUploads; a resume reads the nodes' directories). A background
+# rank 0 commits (shardobjects.NodeUploads; a resume falls back on it: acrossnodes). A background
 # save (async_save) is written by every writer's own writer thread; how it ended is agreed at the
 # next call that settles it (pitstop.shell.lifetime).
 # A resume of a pointer (``last``, ``best``, ``final``) is one decision for every rank: every

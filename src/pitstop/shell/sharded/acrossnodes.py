@@ -21,6 +21,10 @@
 # from an explicit path: each writer looks for its manifest there on its own node; the first
 # writer's whole one makes it the one candidate, taken as above at the same path on every node
 # (a node without it receives it); on no node, one CheckpointNotFound naming each node's finding.
+# With a remote tier its checkpoints join the merged order (rank 0 lists them, without the
+# lease); a candidate not complete across the directories that the remote tier holds is copied
+# whole into every writer's directory (TieredDirectory.bring_sharded: checked, then published),
+# then judged again.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each / all_gather_each), so one rank's failure is raised on every
 # rank and every rank takes the same branch.
@@ -37,8 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from pitstop.core.metadata import entry_from_meta
-from pitstop.core.ranks import DirectoryGroups, entry_to_wire, merged_order
-from pitstop.core.records import PointerName
+from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire, merged_order
+from pitstop.core.records import CheckpointEntry, PointerName
 from pitstop.core.saving.pointers import resume_order
 from pitstop.core.sharding.shardcover import FileMove, cover_nodes
 from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout
@@ -231,16 +235,23 @@ def choose_sharded_across(
     lists = ranks.all_gather_each(lambda: listed_order(directory, pointer) if writes else None)
     orders = [cast(Listed, lists[w]) for w in groups.writers]
     seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
+    tiered = directory if isinstance(directory, TieredDirectory) else None
+    remote = dict(ranks.lead(partial(_remote_listed, tiered, pointer)) if tiered else [])
+    seqs.append([(name, wire[1]) for name, wire in remote.items()])  # the remote tier's
     lost: list[str] = []  # each incomplete candidate: its step and missing files
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
-        wire = next(dict(order)[name] for order, _ in orders if name in dict(order))
-        chosen = _candidate(directory, directory.storage.path(name), wire, ranks, groups, plan)
+        held = [dict(order) for order, _ in orders if name in dict(order)]  # on some node
+        wire, path = held[0][name] if held else None, directory.storage.path(name)
+        chosen = _candidate(directory, path, wire, ranks, groups, plan) if held else ""
+        if isinstance(chosen, str) and tiered is not None and name in remote:
+            wire = remote[name]  # not complete across the nodes: each writer downloads it
+            _download(tiered, name, wire, ranks, groups)
+            chosen = _candidate(directory, path, wire, ranks, groups, plan)
         if isinstance(chosen, str):
             lost.append(chosen)
             continue
         path, mine = chosen
         return path, wire, mine
-    _refuse_remote(directory, ranks, lost)
     if lost:
         raise CheckpointCorrupt(
             f"{directory.path}: no checkpoint is complete across the nodes' directories (each "
@@ -252,22 +263,30 @@ def choose_sharded_across(
     return None, None, None
 
 
-def _refuse_remote(directory: CheckpointDirectory, ranks: Ranks, lost: Sequence[str]) -> None:
-    """Every rank: no checkpoint is complete across the nodes' directories; where their remote
-    tier holds one, an error naming it (a sharded checkpoint is not yet taken from the remote
-    tier into nodes' own directories), never a fresh start that would retire it."""
-    if not isinstance(directory, TieredDirectory):
-        return
-    held = ranks.lead(lambda: [name for name, _ in directory.remote_order(PointerName.LAST)])
-    if held:
-        lacking = f" (missing: {'; '.join(lost)})" if lost else ""
-        raise CheckpointNotFound(
-            f"{directory.path}: no checkpoint is complete across the nodes' directories"
-            f"{lacking}, but the remote tier {directory.remote.url} holds {', '.join(held)}; "
-            "restoring a sharded checkpoint from the remote tier into directories the ranks do "
-            "not share is not supported yet: resume from the URL itself (Checkpointer("
-            f"{directory.remote.url!r})), or with one directory every rank shares"
+def _remote_listed(tiered: TieredDirectory, pointer: PointerName) -> list[tuple[str, Any]]:
+    """Rank 0: the remote tier's resume order, each name with its entry as it travels."""
+    return [(name, entry_to_wire(entry)) for name, entry in tiered.remote_order(pointer)]
+
+
+def _download(
+    tiered: TieredDirectory, name: str, wire: tuple[Any, ...], ranks: Ranks, groups: DirectoryGroups
+) -> None:
+    """Every rank: each writer copies the remote tier's sharded checkpoint ``name`` (its entry
+    ``wire``) whole into its directory (no lease taken: rank 0's is the uploader's); a failed
+    download is a warning, and the candidate is judged by what the directories then hold."""
+    entry = entry_from_wire(wire)
+    assert isinstance(entry, CheckpointEntry)
+    work = partial(tiered.bring_sharded, name, entry)
+    said = ranks.all_gather_each(work if groups.writes(ranks.rank) else lambda: None)
+    if ranks.leader:
+        log.info(
+            "resume: %s is not complete across the nodes: each takes it from the remote tier %s",
+            name,
+            tiered.remote.url,
         )
+        for writer, problem in enumerate(said):
+            if problem is not None:
+                log.warning("resume: rank %d's directory could not take %s", writer, problem)
 
 
 def choose_sharded_path_across(

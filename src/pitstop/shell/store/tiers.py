@@ -365,12 +365,12 @@ class TieredDirectory(CheckpointDirectory):
         listed = [(n, (found if t is Tier.REMOTE else local).catalog.get(n), t) for t, n in order]
         return [(n, e, t is Tier.REMOTE) for n, e, t in listed if isinstance(e, CheckpointEntry)]
 
-    def bring_sharded(self, name: str) -> str | None:
-        """Rank 0: copy the remote tier's sharded checkpoint ``name`` into this directory —
-        downloaded into a temp folder and checked (every file's size and CRC-32, fsynced),
-        then published by the rename (replacing a local one of its name); its pointers move
-        once the resume succeeded (:meth:`adopt`). ``None``, or what failed (nothing left)."""
-        entry = self.remote.opened().catalog.get(name)
+    def bring_sharded(self, name: str, listed: CheckpointEntry | None = None) -> str | None:
+        """Rank 0 (a node's writer: given its entry ``listed``, no lease): copy the remote tier's
+        sharded checkpoint ``name`` here — downloaded into a temp folder, checked (each file's
+        size and CRC-32, fsynced), published by the rename (replacing a local one); its pointers
+        move once the resume succeeded (:meth:`adopt`). ``None``, or what failed (none left)."""
+        entry = listed or self.remote.opened().catalog.get(name)
         assert entry is not NO_CHECKPOINT
         temp = self.sharded_temp(entry)
         try:
