@@ -25,6 +25,8 @@ from pitstop.core.sharding.sharded import (
     parse_sharded_name,
     sharded_name,
     share_checks,
+    writer_checks,
+    writers_read,
 )
 from pitstop.errors import CheckpointCorrupt
 
@@ -171,6 +173,33 @@ def test_every_file_read_is_checked_by_exactly_one_of_its_readers(data: st.DataO
         readers = [r for r in range(world) if file.name in reads[r]]
         if readers == [file.rank]:
             assert file.name in shares[file.rank]
+
+
+@given(st.data())
+def test_the_writers_checks_cover_every_file_read_once_exactly_when_the_writers_read_them(
+    data: st.DataObject,
+) -> None:
+    world = data.draw(st.integers(1, 5), label="ranks")
+    count = data.draw(st.integers(1, 6), label="files")
+    files = tuple(
+        ShardFile(name=f"__{i}_0.distcp", size=1, crc32=0, rank=data.draw(st.integers(0, 6)))
+        for i in range(count)
+    )
+    names = [f.name for f in files]
+    reads = [data.draw(st.lists(st.sampled_from(names)), label=f"rank {r}") for r in range(world)]
+    saved = ShardedLayout(world_size=7, dcp_version="x", files=files, values=())
+    checks = [writer_checks(saved, reads[r], r, world) for r in range(world)]
+    read = {n for names in reads for n in names}
+    for rank, share in enumerate(checks):
+        outside = {n for n in reads[rank] if files[names.index(n)].rank >= world}
+        assert (share is None) == bool(outside)  # a writer not in the run: no hope
+        assert share is None or (set(share) <= set(reads[rank]) and list(share) == sorted(share))
+    if any(share is None for share in checks):
+        assert not writers_read(saved, reads)
+        return
+    checked = [name for share in checks if share is not None for name in share]
+    assert len(checked) == len(set(checked))  # none twice
+    assert writers_read(saved, reads) == (set(checked) == read)  # all, exactly when they hold
 
 
 def test_the_checks_are_spread_when_every_rank_reads_every_file() -> None:

@@ -147,7 +147,9 @@ def test_a_run_killed_after_a_save_resumes_bitwise_equal(straight: Run, tmp_path
 
 def test_one_rank_reshards_a_two_rank_checkpoint(straight: Run, tmp_path: Path) -> None:
     directory = copy_run(straight, tmp_path)
-    one = train(directory, tmp_path / "one", "--strict-first", ranks=1)
+    one = train(directory, tmp_path / "one", "--strict-first", "--note-checks", ranks=1)
+    # rank 1's file has no writer in the run to check it: the one rank checks it, once
+    assert checked(one.finished, 0)[0] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     refused = [m.group(1) for line in one.finished.lines(0) if (m := _STRICT.match(line))]
     assert len(refused) == 1, one.finished.describe()
     message = json.loads(refused[0])

@@ -50,6 +50,8 @@ __all__ = [
     "regions_for",
     "sharded_name",
     "share_checks",
+    "writer_checks",
+    "writers_read",
 ]
 
 MANIFEST_NAME: Final = "manifest.pitstop"
@@ -231,6 +233,32 @@ def share_checks(
         load[rank] += sizes[name]
         shares[rank].append(name)
     return tuple(tuple(sorted(share)) for share in shares)
+
+
+def writer_checks(
+    layout: ShardedLayout, names: Iterable[str], rank: int, world_size: int
+) -> tuple[str, ...] | None:
+    """The files of ``names`` (those rank ``rank`` of ``world_size`` reads) it verifies before
+    the ranks have told each other what they read: the ones it wrote, sorted; ``None`` where
+    one of them was written by no rank of the run (:func:`writers_read` cannot hold). Where
+    :func:`writers_read` holds, every file some rank reads is verified so, exactly once."""
+    writers = {f.name: f.rank for f in layout.files}
+    names = set(names)
+    if any(writers.get(n, -1) not in range(world_size) for n in names):
+        return None
+    return tuple(sorted(n for n in names if writers[n] == rank))
+
+
+def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:
+    """Whether every file some rank reads (``reads[r]``: rank ``r``'s) is read by the rank
+    that wrote it too — so that each rank's :func:`writer_checks` verify them all."""
+    writers = {f.name: f.rank for f in layout.files}
+    read = [set(names) for names in reads]
+    return all(
+        writers.get(n, -1) in range(len(read)) and n in read[writers[n]]
+        for names in read
+        for n in names
+    )
 
 
 def fresh_optimizers(meta: Mapping[str, object]) -> tuple[str, ...]:

@@ -4,7 +4,9 @@
 #
 # Rules: rank 0 sends the resume order (both tiers' with a remote tier: a remote candidate is
 # copied into the directory by rank 0, checked and published by its rename, before the ranks
-# try it); the ranks gather the files their read plans name, each file read is verified once,
+# try it); each rank verifies at once the files it reads that it wrote (core.sharding.sharded.
+# writer_checks), telling the files its read plan names in the same round: where every file
+# read is read by its writer (writers_read) that was all; else each file read is verified once,
 # by one of its readers (pitstop.core.sharding.sharded.share_checks), together with where each item
 # this rank reads lies in its file (pitstop.shell.sharded.rawread.check_read: nothing live
 # touched) and the run compared with the replicated tree (read beside), all agreed in one
@@ -31,7 +33,12 @@ from pitstop.core.compat import Kind
 from pitstop.core.ranks import OK, agree, entry_to_wire
 from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
-from pitstop.core.sharding.sharded import MANIFEST_NAME, share_checks
+from pitstop.core.sharding.sharded import (
+    MANIFEST_NAME,
+    share_checks,
+    writer_checks,
+    writers_read,
+)
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.ranks.distributed import Ranks, outcome_of, raise_outcome
 from pitstop.shell.state.capture import LiveState, sharded_components
@@ -143,7 +150,7 @@ def _problem(
         if ranks.leader:
             reading.verify(path, shards=False)
         if plan is not None:
-            mine = _checks(plan, shares, ranks)
+            mine = _checks(plan, shares[ranks.rank] if shares is not None else None, ranks)
             # downloaded: each file checksummed as it arrived, compared here, not read again
             arrived = remote.fetch_files(path.name, mine) if remote is not None else None
             verify_sharded(path, plan.layout, mine, arrived=arrived)
@@ -152,14 +159,12 @@ def _problem(
     return None
 
 
-def _checks(
-    plan: ShardedPlan, shares: tuple[tuple[str, ...], ...] | None, ranks: Ranks
-) -> tuple[str, ...]:
-    """The files this rank verifies of ``plan``'s checkpoint: its share, and (rank 0) DCP's
-    own metadata, which no rank reads (a DCP tool would)."""
+def _checks(plan: ShardedPlan, mine: tuple[str, ...] | None, ranks: Ranks) -> tuple[str, ...]:
+    """The files this rank verifies of ``plan``'s checkpoint: ``mine`` (``None``: every file
+    its plan reads) and (rank 0) DCP's own metadata, which no rank reads (a DCP tool would)."""
     from pitstop.shell.sharded.dcpio import DCP_METADATA
 
-    mine = shares[ranks.rank] if shares is not None else plan.files
+    mine = plan.files if mine is None else mine
     if ranks.leader:
         mine = (*mine, *(f.name for f in plan.layout.files if f.name == DCP_METADATA))
     return mine
@@ -172,42 +177,58 @@ tells every rank."""
 Compared = tuple[Any, list[Any]] | None
 """What :data:`Compare` kept here and what every rank told (``None``: not compared)."""
 
+_Round = tuple["Checked | None", Any, Any, "BaseException | None", list[tuple[Any, ...]]]
+"""A checks' round on this rank: its checked read, what ``compare`` kept, its outcome and
+error here, and what every rank told (its problem, whether a check found it, its outcome,
+what ``compare`` told, and what else it told)."""
 
-def _check_agreed(
-    plan: ShardedPlan,
+
+def _check_round(
+    plan: ShardedPlan | None,
     checks: tuple[str, ...],
     ranks: Ranks,
     beside: Callable[[], str | None] | None,
     compare: Callable[[], tuple[Any, Any]] | None,
-) -> tuple[Checked | None, list[str | None], Compared]:
-    """Every rank: :func:`~pitstop.shell.sharded.rawread.check_read` and, where it found
-    nothing wrong, ``compare()``, agreed in one round. The checked read (``None`` where any
-    rank found a problem), every rank's problem — only the checks' where a check found one
-    (another rank's read of a damaged file says nothing more) — and what ``compare`` kept and
-    told, when every check passed; its error on any rank is then raised on every rank (the
-    files closed). Nothing live touched."""
+    tells: Any = None,
+) -> _Round:
+    """Every rank: :func:`~pitstop.shell.sharded.rawread.check_read` of ``checks`` (none with
+    no ``plan``) and, where it found nothing wrong, ``compare()``, gathered in one round with
+    ``tells``. Nothing live touched; nothing raised yet."""
     from pitstop.shell.sharded.rawread import check_read
 
-    checked, own, checking = check_read(plan.directory, plan, checks, beside)
+    checked, own, checking = None, None, False
+    if plan is not None:
+        checked, own, checking = check_read(plan.directory, plan, checks, beside)
     kept, told, outcome, error = None, None, OK, None
     if own is None and compare is not None:
         try:
             kept, told = compare()
         except (Exception, KeyboardInterrupt) as exc:  # heard by every rank, as Ranks.each does
             outcome, error = outcome_of(exc, ranks.rank), exc
-    found = ranks.all_gather((own, checking, outcome, told))
-    if any(problem is not None and by_check for problem, by_check, _, _ in found):
-        problems = [problem if by_check else None for problem, by_check, _, _ in found]
+    return checked, kept, outcome, error, ranks.all_gather((own, checking, outcome, told, tells))
+
+
+def _check_agreed(
+    done: _Round, compared: bool
+) -> tuple[Checked | None, list[str | None], Compared]:
+    """Every rank, after :func:`_check_round`: the checked read (``None`` where any rank found
+    a problem), every rank's problem — only the checks' where a check found one (another
+    rank's read of a damaged file says nothing more) — and what ``compare`` kept and told,
+    when every check passed; its error on any rank is then raised on every rank (the files
+    closed). Nothing live touched."""
+    checked, kept, outcome, error, found = done
+    if any(problem is not None and by_check for problem, by_check, *_ in found):
+        problems = [problem if by_check else None for problem, by_check, *_ in found]
     else:
-        problems = [problem for problem, _, _, _ in found]
-    agreed = agree([o for _, _, o, _ in found])
+        problems = [problem for problem, *_ in found]
+    agreed = agree([o for _, _, o, _, _ in found])
     if checked is not None and (any(problems) or not agreed.ok):
         checked.close()
         checked = None
-    if any(problems) or compare is None:
+    if any(problems) or not compared:
         return checked, problems, None
     raise_outcome(agreed, own=error if agreed == outcome else None)
-    return checked, problems, (kept, [t for _, _, _, t in found])
+    return checked, problems, (kept, [t for _, _, _, t, _ in found])
 
 
 def _fetched(
@@ -261,19 +282,44 @@ def choose_sharded(
                 prefetch(path, [(name, 0, 0) for name in planned[0].files])  # checked whole
                 if _fits(planned):  # and the manifest is read, its GIL-bound part off the check
                     beside = reading.read_beside(path)
-            files = planned[0].files if planned[0] is not None else ()
-            gathered = ranks.all_gather((files, _fits(planned)))
-            shares = _shares(planned, [f for f, _ in gathered])
+            plan, fits = planned[0], _fits(planned)
+            files = plan.files if plan is not None else ()
+            here = None if compare is None or plan is None else partial(compare, path, plan)
+            mine = None  # its own files first: enough where their writers read them all
+            if fits and plan is not None:
+                mine = writer_checks(plan.layout, files, ranks.rank, ranks.world_size)
+            hopeful = plan if mine is not None else None
+            done = _check_round(
+                hopeful,
+                _checks(hopeful, mine, ranks) if hopeful is not None else (),
+                ranks,
+                beside,
+                here if hopeful is not None else None,
+                (files, fits),
+            )
+            gathered = [t for *_, t in done[-1]]
+            reads = [f for f, _ in gathered]
             streamed = all(fits for _, fits in gathered)
-            if streamed and planned[0] is not None:  # every check, and the manifest, in the read
-                checks = _checks(planned[0], shares, ranks)
-                here = None if compare is None else partial(compare, path, planned[0])
-                checked, problems, compared = _check_agreed(planned[0], checks, ranks, beside, here)
+            if streamed and plan is not None and writers_read(plan.layout, reads):
+                checked, problems, compared = _check_agreed(done, compare is not None)
                 if checked is not None:  # checked on every rank: read when applied
-                    return path, wire, planned[0], checked, compared
+                    return path, wire, plan, checked, compared
+            elif streamed and plan is not None:  # each file read, once, by one of its readers
+                if done[0] is not None:
+                    done[0].close()
+                shares = _shares(planned, reads)
+                mine_shared = shares[ranks.rank] if shares is not None else None
+                checks = _checks(plan, mine_shared, ranks)
+                done = _check_round(plan, checks, ranks, beside, here)
+                checked, problems, compared = _check_agreed(done, compare is not None)
+                if checked is not None:
+                    return path, wire, plan, checked, compared
             else:
+                if done[0] is not None:
+                    done[0].close()
                 if beside is not None:
                     beside()  # read again by the checks below: not at the same time
+                shares = _shares(planned, reads)
                 problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):
