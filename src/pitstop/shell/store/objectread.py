@@ -6,8 +6,10 @@
 # larger than the tail read) and its header are requested first, and the data region's
 # RANGE-sized GETs right after them, without waiting (WORKERS at a time); header, footer and
 # manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
-# range is written where it belongs as it arrives and, on the same thread (once the manifest is
-# checked: a range that arrived first waits for it), the CRC-32 of each piece of a blob it
+# range is streamed: every CHUNK written where it belongs (its pages mapped) as it arrives, so
+# the copy overlaps the transfer instead of following it (on any endpoint: the last chunk's
+# copy is all that is left once the bytes are in); then, on the same thread (once the manifest
+# is checked: a range that arrived first waits for it), the CRC-32 of each piece of a blob it
 # holds computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
 # is compared with its manifest's CRC-32 at once, and the first one that fails stops the read
 # (CheckpointCorrupt naming the URL and the blob; the requests still queued are cancelled). So
@@ -27,9 +29,10 @@
 # order and compared with the commit's record (size, CRC-32) when its last part is in, the
 # first that fails stopping the read. The (size, CRC-32) of what arrived is returned, so the
 # resume compares it with the manifest without reading the files again.
-# How: one thread pool of WORKERS per process; obstore's get_range releases the GIL, os.pwrite
-# and the CRC-32 (pitstop.shell.format.checksums) too. A read that fails cancels its queued
-# GETs and waits for the running ones before its memory file is closed.
+# How: one thread pool of WORKERS per process; obstore's GETs and streams release the GIL,
+# os.pwrite, madvise (by ctypes: hostmem.advise) and the CRC-32 (format.checksums) too. A read
+# that fails cancels its queued GETs and waits for the running ones
+# before its memory file is closed.
 
 """Downloading a checkpoint from object storage into memory, checked as it arrives."""
 
@@ -58,6 +61,7 @@ from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.blobfile import PieceCheck
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
+from pitstop.shell.format.hostmem import advise
 from pitstop.shell.format.untrusted import hold, premap, release, vouch
 
 _T = TypeVar("_T")
@@ -74,13 +78,16 @@ class ObjectStorage(Protocol):
     def head(self, name: str) -> dict[str, Any] | None: ...
 
 
-__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
+__all__ = ["CHUNK", "RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
 
 RANGE: Final = 8 << 20
 """Bytes per ranged GET."""
 
 WORKERS: Final = 16
 """Ranged GETs in flight at once."""
+
+CHUNK: Final = 1 << 20
+"""Bytes of a streamed range written at a time, as they arrive."""
 
 TAIL: Final = 1 << 20
 """Bytes read from the end of the object first: the footer and, usually, the whole manifest."""
@@ -214,11 +221,26 @@ class _Download:
         mapping = self.mapping
         if mapping is not None:  # map its pages now, not by faults in the load's copy
             start = at - at % mmap.PAGESIZE
-            try:
-                mapping.madvise(_POPULATE_READ, start, at + view.nbytes - start)
-            except (OSError, ValueError):  # a kernel before 5.14: the load's faults map them
-                self.mapping = None
+            if not advise(mapping, start, at + view.nbytes - start, _POPULATE_READ):
+                self.mapping = None  # a kernel before 5.14: the load's faults map them
         return view
+
+    def stream(self, start: int, end: int) -> list[tuple[memoryview, int]]:
+        """Bytes ``start..end`` of the data object, each chunk written where it belongs as it
+        arrives (:meth:`put`); the chunks, as ``(bytes, offset)``."""
+        client, key, span = self.objects.client, self.key, (start, end)
+
+        def request(o: Any) -> list[tuple[memoryview, int]]:
+            chunks, at = [], start
+            for chunk in o.get(client, key, options={"range": span}).stream(min_chunk_size=CHUNK):
+                chunks.append((self.put(chunk, at), at))
+                at += len(chunk)
+            return chunks
+
+        chunks = self.objects.call("read", self.data, request)
+        if sum(view.nbytes for view, _ in chunks) != end - start:
+            raise CheckpointCorrupt(f"{self.url}: bytes {start}..{end} of {self.data} came short")
+        return chunks
 
     def run(self, where: Path, size: int) -> None:
         """Read and check the whole object (``size`` bytes, as its commit says) into the memory
@@ -236,6 +258,9 @@ class _Download:
             stop = checks[0].manifest.manifest_offset if checks else at
             return checks[0].piece(view[: stop - at], at) if stop > at else []
 
+        def looks(chunks: list[tuple[memoryview, int]]) -> list[tuple[int, int, int, int]]:
+            return [found for view, at in chunks for found in look(view, at)]
+
         def first() -> None:
             try:
                 end = self.put(self.size(ends, size), tail)
@@ -249,7 +274,9 @@ class _Download:
         region = range_reads(tail - HEADER_SIZE, RANGE)
         ranges = [(HEADER_SIZE + a, HEADER_SIZE + b) for a, b in region]
         try:
-            self.spans(ranges, look, lambda found: checks[0].note(found), first)
+            _spans(
+                ranges, lambda span: looks(self.stream(*span)), lambda f: checks[0].note(f), first
+            )
         finally:
             ready.set()
             concurrent.futures.wait([ends, start])
@@ -295,21 +322,6 @@ class _Download:
             return fileformat.read_manifest(where)
         except CheckpointCorrupt as exc:
             raise CheckpointCorrupt(f"{self.url}: {exc}") from None
-
-    def spans(
-        self,
-        ranges: list[tuple[int, int]],
-        look: Callable[[memoryview, int], _T],
-        seen: Callable[[_T], None],
-        first: Callable[[], None] | None = None,
-    ) -> None:
-        """Read ``ranges``, each written where it belongs and ``look``ed at on its own thread
-        as it arrives; ``seen`` takes what each look found (:func:`_spans`)."""
-
-        def arrive(span: tuple[int, int]) -> _T:
-            return look(self.put(self.get(*span), span[0]), span[0])
-
-        _spans(ranges, arrive, seen, first)
 
 
 def _spans(
