@@ -3,8 +3,8 @@
 #
 # Rules: the data object's size must be the one its commit records (the tail's response says
 # it: no request of its own). Its tail (footer and manifest; a second GET only for a manifest
-# larger than the tail read) and its header are requested first, and the data region's
-# RANGE-sized GETs right after them, without waiting (WORKERS at a time); header, footer and
+# larger than the tail read) is requested first, and the RANGE-sized GETs of the rest right
+# after it, without waiting (WORKERS at a time; the first holds the header); header, footer and
 # manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
 # range is streamed: every CHUNK written where it belongs (its pages mapped) as it arrives, so
 # the copy overlaps the transfer instead of following it (on any endpoint: the last chunk's
@@ -225,9 +225,12 @@ class _Download:
                 self.mapping = None  # a kernel before 5.14: the load's faults map them
         return view
 
-    def stream(self, start: int, end: int) -> list[tuple[memoryview, int]]:
+    def stream(
+        self, start: int, end: int, header: concurrent.futures.Future[bytes] | None = None
+    ) -> list[tuple[memoryview, int]]:
         """Bytes ``start..end`` of the data object, each chunk written where it belongs as it
-        arrives (:meth:`put`); the chunks, as ``(bytes, offset)``."""
+        arrives (:meth:`put`); the chunks, as ``(bytes, offset)``. ``header`` (a range from 0)
+        gets the file's header as soon as its bytes are in."""
         client, key, span = self.objects.client, self.key, (start, end)
 
         def request(o: Any) -> list[tuple[memoryview, int]]:
@@ -235,6 +238,8 @@ class _Download:
             for chunk in o.get(client, key, options={"range": span}).stream(min_chunk_size=CHUNK):
                 chunks.append((self.put(chunk, at), at))
                 at += len(chunk)
+                if header is not None and not header.done() and at >= HEADER_SIZE:
+                    header.set_result(os.pread(self.fd, HEADER_SIZE, 0))
             return chunks
 
         chunks = self.objects.call("read", self.data, request)
@@ -244,42 +249,47 @@ class _Download:
 
     def run(self, where: Path, size: int) -> None:
         """Read and check the whole object (``size`` bytes, as its commit says) into the memory
-        file held at ``where``: its tail and header requested first, the data region's GETs
-        right after them, all at once; the manifest checked on this thread once the first two
-        are in (:meth:`manifest`), each range that arrived before it waiting for it, on its own
-        thread, to be checked."""
+        file held at ``where``: its tail requested first, then its ranges from byte 0 (the
+        first holds the header: no request of its own), all at once; the manifest checked on
+        this thread once the tail and the header are in (:meth:`manifest`), each range that
+        arrived before it waiting for it, on its own thread, to be checked."""
         tail = max(HEADER_SIZE, size - TAIL)
         ends = pool().submit(self.tail, tail, size)
-        start = pool().submit(self.get, 0, HEADER_SIZE)
-        ready, checks = threading.Event(), list[PieceCheck]()
+        header, ready = concurrent.futures.Future[bytes](), threading.Event()
+        checks: list[PieceCheck] = []
 
         def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
             ready.wait()  # set once the manifest is checked or has failed
+            skip = min(view.nbytes, max(0, HEADER_SIZE - at))  # the header: checked by first()
+            view, at = view[skip:], at + skip
             stop = checks[0].manifest.manifest_offset if checks else at
             return checks[0].piece(view[: stop - at], at) if stop > at else []
 
-        def looks(chunks: list[tuple[memoryview, int]]) -> list[tuple[int, int, int, int]]:
+        def arrive(span: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+            try:
+                chunks = self.stream(*span, header if span[0] == 0 else None)
+            except BaseException as exc:  # the header's wait ends with the range's failure
+                if span[0] == 0 and not header.done():
+                    header.set_exception(exc)
+                raise
             return [found for view, at in chunks for found in look(view, at)]
 
         def first() -> None:
             try:
                 end = self.put(self.size(ends, size), tail)
-                manifest = self.manifest(where, size, tail, self.put(start.result(), 0), end)
+                manifest = self.manifest(where, size, tail, header.result(), end)
                 checks.append(PieceCheck(manifest, self.url))
             finally:
                 ready.set()
             if manifest.manifest_offset > tail:  # the tail read holds data bytes too
                 checks[0].note(checks[0].piece(end[: manifest.manifest_offset - tail], tail))
 
-        region = range_reads(tail - HEADER_SIZE, RANGE)
-        ranges = [(HEADER_SIZE + a, HEADER_SIZE + b) for a, b in region]
+        ranges = range_reads(tail, max(RANGE, HEADER_SIZE))  # the first holds the header
         try:
-            _spans(
-                ranges, lambda span: looks(self.stream(*span)), lambda f: checks[0].note(f), first
-            )
+            _spans(ranges, arrive, lambda f: checks[0].note(f), first)
         finally:
             ready.set()
-            concurrent.futures.wait([ends, start])
+            concurrent.futures.wait([ends])
         checks[0].finish()
 
     def tail(self, tail: int, size: int) -> Any:
@@ -308,12 +318,12 @@ class _Download:
         return self.objects.call("read", self.data, lambda o: found.bytes())
 
     def manifest(
-        self, where: Path, size: int, tail: int, header: memoryview, end: memoryview
+        self, where: Path, size: int, tail: int, header: bytes, end: memoryview
     ) -> Manifest:
         """The manifest, with ``header`` and ``end`` (the bytes from ``tail``) in the memory
         file: header, footer and manifest checked as a local file's."""
         try:
-            version = check_header(header.tobytes(), name=self.url)
+            version = check_header(header, name=self.url)
             footer = check_footer(
                 end[-FOOTER_SIZE:].tobytes(), name=self.url, size=size, version=version
             )
