@@ -6,14 +6,13 @@
 # larger than the tail read) is requested first, and the RANGE-sized GETs of the rest right
 # after it, without waiting (WORKERS at a time; the first holds the header); header, footer and
 # manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
-# range is streamed: every CHUNK written where it belongs (its pages mapped) as it arrives, so
-# the copy overlaps the transfer instead of following it (on any endpoint: the last chunk's
-# copy is all that is left once the bytes are in); then, on the same thread (once the manifest
-# is checked: a range that arrived first waits for it), the CRC-32 of each piece of a blob it
-# holds computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
-# is compared with its manifest's CRC-32 at once, and the first one that fails stops the read
-# (CheckpointCorrupt naming the URL and the blob; the requests still queued are cancelled). So
-# every byte is checked as a local verify checks it, once, while the network is still busy.
+# range is streamed, every CHUNK written where it belongs (its pages mapped) as it arrives (the
+# copy overlaps the transfer); then, on its thread (once the manifest is checked: a range that
+# arrived first waits for it), each piece of a blob it holds has its CRC-32 computed and every
+# padding byte it holds is checked to be zero; a blob whose bytes are all in is compared with
+# its manifest's CRC-32 at once, and the first one that fails stops the read (CheckpointCorrupt
+# naming the URL and the blob; the requests still queued are cancelled). So every byte is
+# checked as a local verify checks it, once, while the network is still busy.
 # Where the bytes go: an anonymous memory file (memfd), held under the checkpoint's local path
 # (pitstop.shell.format.untrusted.hold) once every check passed, and vouched for — the
 # resume's read then loads it without checking it again, and every other reader opens it as a
@@ -228,9 +227,8 @@ class _Download:
     def stream(
         self, start: int, end: int, header: concurrent.futures.Future[bytes] | None = None
     ) -> list[tuple[memoryview, int]]:
-        """Bytes ``start..end`` of the data object, each chunk written where it belongs as it
-        arrives (:meth:`put`); the chunks, as ``(bytes, offset)``. ``header`` (a range from 0)
-        gets the file's header as soon as its bytes are in."""
+        """Bytes ``start..end``, each chunk written as it arrives (:meth:`put`), as ``(bytes,
+        offset)`` chunks; ``header`` (a range from 0) gets the header once its bytes are in."""
         client, key, span = self.objects.client, self.key, (start, end)
 
         def request(o: Any) -> list[tuple[memoryview, int]]:
@@ -249,10 +247,8 @@ class _Download:
 
     def run(self, where: Path, size: int) -> None:
         """Read and check the whole object (``size`` bytes, as its commit says) into the memory
-        file held at ``where``: its tail requested first, then its ranges from byte 0 (the
-        first holds the header: no request of its own), all at once; the manifest checked on
-        this thread once the tail and the header are in (:meth:`manifest`), each range that
-        arrived before it waiting for it, on its own thread, to be checked."""
+        file held at ``where``: its tail, then its ranges from byte 0 (the first holds the
+        header), all at once; the manifest checked here once tail and header are in."""
         tail = max(HEADER_SIZE, size - TAIL)
         ends = pool().submit(self.tail, tail, size)
         header, ready = concurrent.futures.Future[bytes](), threading.Event()
