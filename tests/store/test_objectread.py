@@ -129,6 +129,12 @@ def test_ranges_that_cut_blobs_and_a_manifest_past_the_tail_read_exactly(
     ckpt.close()
     assert step == 3
     assert same(now, history[2])
+    monkeypatch.setattr(objectread, "RANGE", 1 << 20)  # one range, streamed in many chunks
+    monkeypatch.setattr(objectread, "CHUNK", 1)  # each written where it belongs as it comes
+    step, now, ckpt = resumed(s3_url)
+    ckpt.close()
+    assert step == 3
+    assert same(now, history[2])
 
 
 def test_without_memory_files_a_checked_temp_file_is_read_and_none_is_left(

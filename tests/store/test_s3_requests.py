@@ -101,6 +101,8 @@ def test_a_resume_reads_each_commit_and_pointer_once(
         assert ckpt.resume().step == 4
     _check_requests(requests.before_data())
     assert same(weights(model), weights(other))
+    data = [key for _, key, _ in requests.seen if key.startswith(".data/")]
+    assert len(data) == 2, data  # its tail, and its one range from byte 0 (the header in it)
 
 
 def test_a_load_reads_each_commit_and_pointer_once(

@@ -3,15 +3,16 @@
 #
 # Rules: the data object's size must be the one its commit records (the tail's response says
 # it: no request of its own). Its tail (footer and manifest; a second GET only for a manifest
-# larger than the tail read) and its header are requested first, and the data region's
-# RANGE-sized GETs right after them, without waiting (WORKERS at a time); header, footer and
+# larger than the tail read) is requested first, and the RANGE-sized GETs of the rest right
+# after it, without waiting (WORKERS at a time; the first holds the header); header, footer and
 # manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
-# range is written where it belongs as it arrives and, on the same thread (once the manifest is
-# checked: a range that arrived first waits for it), the CRC-32 of each piece of a blob it
-# holds computed and every padding byte it holds checked to be zero; a blob whose bytes are all in
-# is compared with its manifest's CRC-32 at once, and the first one that fails stops the read
-# (CheckpointCorrupt naming the URL and the blob; the requests still queued are cancelled). So
-# every byte is checked as a local verify checks it, once, while the network is still busy.
+# range is streamed, every CHUNK written where it belongs (its pages mapped) as it arrives (the
+# copy overlaps the transfer); then, on its thread (once the manifest is checked: a range that
+# arrived first waits for it), each piece of a blob it holds has its CRC-32 computed and every
+# padding byte it holds is checked to be zero; a blob whose bytes are all in is compared with
+# its manifest's CRC-32 at once, and the first one that fails stops the read (CheckpointCorrupt
+# naming the URL and the blob; the requests still queued are cancelled). So every byte is
+# checked as a local verify checks it, once, while the network is still busy.
 # Where the bytes go: an anonymous memory file (memfd), held under the checkpoint's local path
 # (pitstop.shell.format.untrusted.hold) once every check passed, and vouched for — the
 # resume's read then loads it without checking it again, and every other reader opens it as a
@@ -27,9 +28,10 @@
 # order and compared with the commit's record (size, CRC-32) when its last part is in, the
 # first that fails stopping the read. The (size, CRC-32) of what arrived is returned, so the
 # resume compares it with the manifest without reading the files again.
-# How: one thread pool of WORKERS per process; obstore's get_range releases the GIL, os.pwrite
-# and the CRC-32 (pitstop.shell.format.checksums) too. A read that fails cancels its queued
-# GETs and waits for the running ones before its memory file is closed.
+# How: one thread pool of WORKERS per process; obstore's GETs and streams release the GIL,
+# os.pwrite, madvise (by ctypes: hostmem.advise) and the CRC-32 (format.checksums) too. A read
+# that fails cancels its queued GETs and waits for the running ones
+# before its memory file is closed.
 
 """Downloading a checkpoint from object storage into memory, checked as it arrives."""
 
@@ -58,6 +60,7 @@ from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.blobfile import PieceCheck
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
+from pitstop.shell.format.hostmem import advise
 from pitstop.shell.format.untrusted import hold, premap, release, vouch
 
 _T = TypeVar("_T")
@@ -74,13 +77,16 @@ class ObjectStorage(Protocol):
     def head(self, name: str) -> dict[str, Any] | None: ...
 
 
-__all__ = ["RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
+__all__ = ["CHUNK", "RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
 
 RANGE: Final = 8 << 20
 """Bytes per ranged GET."""
 
 WORKERS: Final = 16
 """Ranged GETs in flight at once."""
+
+CHUNK: Final = 1 << 20
+"""Bytes of a streamed range written at a time, as they arrive."""
 
 TAIL: Final = 1 << 20
 """Bytes read from the end of the object first: the footer and, usually, the whole manifest."""
@@ -214,45 +220,72 @@ class _Download:
         mapping = self.mapping
         if mapping is not None:  # map its pages now, not by faults in the load's copy
             start = at - at % mmap.PAGESIZE
-            try:
-                mapping.madvise(_POPULATE_READ, start, at + view.nbytes - start)
-            except (OSError, ValueError):  # a kernel before 5.14: the load's faults map them
-                self.mapping = None
+            if not advise(mapping, start, at + view.nbytes - start, _POPULATE_READ):
+                self.mapping = None  # a kernel before 5.14: the load's faults map them
         return view
+
+    def stream(
+        self, start: int, end: int, header: concurrent.futures.Future[bytes] | None = None
+    ) -> list[tuple[memoryview, int]]:
+        """Bytes ``start..end``, each chunk written as it arrives (:meth:`put`), as ``(bytes,
+        offset)`` chunks; ``header`` (a range from 0) gets the header once its bytes are in."""
+        client, key, span = self.objects.client, self.key, (start, end)
+
+        def request(o: Any) -> list[tuple[memoryview, int]]:
+            chunks, at = [], start
+            for chunk in o.get(client, key, options={"range": span}).stream(min_chunk_size=CHUNK):
+                chunks.append((self.put(chunk, at), at))
+                at += len(chunk)
+                if header is not None and not header.done() and at >= HEADER_SIZE:
+                    header.set_result(os.pread(self.fd, HEADER_SIZE, 0))
+            return chunks
+
+        chunks = self.objects.call("read", self.data, request)
+        if sum(view.nbytes for view, _ in chunks) != end - start:
+            raise CheckpointCorrupt(f"{self.url}: bytes {start}..{end} of {self.data} came short")
+        return chunks
 
     def run(self, where: Path, size: int) -> None:
         """Read and check the whole object (``size`` bytes, as its commit says) into the memory
-        file held at ``where``: its tail and header requested first, the data region's GETs
-        right after them, all at once; the manifest checked on this thread once the first two
-        are in (:meth:`manifest`), each range that arrived before it waiting for it, on its own
-        thread, to be checked."""
+        file held at ``where``: its tail, then its ranges from byte 0 (the first holds the
+        header), all at once; the manifest checked here once tail and header are in."""
         tail = max(HEADER_SIZE, size - TAIL)
         ends = pool().submit(self.tail, tail, size)
-        start = pool().submit(self.get, 0, HEADER_SIZE)
-        ready, checks = threading.Event(), list[PieceCheck]()
+        header, ready = concurrent.futures.Future[bytes](), threading.Event()
+        checks: list[PieceCheck] = []
 
         def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
             ready.wait()  # set once the manifest is checked or has failed
+            skip = min(view.nbytes, max(0, HEADER_SIZE - at))  # the header: checked by first()
+            view, at = view[skip:], at + skip
             stop = checks[0].manifest.manifest_offset if checks else at
             return checks[0].piece(view[: stop - at], at) if stop > at else []
+
+        def arrive(span: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+            try:
+                chunks = self.stream(*span, header if span[0] == 0 else None)
+            except BaseException as exc:  # the header's wait ends with the range's failure
+                if span[0] == 0 and not header.done():
+                    header.set_exception(exc)
+                raise
+            return [found for view, at in chunks for found in look(view, at)]
 
         def first() -> None:
             try:
                 end = self.put(self.size(ends, size), tail)
-                manifest = self.manifest(where, size, tail, self.put(start.result(), 0), end)
+                manifest = self.manifest(where, size, tail, header.result(), end)
                 checks.append(PieceCheck(manifest, self.url))
             finally:
                 ready.set()
             if manifest.manifest_offset > tail:  # the tail read holds data bytes too
                 checks[0].note(checks[0].piece(end[: manifest.manifest_offset - tail], tail))
 
-        region = range_reads(tail - HEADER_SIZE, RANGE)
-        ranges = [(HEADER_SIZE + a, HEADER_SIZE + b) for a, b in region]
+        ranges = range_reads(tail, max(RANGE, HEADER_SIZE))  # the first holds the header
         try:
-            self.spans(ranges, look, lambda found: checks[0].note(found), first)
+            _spans(ranges, arrive, lambda f: checks[0].note(f), first)
         finally:
             ready.set()
-            concurrent.futures.wait([ends, start])
+            concurrent.futures.wait([ends])
         checks[0].finish()
 
     def tail(self, tail: int, size: int) -> Any:
@@ -281,12 +314,12 @@ class _Download:
         return self.objects.call("read", self.data, lambda o: found.bytes())
 
     def manifest(
-        self, where: Path, size: int, tail: int, header: memoryview, end: memoryview
+        self, where: Path, size: int, tail: int, header: bytes, end: memoryview
     ) -> Manifest:
         """The manifest, with ``header`` and ``end`` (the bytes from ``tail``) in the memory
         file: header, footer and manifest checked as a local file's."""
         try:
-            version = check_header(header.tobytes(), name=self.url)
+            version = check_header(header, name=self.url)
             footer = check_footer(
                 end[-FOOTER_SIZE:].tobytes(), name=self.url, size=size, version=version
             )
@@ -295,21 +328,6 @@ class _Download:
             return fileformat.read_manifest(where)
         except CheckpointCorrupt as exc:
             raise CheckpointCorrupt(f"{self.url}: {exc}") from None
-
-    def spans(
-        self,
-        ranges: list[tuple[int, int]],
-        look: Callable[[memoryview, int], _T],
-        seen: Callable[[_T], None],
-        first: Callable[[], None] | None = None,
-    ) -> None:
-        """Read ``ranges``, each written where it belongs and ``look``ed at on its own thread
-        as it arrives; ``seen`` takes what each look found (:func:`_spans`)."""
-
-        def arrive(span: tuple[int, int]) -> _T:
-            return look(self.put(self.get(*span), span[0]), span[0])
-
-        _spans(ranges, arrive, seen, first)
 
 
 def _spans(
