@@ -17,7 +17,8 @@ from pitstop.core.ranks import (
     merge_inputs,
     per_rank_message,
 )
-from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, Progress, SaveReason
+from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, SaveReason
+from strategies import metrics, progresses
 
 reasons = st.sampled_from(["", "SIGTERM", "SIGINT", SECONDHAND, "preempted"])
 inputs = st.builds(
@@ -74,15 +75,19 @@ def test_the_world_size_message_names_both_sizes(stored: int, live: int) -> None
     assert "strict=False" in message
 
 
-def test_entries_travel_between_ranks_intact() -> None:
-    entry = CheckpointEntry(
-        progress=Progress(step=3, samples=12),
-        seq=4,
-        reason=SaveReason.STOP,
-        detail="SIGTERM",
-        metrics={"loss": 0.5},
-    )
-    wire = entry_to_wire(entry)  # how it travels: tests/shell/test_valuecodec.py
-    assert entry_from_wire(wire) == entry
+entries = st.builds(
+    CheckpointEntry,
+    progress=progresses(),
+    seq=st.integers(1, 10**9),
+    reason=st.sampled_from(SaveReason),
+    detail=st.sampled_from(["", "SIGTERM", "SIGINT"]),
+    metrics=metrics,
+    sharded=st.booleans(),
+)
+
+
+@given(entries)
+def test_entries_travel_between_ranks_intact(entry: CheckpointEntry) -> None:
+    assert entry_from_wire(entry_to_wire(entry)) == entry  # the wire form: test_valuecodec.py
     assert entry_to_wire(NO_CHECKPOINT) is None
     assert entry_from_wire(None) is NO_CHECKPOINT
