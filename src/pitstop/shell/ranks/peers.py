@@ -130,9 +130,13 @@ class Sightings(Generic[T]):
     was wrong, and the thing found (``None``: nothing); the writers that found it, in order."""
 
     found: list[tuple[str, T | None]]
+    writers: tuple[int, ...]
     holders: list[int]
-    said: str
-    """Each writer's finding, for an error naming every node's."""
+
+    @property
+    def said(self) -> str:
+        """Each writer's finding, for an error naming every node's."""
+        return "; ".join(f"rank {w}'s node: {self.found[w][0]}" for w in self.writers)
 
 
 def look_on_writers(
@@ -144,8 +148,7 @@ def look_on_writers(
     writes = groups.writes(ranks.rank)
     found: list[tuple[str, T | None]] = ranks.all_gather_each(look if writes else _nothing)
     holders = [w for w in groups.writers if found[w][1] is not None]
-    said = "; ".join(f"rank {w}'s node: {found[w][0]}" for w in groups.writers)
-    return Sightings(found, holders, said)
+    return Sightings(found, tuple(groups.writers), holders)
 
 
 def _nothing() -> tuple[str, None]:
