@@ -79,7 +79,8 @@ holds any checkpoint."""
 def send_file(ranks: Ranks, target: int, path: Path, *, checkpoint: bool = False) -> None:
     """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so);
     ``checkpoint``: a pitstop file, its manifest and footer first, for a receiver that checks
-    it as it arrives (:func:`receive_file` with ``checkpoint``)."""
+    it as it arrives (:func:`receive_file` with ``checkpoint``), over a direct stream when the
+    two sides agree to one (pitstop.shell.ranks.stream)."""
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
@@ -88,7 +89,9 @@ def send_file(ranks: Ranks, target: int, path: Path, *, checkpoint: bool = False
     with file:
         size = os.fstat(file.fileno()).st_size
         first = tail_start(file, size) if checkpoint else 0
-        send(ranks, target, file, size, str(path), first=first, crc=not checkpoint)
+        send(
+            ranks, target, file, size, str(path), first=first, crc=not checkpoint, stream=checkpoint
+        )
 
 
 class _Discard:
@@ -121,7 +124,7 @@ def receive_file(
         nonlocal began
         began = True
         look = Arrival(file, temp[-1], f"{path} from rank {source}") if checkpoint else None
-        receive(ranks, source, file, str(path), look=look)
+        receive(ranks, source, file, str(path), look=look, stream=checkpoint)
         if look is not None:
             look.finish()
 
@@ -129,7 +132,7 @@ def receive_file(
         write_atomically(path, write, check=check, opened=temp.append)
     except BaseException:
         if not began:
-            receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
+            receive(ranks, source, _Discard(), str(path), stream=checkpoint)  # type: ignore[arg-type]
         raise
 
 
