@@ -9,6 +9,10 @@
 # every checkpoint: every rank's own part (RNG streams, per-rank components) reaches every writer
 # (an all-gather of the packed parts, where one directory needs a gather to rank 0 alone), and the
 # save counts once every writer has published it (the outcome agreed in one more round). A copy
+# sent with ``stream`` (a checkpoint's catch-up) travels over a direct TCP stream when both
+# writers agree to one (pitstop.shell.ranks.stream), PIECE bytes at a time, one piece in memory
+# on each side (the kernel's socket buffers overlap them); header and trailer stay on the group,
+# so a failed read or a broken stream still ends both sides with the same error. Otherwise it
 # travels from one writer to another in chunks of CHUNK bytes, double-buffered: the sender reads
 # chunk k+1 while chunk k travels, the receiver writes chunk k while chunk k+1 travels (memory
 # bounded by two chunks on each side; one message in flight each way, so they arrive in order),
