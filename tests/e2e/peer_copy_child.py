@@ -3,10 +3,10 @@
 * Waits far longer than a wait slice: pitstop's slices are made 1 ms here, and a copy of many
   chunks whose sender starts late still arrives whole (gloo closes a pair whose send or receive
   outlives a wait, so a point-to-point message is waited for in one piece).
-* A byte flipped in transit: rank 0 speaks the copy's wire protocol (peers' header, chunks,
-  trailer) itself and flips one byte of a chunk after its CRC-32 was taken — loopback TCP never
-  flips one, so the test does; rank 1's receive_file raises the CRC mismatch, nothing is
-  published and no temp file is left.
+* A byte flipped in transit: rank 0 speaks the copy's wire protocol itself (peers' header, the
+  stream declined in the handshake, chunks on the group, trailer) and flips one byte of a chunk
+  after its CRC-32 was taken — loopback TCP never flips one, so the test does; rank 1's
+  receive_file raises the CRC mismatch, nothing is published and no temp file is left.
 * A sender whose file changed on its disk after it was checked: its CRC-32 of the whole is of
   the changed bytes, so only the format's check of the received copy (before it is published)
   finds it; nothing is published.
@@ -14,6 +14,10 @@
   as it lands, no second read and no CRC-32 of the whole): over three chunks it arrives whole;
   a byte flipped in transit (the sender's reads flip it, after its own check) or on the
   sender's disk is caught by that check, naming the blob; nothing is published.
+* Every copy takes the direct stream (the receiver says so) unless a side refuses it: the
+  sender's node with streams off, or a receiver that cannot listen — then both take the
+  group, agreed, and the copy arrives whole; a sender whose reads fail mid-stream ends both
+  sides with its SaveError.
 * A directory that caught up (each rank a directory of its own, rank 1's deleted before the
   resume) holds its pointers, as a save would leave them: the next open finds ``last``.
 
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import pitstop
+from pitstop.core.ranks.stream import OFFER_BYTES
 from pitstop.errors import SaveError
 from pitstop.shell.format.fileread import load, verify
 from pitstop.shell.format.filewrite import prepare, write
@@ -93,6 +98,7 @@ if rank == 0:
 else:
     receive_file(ranks, 0, target)
     assert target.read_bytes() == bytes(range(256)) * (3 * CHUNK // 256 + 1000)
+    assert Heard.last().endswith("over a direct stream"), Heard.last()
 collectives.WAIT_SLICE_S = 1.0
 checked += 1
 
@@ -114,6 +120,9 @@ def nothing_published(directory: Path, name: str, work: object) -> str:
 data = bytes((i * 31 + 7) % 256 for i in range(2 * CHUNK + 5))
 if rank == 0:
     dist.send(torch.tensor([len(data), 0], dtype=torch.int64), 1, group=group)  # size, first
+    dist.recv(torch.zeros(OFFER_BYTES, dtype=torch.uint8), 1, group=group)  # a stream offered,
+    dist.send(torch.tensor([0], dtype=torch.int64), 1, group=group)  # not taken: the group
+    dist.recv(torch.zeros(1, dtype=torch.int64), 1, group=group)  # the verdict
     for offset in range(0, len(data), CHUNK):
         part = torch.frombuffer(bytearray(data[offset : offset + CHUNK]), dtype=torch.uint8)
         if offset == CHUNK:
