@@ -7,8 +7,9 @@
 # port and a random token over the group; the sender connects, presents the token and reports
 # whether it could; the receiver accepts (a connection without the token is closed, the next
 # one tried, until the deadline) and sends its verdict, which both follow: the stream, or the
-# group for both. Every connect, accept, send and receive is bounded by pitstop's timeout; the
-# listening socket is closed once the handshake ends, the stream by its user on every path.
+# group for both. Every connect (at most CONNECT_S), accept, send and receive is bounded by
+# pitstop's timeout; the listening socket is closed once the handshake ends, the stream by its
+# user on every path.
 # On the stream the bytes travel in order, with no framing: both sides know the sizes from
 # the header sent over the group before, and a trailer over the group ends the copy.
 # How: blocking sockets with timeouts; the three handshake messages are fixed-size tensors on
@@ -38,6 +39,10 @@ ADDRESS_ENV: Final = "PITSTOP_PEER_ADDRESS"
 
 STREAM_ENV: Final = "PITSTOP_PEER_STREAM"
 """``0``: this node neither offers nor takes a stream (its copies travel over the group)."""
+
+CONNECT_S: Final = 30.0
+"""The most a sender waits for its connection to an offer (``timeout_s`` where less): an address
+it cannot reach falls back to the group soon, not after the whole timeout."""
 
 Exchange = Callable[[Ranks, torch.Tensor, int], None]
 """One bounded message on pitstop's group: ``exchange(ranks, tensor, peer)`` (send or receive)."""
@@ -113,7 +118,7 @@ def _accept(listener: socket.socket, token: str, timeout_s: float) -> socket.soc
 def _connect(offer: Offer, timeout_s: float) -> socket.socket | None:
     """A connection to ``offer`` that presented its token (``None``: it could not be made)."""
     try:
-        sock = socket.create_connection((offer.host, offer.port), timeout=timeout_s)
+        sock = socket.create_connection((offer.host, offer.port), timeout=min(timeout_s, CONNECT_S))
     except OSError:
         return None
     try:
