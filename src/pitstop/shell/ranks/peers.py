@@ -9,7 +9,7 @@
 # every checkpoint: every rank's own part (RNG streams, per-rank components) reaches every writer
 # (an all-gather of the packed parts, where one directory needs a gather to rank 0 alone), and the
 # save counts once every writer has published it (the outcome agreed in one more round). A copy
-# sent with ``stream`` (a checkpoint's catch-up) travels over a direct TCP stream when both
+# sent with ``stream`` (every catch-up copy) travels over a direct TCP stream when both
 # writers agree to one (pitstop.shell.ranks.stream), PIECE bytes at a time, one piece in memory
 # on each side (the kernel's socket buffers overlap them); header and trailer stay on the group,
 # so a failed read or a broken stream still ends both sides with the same error. Otherwise it
@@ -77,8 +77,8 @@ CHUNK: Final = 8 << 20
 
 PIECE: Final = 1 << 20
 """Bytes of a copy read, sent, received, written and checked at a time on a stream (each side
-holds one; the kernel's socket buffers overlap the sides; 1 MiB measured faster than 8 MiB:
-each piece is still in the cache when it is checked and written)."""
+holds one; the kernel's socket buffers overlap the sides; 1 MiB beat 8 MiB in a raw loopback
+copy: each piece is still in the cache when it is checked and written)."""
 
 
 def probe_groups(
@@ -326,9 +326,7 @@ class _Landing:
                 self.file.seek(offset)
             self.file.write(data)
             self.at = offset + data.nbytes
-            if (
-                offset < self.first or self.first == 0
-            ):  # not the tail sent first: its pages go with the fsync
+            if offset < self.first or self.first == 0:  # the tail sent first: with the fsync
                 self.behind.wrote(self.at)
             if self.look is not None:
                 self.look(data, offset)
