@@ -16,9 +16,11 @@ share this machine's disk and CPUs (a real second node brings its own).
 * *resume, local*: a fresh ``Checkpointer(...).resume()`` on both ranks, each node holding its
   copy (each writer verifies and loads its own);
 * *resume, catch-up*: the same after node 1's copy was deleted: rank 0 verifies (and loads) its
-  copy, sends it to node 1 over the gloo group (8 MiB messages, double-buffered, its manifest
-  first); node 1 checks each chunk against the manifest as it lands, writes it, and loads what
-  it wrote (no second check) before publishing it;
+  copy, sends it to node 1 over a direct TCP stream (1 MiB pieces, its manifest first); node 1
+  checks each piece against the manifest as it lands, writes it, and loads what it wrote (no
+  second check) before publishing it; *catch-up, group*: the same, in turn with it, with
+  streams off (``PITSTOP_PEER_STREAM=0``): the copy over the gloo group (8 MiB messages,
+  double-buffered), as before the stream;
 * *floor*: node 1 writing the same number of bytes to a file and fsyncing it — what any
   catch-up that keeps a durable copy pays at least.
 
@@ -33,7 +35,7 @@ that what is measured is pitstop's work and the ranks' traffic, not one shared d
 
 Per phase (the second table): in the timed saves and the catch-up, each rank's time in the
 calls that do the work — writing a copy, verifying (and loading) a copy, sending and receiving
-one over gloo (``transfer``: without the receiver's load of it, counted as ``verify``) —
+one (``transfer``: without the receiver's load of it, counted as ``verify``) —
 each counted without the phases it calls (medians; a phase on another thread counts too);
 ``collectives`` is the time in pitstop's agreement rounds (all-gathers, gathers,
 broadcasts), waiting in them for the other rank's phases included; ``the rest`` is the call's
@@ -216,15 +218,18 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
     ckpt.save(progress)
     ckpt.close()
     size = sum(p.stat().st_size for p in directory.glob("*.pitstop"))
-    times = {"local": [], "catch-up": []}
+    times = {"local": [], "catch-up": [], "catch-up, group": []}
     for run in range(repeats + 1):
         for case in times:
-            if case == "catch-up" and rank == 1:
+            if case.startswith("catch-up") and rank == 1:
                 shutil.rmtree(directory)  # a replaced node: its directory is gone
             if directory.exists():
                 _evict(directory)
+            if case == "catch-up, group":  # the copy over pitstop's gloo group: no stream
+                os.environ["PITSTOP_PEER_STREAM"] = "0"
             dist.barrier()
             seconds = timed(directory, "resume", case if run else "")
+            os.environ.pop("PITSTOP_PEER_STREAM", None)
             if run:
                 times[case].append(seconds)
     rows += _medians("resume", times)
@@ -337,8 +342,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("| call | 1 node / local | 2 nodes / catch-up | ratio | target |")
     print("|---|---|---|---|---|")
     for call in ("save", "resume"):
-        base, other = (r["median_s"] for r in rows if r["call"] == call)
+        base, other, *_ = (r["median_s"] for r in rows if r["call"] == call)
         print(f"| {call} | {base:.3f} | {other:.3f} | {other / base:.2f}x | ≤ {TARGETS[call]}x |")
+    local, _, group = (r["median_s"] for r in rows if r["call"] == "resume")
+    print(
+        f"catch-up with the copy over pitstop's gloo group (streams off): {group:.3f} s = "
+        f"{group / local:.2f}x"
+    )
     floor = {r["case"]: r["median_s"] for r in rows if r["call"] == "floor"}
     print(
         f"floors of the catch-up: node 1 writing the same bytes and fsyncing them: "

@@ -35,6 +35,7 @@ def test_multinode_prints_save_and_catch_up_rows_and_ends_its_workers(
         ("save", "2 nodes"),
         ("resume", "local"),
         ("resume", "catch-up"),
+        ("resume", "catch-up, group"),
         ("floor", "write"),
         ("floor", "gloo"),
         ("parallel floor", "one"),
@@ -48,6 +49,7 @@ def test_multinode_prints_save_and_catch_up_rows_and_ends_its_workers(
     assert all(r["median_s"] >= 0 and r["bytes"] > 1 << 20 for r in rows), rows
     assert "floors of the catch-up" in out, out
     assert "gloo alone" in out, out
+    assert "over pitstop's gloo group (streams off)" in out, out
     cell = r" [\d.]+ / [\d.]+ \|"
     assert re.search(rf"^\| transfer: send \|{cell}{cell}{cell}$", out, re.M), out
     assert list(tmp_path.iterdir()) == [out_json]  # the nodes' files are removed

@@ -194,12 +194,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="on rank 1, pass maybe_save a metric that is not a number at this step",
     )
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="seconds")
+    parser.add_argument(
+        "--log-transfers", action="store_true", help="say how each peer copy travelled (INFO)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.log_transfers:
+        logging.getLogger("pitstop.transfer").setLevel(logging.INFO)
     distributed = "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
     world = int(os.environ["WORLD_SIZE"]) if distributed else 1

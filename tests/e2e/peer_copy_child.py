@@ -3,10 +3,10 @@
 * Waits far longer than a wait slice: pitstop's slices are made 1 ms here, and a copy of many
   chunks whose sender starts late still arrives whole (gloo closes a pair whose send or receive
   outlives a wait, so a point-to-point message is waited for in one piece).
-* A byte flipped in transit: rank 0 speaks the copy's wire protocol (peers' header, chunks,
-  trailer) itself and flips one byte of a chunk after its CRC-32 was taken — loopback TCP never
-  flips one, so the test does; rank 1's receive_file raises the CRC mismatch, nothing is
-  published and no temp file is left.
+* A byte flipped in transit: rank 0 speaks the copy's wire protocol itself (peers' header, the
+  stream declined in the handshake, chunks on the group, trailer) and flips one byte of a chunk
+  after its CRC-32 was taken — loopback TCP never flips one, so the test does; rank 1's
+  receive_file raises the CRC mismatch, nothing is published and no temp file is left.
 * A sender whose file changed on its disk after it was checked: its CRC-32 of the whole is of
   the changed bytes, so only the format's check of the received copy (before it is published)
   finds it; nothing is published.
@@ -14,6 +14,10 @@
   as it lands, no second read and no CRC-32 of the whole): over three chunks it arrives whole;
   a byte flipped in transit (the sender's reads flip it, after its own check) or on the
   sender's disk is caught by that check, naming the blob; nothing is published.
+* Every copy takes the direct stream (the receiver says so) unless a side refuses it: the
+  sender's node with streams off, or a receiver that cannot listen — then both take the
+  group, agreed, and the copy arrives whole; a sender whose reads fail mid-stream ends both
+  sides with its SaveError.
 * A directory that caught up (each rank a directory of its own, rank 1's deleted before the
   resume) holds its pointers, as a save would leave them: the next open finds ``last``.
 
@@ -24,18 +28,20 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import shutil
 import sys
 import zlib
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 import pitstop
+from pitstop.core.ranks.stream import OFFER_BYTES
 from pitstop.errors import SaveError
 from pitstop.shell.format.fileread import load, verify
 from pitstop.shell.format.filewrite import prepare, write
@@ -57,7 +63,29 @@ checked = 0
 
 def ahead(file: Any) -> dict[str, Any]:
     """How a catch-up sends a checkpoint ``file``: its manifest first, no CRC-32 of the whole."""
-    return {"first": tail_start(file, os.fstat(file.fileno()).st_size), "crc": False}
+    return {
+        "first": tail_start(file, os.fstat(file.fileno()).st_size),
+        "crc": False,
+        "stream": True,
+    }
+
+
+class Heard(logging.Handler):
+    """The receiver's word on how each copy travelled (pitstop.transfer, INFO)."""
+
+    said: ClassVar[list[str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+
+    @classmethod
+    def last(cls) -> str:
+        return cls.said[-1] if cls.said else "nothing said"
+
+
+transfer_log = logging.getLogger("pitstop.transfer")
+transfer_log.addHandler(Heard())
+transfer_log.setLevel(logging.INFO)
 
 
 # Waits far longer than a slice: the sender builds its copy only once rank 1 waits for it.
@@ -70,6 +98,7 @@ if rank == 0:
 else:
     receive_file(ranks, 0, target)
     assert target.read_bytes() == bytes(range(256)) * (3 * CHUNK // 256 + 1000)
+    assert Heard.last().endswith("over a direct stream"), Heard.last()
 collectives.WAIT_SLICE_S = 1.0
 checked += 1
 
@@ -91,6 +120,9 @@ def nothing_published(directory: Path, name: str, work: object) -> str:
 data = bytes((i * 31 + 7) % 256 for i in range(2 * CHUNK + 5))
 if rank == 0:
     dist.send(torch.tensor([len(data), 0], dtype=torch.int64), 1, group=group)  # size, first
+    dist.recv(torch.zeros(OFFER_BYTES, dtype=torch.uint8), 1, group=group)  # a stream offered,
+    dist.send(torch.tensor([0], dtype=torch.int64), 1, group=group)  # not taken: the group
+    dist.recv(torch.zeros(1, dtype=torch.int64), 1, group=group)  # the verdict
     for offset in range(0, len(data), CHUNK):
         part = torch.frombuffer(bytearray(data[offset : offset + CHUNK]), dtype=torch.uint8)
         if offset == CHUNK:
@@ -144,6 +176,13 @@ class Flipping(io.FileIO):
 
 
 tree = {"w": torch.arange(5 << 20, dtype=torch.float32), "b": torch.ones(100)}  # 3 chunks
+
+
+def source_bytes(case: str) -> bytes:
+    """Rank 1: the bytes rank 0 wrote for ``case`` (the directories are one disk here)."""
+    return (root / "node0" / f"ckpt-{case}.pitstop").read_bytes()
+
+
 for case in ("whole", "transit", "disk"):
     source = root / "node0" / f"ckpt-{case}.pitstop"
     target = root / "node1" / f"ckpt-{case}.pitstop"
@@ -167,6 +206,7 @@ for case in ("whole", "transit", "disk"):
         receive_file(ranks, 0, target, checkpoint=True)
         verify(target)
         assert load(target, verify=False)["w"].equal(tree["w"])
+        assert target.read_bytes() == source_bytes(case), "not bitwise the sender's copy"
     else:
         said = nothing_published(
             target.parent, target.name, partial(receive_file, ranks, 0, target, checkpoint=True)
@@ -174,7 +214,61 @@ for case in ("whole", "transit", "disk"):
         assert "fails its checksum" in said, said  # the blob's CRC-32, as it landed
         assert "from rank 0" in said, said
         print(said, flush=True)
+    if rank == 1:
+        assert Heard.last().endswith("over a direct stream"), Heard.last()
     checked += 1
+
+# The stream refused, by either side: both take the group, agreed, and the copy arrives whole.
+# The sender's node turns streams off (it will not connect to the receiver's offer); the
+# receiver's node cannot listen (an address that is not its own: nothing offered).
+source = root / "node0" / "ckpt-whole.pitstop"
+for case, who, name, value in (
+    ("no connect", 0, "PITSTOP_PEER_STREAM", "0"),
+    ("no listen", 1, "PITSTOP_PEER_ADDRESS", "192.0.2.1"),  # TEST-NET-1: never this host's
+):
+    target = root / "node1" / f"ckpt-{case.replace(' ', '-')}.pitstop"
+    if rank == who:
+        os.environ[name] = value
+    if rank == 0:
+        send_file(ranks, 1, source, checkpoint=True)
+    else:
+        receive_file(ranks, 0, target, checkpoint=True)
+        assert target.read_bytes() == source_bytes("whole"), case
+        assert Heard.last().endswith("pitstop's group (no stream agreed)"), (case, Heard.last())
+    os.environ.pop(name, None)
+    checked += 1
+
+
+# A sender whose reads fail half-way, over the stream: both sides end with a clear error.
+class Failing(io.FileIO):
+    """A file whose reads fail once past byte ``at`` (a disk going bad under the sender)."""
+
+    at = CHUNK + 77
+
+    def readinto(self, buffer: Any) -> int:
+        if self.tell() > self.at:
+            raise OSError(5, "Input/output error (the test's)")
+        return super().readinto(buffer) or 0
+
+
+target = root / "node1" / "ckpt-failing.pitstop"
+if rank == 0:
+    with Failing(source, "rb") as failing:
+        sent: SaveError | None = None
+        try:
+            send(ranks, 1, failing, source.stat().st_size, str(source), **ahead(failing))
+        except SaveError as exc:
+            sent = exc
+        assert sent is not None, "a sender that could not read raised no SaveError"
+        assert "could not send" in str(sent), sent
+        assert "Input/output error" in str(sent), sent
+else:
+    said = nothing_published(
+        target.parent, target.name, partial(receive_file, ranks, 0, target, checkpoint=True)
+    )
+    assert "rank 0 could not send" in said, said
+    assert Heard.last().endswith("over a direct stream"), Heard.last()
+checked += 1
 
 # A directory that caught up gets its pointers, as a save would: the next open finds `last`.
 node = root / f"run{rank}"  # a directory of each rank's own: the ranks share none

@@ -182,8 +182,15 @@ def test_a_wiped_node_gets_the_peers_copy_and_resumes_bitwise(
         explicit = run.mount / "ckpt" / f"step_{STOP_AT:012d}.pitstop"
         nowhere = run.mount / "elsewhere" / "step_000000000002.pitstop"
         options = ("--resume-from", str(explicit), "--try-resume-from", str(nowhere))
-        with run.nodes("second", "--target", str(TARGET), *options) as nodes:
+        with run.nodes("second", "--target", str(TARGET), *options, "--log-transfers") as nodes:
             finished = [node.check() for node in nodes.wait(TIMEOUT)]
+        # The copy's bytes took the direct stream between the nodes' writers, not the group.
+        said = finished[wiped].outputs[0].splitlines()
+        heard = [line for line in said if line.startswith("INFO pitstop.transfer")]
+        assert len(heard) == 1, finished[wiped].describe()
+        assert heard[0].endswith(f"{explicit.name} from rank {1 - wiped} over a direct stream"), (
+            heard
+        )
         for node in finished:  # the same error on every rank, naming the path and each node
             said = [line for line in node.lines(0) if line.startswith("resume error ")]
             assert len(said) == 1, node.describe()

@@ -248,6 +248,10 @@ def test_a_wiped_node_whose_shards_the_other_node_holds_catches_up_and_resumes_b
     assert f"rank 1's directory lacks manifest.pitstop of {name(STOP_AT)}" in said or (
         f"rank 0's directory lacks manifest.pitstop of {name(STOP_AT)}" in said
     ), said
+    # Each file took the direct stream between the nodes' writers, not the group.
+    received = [line for line in said.splitlines() if re.match(r"INFO rank \d receives ", line)]
+    assert any("manifest.pitstop from rank" in line for line in received), said
+    assert all(line.endswith(" over a direct stream") for line in received), received
     assert_continues_exactly(straight, second, STOP_AT)
     # The node that caught up wrote its pointers at once, as a save would (each node prints
     # where its `last` leads right after the resume); so did the other, unchanged.

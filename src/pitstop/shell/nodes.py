@@ -21,7 +21,8 @@
 # and the ranks try the candidates in that order; each writer verifies its own copy (every byte,
 # loaded in the same pass), and the first candidate that verifies in at least one directory is
 # chosen. A directory whose copy is missing or does not verify receives the copy of a directory
-# that has it (the core's catch_up), over torch.distributed, into a temp file, every byte checked
+# that has it (the core's catch_up), over a direct stream the two writers agree to (else
+# torch.distributed: pitstop.shell.ranks.peers), into a temp file, every byte checked
 # against the file's own manifest as it lands (pitstop.shell.ranks.arrival) and then loaded for
 # the resume without a second checking read, before the store's atomic writer publishes it — a
 # copy that changed on its way, or on its sender's disk, is never published. (Sending while the

@@ -9,6 +9,10 @@
 # every checkpoint: every rank's own part (RNG streams, per-rank components) reaches every writer
 # (an all-gather of the packed parts, where one directory needs a gather to rank 0 alone), and the
 # save counts once every writer has published it (the outcome agreed in one more round). A copy
+# sent with ``stream`` (every catch-up copy) travels over a direct TCP stream when both
+# writers agree to one (pitstop.shell.ranks.stream), PIECE bytes at a time, one piece in memory
+# on each side (the kernel's socket buffers overlap them); header and trailer stay on the group,
+# so a failed read or a broken stream still ends both sides with the same error. Otherwise it
 # travels from one writer to another in chunks of CHUNK bytes, double-buffered: the sender reads
 # chunk k+1 while chunk k travels, the receiver writes chunk k while chunk k+1 travels (memory
 # bounded by two chunks on each side; one message in flight each way, so they arrive in order),
@@ -31,6 +35,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -46,9 +51,11 @@ from pitstop.shell.format.writebehind import WriteBehind
 from pitstop.shell.ranks.collectives import PART_BOX
 from pitstop.shell.ranks.distributed import Ranks, raise_outcome
 from pitstop.shell.ranks.packing import pack_state, unpack_state
+from pitstop.shell.ranks.stream import receive_exactly, receiver_stream, sender_stream
 
 __all__ = [
     "CHUNK",
+    "PIECE",
     "PROBE_PREFIX",
     "Sightings",
     "gather_to_writers",
@@ -60,11 +67,18 @@ __all__ = [
 
 T = TypeVar("T")
 
+log = logging.getLogger("pitstop.transfer")
+
 PROBE_PREFIX: Final = ".pitstop-probe-"
 """The start of a probe file's name (a foreign name to the scan: never a checkpoint)."""
 
 CHUNK: Final = 8 << 20
 """Bytes of a copy sent in one message (each side holds two; 32 MiB measured no faster)."""
+
+PIECE: Final = 1 << 20
+"""Bytes of a copy read, sent, received, written and checked at a time on a stream (each side
+holds one; the kernel's socket buffers overlap the sides; 1 MiB beat 8 MiB in a raw loopback
+copy: each piece is still in the cache when it is checked and written)."""
 
 
 def probe_groups(
@@ -177,6 +191,14 @@ def _exchange(ranks: Ranks, tensor: torch.Tensor, peer: int, *, sending: bool) -
     _done(ranks, _post(ranks, tensor, peer, sending=sending), peer, tensor, sending=sending)
 
 
+def _give(ranks: Ranks, tensor: torch.Tensor, peer: int) -> None:
+    _exchange(ranks, tensor, peer, sending=True)
+
+
+def _take(ranks: Ranks, tensor: torch.Tensor, peer: int) -> None:
+    _exchange(ranks, tensor, peer, sending=False)
+
+
 def _buffers(ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The two chunk buffers of one side of a copy sent as ``ranges`` (one for one range)."""
     first = torch.empty(max([n for _, n in ranges] + [1]), dtype=torch.uint8)
@@ -195,6 +217,33 @@ def _ranges(size: int, first: int, chunk: int) -> list[tuple[int, int]]:
     ]
 
 
+class _Reader:
+    """The sender's file, read a chunk at a time into the caller's buffer; once a read fails
+    (or with no file), zeros and what went wrong."""
+
+    def __init__(self, file: BinaryIO | None, size: int, where: str) -> None:
+        self.file, self.size, self.where = file, size, where
+        self.at = 0  # where the file stands
+        self.failed = "" if file is not None else "it could not be opened"
+
+    def fill(self, part: torch.Tensor, offset: int) -> memoryview:
+        """Bytes ``offset`` on of the file into ``part`` (zeros once a read failed)."""
+        view = part.numpy().data
+        if not self.failed and self.file is not None:
+            try:
+                if offset != self.at:
+                    self.file.seek(offset)
+                got = self.file.readinto(view)  # type: ignore[attr-defined]
+                self.at = offset + (got or 0)
+                if got != part.numel():
+                    raise OSError(f"{self.where} ended at byte {self.at} of {self.size}")
+            except OSError as exc:
+                self.failed = str(exc) or type(exc).__name__
+        if self.failed:
+            part.zero_()
+        return view
+
+
 def send(
     ranks: Ranks,
     target: int,
@@ -205,44 +254,86 @@ def send(
     *,
     first: int = 0,
     crc: bool = True,
+    stream: bool = False,
 ) -> None:
     """The writer ``ranks.rank``: send ``size`` bytes of ``file`` to ``target`` in messages of
     ``chunk`` bytes, each read while the one before travels, bytes ``first`` on first, then
     those before them (``file`` ``None``, or one that fails to read: zeros, and the receiver is
     told it failed, after every message); ``crc``: with the CRC-32 of the whole (else 0, for a
-    receiver that checks what arrives itself)."""
+    receiver that checks what arrives itself). ``stream`` (the receiver's too): over a direct
+    socket, when both sides agree to one (pitstop.shell.ranks.stream), in pieces of
+    :data:`PIECE`."""
     _exchange(ranks, torch.tensor([size, first], dtype=torch.int64), target, sending=True)
-    whole, failed = 0, "" if file is not None else "it could not be opened"
-    ranges = _ranges(size, first, chunk)
-    buffers = _buffers(ranges)
-    travelling: Any = None  # the message of the chunk before, still on its way
-    at = 0  # where the file stands
-    for k, (offset, n) in enumerate(ranges):
-        part = buffers[k % 2][:n]
-        view = part.numpy().data
-        if not failed and file is not None:
-            try:
-                if offset != at:
-                    file.seek(offset)
-                got = file.readinto(view)  # type: ignore[attr-defined]
-                at = offset + (got or 0)
-                if got != n:
-                    raise OSError(f"{where} ended at byte {at} of {size}")
-            except OSError as exc:
-                failed = str(exc) or type(exc).__name__
-        if failed:
-            part.zero_()
-        elif crc:
-            whole = crc32_update(view, whole)
+    whole, reader = 0, _Reader(file, size, where)
+    sock = sender_stream(ranks, target, _give, _take) if stream and size else None
+    if sock is not None:
+        with sock:
+            part = torch.empty(min(PIECE, size), dtype=torch.uint8)
+            for offset, n in _ranges(size, first, PIECE):
+                view = reader.fill(part[:n], offset)
+                whole = crc32_update(view, whole) if crc and not reader.failed else whole
+                try:
+                    sock.sendall(view)
+                except OSError as exc:
+                    reader.failed = f"the stream to rank {target} broke: {exc}"
+                    break
+    else:
+        ranges = _ranges(size, first, chunk)
+        buffers = _buffers(ranges)
+        travelling: Any = None  # the message of the chunk before, still on its way
+        for k, (offset, n) in enumerate(ranges):
+            part = buffers[k % 2][:n]
+            view = reader.fill(part, offset)
+            whole = crc32_update(view, whole) if crc and not reader.failed else whole
+            if travelling is not None:
+                _done(ranks, travelling, target, *buffers, sending=True)
+            travelling = _post(ranks, part, target, sending=True)
         if travelling is not None:
             _done(ranks, travelling, target, *buffers, sending=True)
-        travelling = _post(ranks, part, target, sending=True)
-    if travelling is not None:
-        _done(ranks, travelling, target, *buffers, sending=True)
+    failed = reader.failed
     trailer = torch.tensor([whole, int(bool(failed))], dtype=torch.int64)  # CRCs fit 63 bits
     _exchange(ranks, trailer, target, sending=True)
     if failed or file is None:
         raise SaveError(f"rank {ranks.rank} could not send {where}: {failed}")
+
+
+class _Landing:
+    """Where the receiver's chunks land: written into ``file`` where they belong, handed to the
+    writeback, checked by ``look`` (else a CRC-32 of the whole is kept); the first failure
+    kept (:attr:`problem`), and later chunks dropped."""
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        where: str,
+        first: int,
+        look: Callable[[memoryview, int], object] | None,
+    ) -> None:
+        self.file, self.where, self.first, self.look = file, where, first, look
+        self.behind = WriteBehind.of(file)  # the disk starts on the copy as it comes
+        self.whole = 0
+        self.at = 0  # where the file stands
+        self.problem: PitstopError | None = None  # raised once every chunk is in
+
+    def land(self, data: memoryview, offset: int) -> None:
+        """Write and check the chunk ``data`` of bytes ``offset`` on."""
+        if self.problem is not None:
+            return
+        if self.look is None:
+            self.whole = crc32_update(data, self.whole)
+        try:
+            if offset != self.at:
+                self.file.seek(offset)
+            self.file.write(data)
+            self.at = offset + data.nbytes
+            if offset < self.first or self.first == 0:  # the tail sent first: with the fsync
+                self.behind.wrote(self.at)
+            if self.look is not None:
+                self.look(data, offset)
+        except OSError as exc:
+            self.problem = SaveError(f"could not write {self.where}: {exc}")
+        except CheckpointCorrupt as exc:
+            self.problem = exc
 
 
 def receive(
@@ -253,54 +344,54 @@ def receive(
     chunk: int = CHUNK,
     *,
     look: Callable[[memoryview, int], object] | None = None,
+    stream: bool = False,
 ) -> int:
-    """The writer ``ranks.rank``: receive what ``source`` :func:`send` s (``chunk``: as sent)
-    into ``file``, each chunk written where it belongs while the next one travels; its size.
-    ``look(bytes, offset)``: each chunk checked once written, in the order sent (its
-    CheckpointCorrupt ends the writing; no CRC-32 of the whole is compared then). Every chunk is
-    received whatever fails here (the sender never waits in vain); then a failed write or
-    check, a failed sender or a CRC that differs is raised."""
+    """The writer ``ranks.rank``: receive what ``source`` :func:`send` s (``chunk``,
+    ``stream``: as sent) into ``file``, each chunk written where it belongs while the next one
+    travels; its size. ``look(bytes, offset)``: each chunk checked once written, in the order
+    sent (its CheckpointCorrupt ends the writing; no CRC-32 of the whole is compared then).
+    Every chunk is received whatever fails here (the sender never waits in vain); then a failed
+    write or check, a failed sender or stream, or a CRC that differs is raised."""
     header = torch.zeros(2, dtype=torch.int64)
     _exchange(ranks, header, source, sending=False)
     size, first = int(header[0]), int(header[1])
-    whole = 0
-    problem: PitstopError | None = None  # the first failure here: raised once every chunk is in
-    behind = WriteBehind.of(file)  # the disk starts on the copy as it comes
-    ranges = _ranges(size, first, chunk)
-    buffers = _buffers(ranges)
-    travelling = _post(ranks, buffers[0][: ranges[0][1]], source, sending=False) if ranges else None
-    at = 0  # where the file stands
-    for k, (offset, n) in enumerate(ranges):
-        _done(ranks, travelling, source, *buffers, sending=False)
-        if k + 1 < len(ranges):  # the next chunk travels while this one is written
-            ahead = ranges[k + 1][1]
-            travelling = _post(ranks, buffers[(k + 1) % 2][:ahead], source, sending=False)
-        if problem is not None:
-            continue
-        data = buffers[k % 2][:n].numpy().data
-        if look is None:
-            whole = crc32_update(data, whole)
-        try:
-            if offset != at:
-                file.seek(offset)
-            file.write(data)
-            at = offset + n
-            if offset < first or first == 0:  # not the tail sent first: its pages go with the fsync
-                behind.wrote(at)
-            if look is not None:
-                look(data, offset)
-        except OSError as exc:
-            problem = SaveError(f"could not write {where}: {exc}")
-        except CheckpointCorrupt as exc:
-            problem = exc
+    landing = _Landing(file, where, first, look)
+    sock = receiver_stream(ranks, source, _give, _take) if stream and size else None
+    if stream and size:
+        over = "a direct stream" if sock is not None else "pitstop's group (no stream agreed)"
+        log.info("rank %d receives %s from rank %d over %s", ranks.rank, where, source, over)
+    if sock is not None:
+        with sock:
+            view = memoryview(bytearray(min(PIECE, size)))
+            for offset, n in _ranges(size, first, PIECE):
+                try:
+                    receive_exactly(sock, view[:n])
+                except OSError as exc:  # the sender hears of it: its next send fails
+                    broke = f"the stream from rank {source} broke while receiving {where}: {exc}"
+                    landing.problem = landing.problem or SaveError(broke)
+                    break
+                landing.land(view[:n], offset)
+    else:
+        ranges = _ranges(size, first, chunk)
+        buffers = _buffers(ranges)
+        travelling = (
+            _post(ranks, buffers[0][: ranges[0][1]], source, sending=False) if ranges else None
+        )
+        for k, (offset, n) in enumerate(ranges):
+            _done(ranks, travelling, source, *buffers, sending=False)
+            if k + 1 < len(ranges):  # the next chunk travels while this one is written
+                ahead = ranges[k + 1][1]
+                travelling = _post(ranks, buffers[(k + 1) % 2][:ahead], source, sending=False)
+            landing.land(buffers[k % 2][:n].numpy().data, offset)
     trailer = torch.zeros(2, dtype=torch.int64)
     _exchange(ranks, trailer, source, sending=False)
     if int(trailer[1]):
         raise SaveError(f"rank {source} could not send {where} to rank {ranks.rank}")
-    if problem is not None:
-        raise problem
-    if look is None and int(trailer[0]) != whole:
+    if landing.problem is not None:
+        raise landing.problem
+    if look is None and int(trailer[0]) != landing.whole:
         raise CheckpointCorrupt(
-            f"{where} from rank {source}: CRC-32 {whole:08x} received, {int(trailer[0]):08x} sent"
+            f"{where} from rank {source}: CRC-32 {landing.whole:08x} received, "
+            f"{int(trailer[0]):08x} sent"
         )
     return size

@@ -15,7 +15,8 @@
 # candidate is chosen: a directory without a whole manifest receives one first; then every rank
 # plans its read (DCP's local plan) and each directory receives the files its ranks read and it
 # lacks (replicated values are stored once, in one rank's file), from a directory holding them whole
-# — over torch.distributed (pitstop.shell.ranks.peers: chunked, CRC-32 checked), into a temp file
+# — over a direct stream the writers agree to, else torch.distributed (pitstop.shell.ranks.peers:
+# chunked, CRC-32 checked), into a temp file
 # published atomically, then checked against the manifest before any rank reads; a directory
 # that received files then writes its pointers as a save would (``last``: its newest). A resume
 # from an explicit path: each writer looks for its manifest there on its own node; the first
@@ -79,7 +80,8 @@ holds any checkpoint."""
 def send_file(ranks: Ranks, target: int, path: Path, *, checkpoint: bool = False) -> None:
     """Send ``path`` to ``target`` (a file that cannot be opened: the receiver hears so);
     ``checkpoint``: a pitstop file, its manifest and footer first, for a receiver that checks
-    it as it arrives (:func:`receive_file` with ``checkpoint``)."""
+    it as it arrives (:func:`receive_file` with ``checkpoint``). Over a direct stream when the
+    two sides agree to one (pitstop.shell.ranks.stream), else over the group."""
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
@@ -88,7 +90,7 @@ def send_file(ranks: Ranks, target: int, path: Path, *, checkpoint: bool = False
     with file:
         size = os.fstat(file.fileno()).st_size
         first = tail_start(file, size) if checkpoint else 0
-        send(ranks, target, file, size, str(path), first=first, crc=not checkpoint)
+        send(ranks, target, file, size, str(path), first=first, crc=not checkpoint, stream=True)
 
 
 class _Discard:
@@ -121,7 +123,7 @@ def receive_file(
         nonlocal began
         began = True
         look = Arrival(file, temp[-1], f"{path} from rank {source}") if checkpoint else None
-        receive(ranks, source, file, str(path), look=look)
+        receive(ranks, source, file, str(path), look=look, stream=True)
         if look is not None:
             look.finish()
 
@@ -129,7 +131,7 @@ def receive_file(
         write_atomically(path, write, check=check, opened=temp.append)
     except BaseException:
         if not began:
-            receive(ranks, source, _Discard(), str(path))  # type: ignore[arg-type]
+            receive(ranks, source, _Discard(), str(path), stream=True)  # type: ignore[arg-type]
         raise
 
 
