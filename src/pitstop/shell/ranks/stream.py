@@ -40,9 +40,9 @@ ADDRESS_ENV: Final = "PITSTOP_PEER_ADDRESS"
 STREAM_ENV: Final = "PITSTOP_PEER_STREAM"
 """``0``: this node neither offers nor takes a stream (its copies travel over the group)."""
 
-CONNECT_S: Final = 30.0
-"""The most a sender waits for its connection to an offer (``timeout_s`` where less): an address
-it cannot reach falls back to the group soon, not after the whole timeout."""
+CONNECT_S: Final = 5.0
+"""The most a sender waits for its connection to an offer (``timeout_s`` where less; a LAN
+connects in milliseconds): an address it cannot reach falls back to the group within seconds."""
 
 Exchange = Callable[[Ranks, torch.Tensor, int], None]
 """One bounded message on pitstop's group: ``exchange(ranks, tensor, peer)`` (send or receive)."""
