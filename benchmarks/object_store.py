@@ -116,8 +116,9 @@ def _clocked(into: dict[str, list[float]]) -> Iterator[None]:
     )
 
 
-def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]:
-    """``{candidate: [seconds per repeat]}`` for ``size`` bytes."""
+def measure(server: S3Server, size: int, repeats: int, tmp: Path) -> dict[str, list[float]]:
+    """``{candidate: [seconds per repeat]}`` for ``size`` bytes (the file obstore moves made in
+    ``tmp``, removed with it whatever fails)."""
     import obstore
     from obstore.store import S3Store
 
@@ -159,7 +160,7 @@ def measure(server: S3Server, size: int, repeats: int) -> dict[str, list[float]]
                 times["resume"].append(_timed(ckpt.resume))
 
         save()
-        file = Path(tempfile.mkdtemp(prefix="pitstop-s3-bench-")) / "checkpoint"
+        file = Path(tempfile.mkdtemp(prefix="pitstop-s3-bench-", dir=tmp)) / "checkpoint"
         storage = ObjectStorage(url)
         try:  # the checkpoint's bytes: what obstore moves
             with storage.fetched(checkpoint_name(1)) as path, open_untrusted(path) as fetched:
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())
         try:
             for size in sizes:
-                measured = measure(server, int(size * MIB), args.repeats)
+                measured = measure(server, int(size * MIB), args.repeats, Path(tmp))
                 rows += rows_of(size, measured)
                 phases.append((size, measured))
         finally:
