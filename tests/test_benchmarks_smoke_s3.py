@@ -30,3 +30,6 @@ def test_object_store_prints_save_and_resume_against_obstore(
     dcp = ["dcp save", "dcp resume"] if object_store._has_s3fs() else []  # s3fs: optional
     assert [r["op"] for r in rows] == ["save", "resume", *dcp]
     assert all(r["pitstop_s"] > 0 and r["obstore_s"] > 0 for r in rows)
+    resume = next(r for r in rows if r["op"] == "resume")  # the floor's read checked every blob
+    assert resume["parallel_s"] > 0
+    assert resume["floor_s"] > 0  # its copies each checked against the blob's CRC-32
