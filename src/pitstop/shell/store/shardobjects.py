@@ -20,6 +20,10 @@
 # resume that takes one from the remote tier downloads every file into a local temp folder
 # (download_sharded: the checked download, then each file fsynced and its CRC-32 compared with
 # the commit's, the folder fsynced), which the local directory then publishes by its rename.
+# On nodes sharing no directory each node's writer uploads its ranks' files (NodeUploads) and
+# rank 0 commits once the listing shows them all (await_files, bounded by timeout_s); a writer
+# whose upload failed leaves a failure object there (the core's failure_name, its cause as
+# text), and rank 0's wait fails at its next listing, naming the rank and the cause.
 # How: an ObjectStorage's requests; the staging folders are local files of this process.
 
 """Sharded checkpoints on ``s3://``: upload each rank's shards, commit them."""
@@ -27,6 +31,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
@@ -44,6 +49,8 @@ from pitstop.core.s3.objects import (
     data_name,
     deletion_order,
     encode_commit,
+    failed_uploads,
+    failure_name,
     sharded_commit,
 )
 from pitstop.core.sharding.layoutwire import files_from_wire
@@ -66,6 +73,8 @@ __all__ = [
     "upload_shards",
 ]
 
+log = logging.getLogger("pitstop")
+
 
 @attrs.frozen
 class NodeUploads:
@@ -85,9 +94,31 @@ class NodeUploads:
 
     def send(self, storage: ObjectStorage, entry: CheckpointEntry, staged: Path) -> None:
         """Another node's writer than rank 0's: upload its ranks' files of the sharded
-        checkpoint ``entry`` staged at ``staged`` (:func:`upload_node_files`)."""
+        checkpoint ``entry`` staged at ``staged`` (:func:`upload_node_files`); a failure is
+        left for rank 0 to see (:meth:`failed`), then raised."""
         if entry.sharded:
-            upload_node_files(storage, self.temp(entry), staged, self.ranks)
+            try:
+                upload_node_files(storage, self.temp(entry), staged, self.ranks)
+            except Exception as exc:
+                self.failed(storage, entry, exc)
+                raise
+
+    def failed(self, storage: ObjectStorage, entry: CheckpointEntry, exc: BaseException) -> None:
+        """Another node's writer than rank 0's, whose upload of ``entry`` failed with ``exc``:
+        say so in the attempt's data folder (the core's failure_name), where rank 0's
+        :meth:`wait` sees it at its next listing and fails the commit at once. Best effort:
+        a prefix that cannot be written leaves rank 0 waiting ``patience`` seconds at most."""
+        if not entry.sharded:
+            return
+        temp = self.temp(entry)
+        name = _final(temp)
+        folder = data_name(name, token_of(temp, name))
+        rank = min(self.ranks)
+        text = f"rank {rank}'s node could not upload its files of {name}: {exc}"
+        try:
+            storage.put(failure_name(folder, rank), text.encode(), "overwrite")
+        except OSError as problem:
+            log.warning("could not tell rank 0 that %s: %s", text, problem)
 
     def wait(self, storage: ObjectStorage, temp: str) -> None:
         """Rank 0: :func:`await_files` for the attempt ``temp``, ``patience`` at most."""
@@ -136,8 +167,10 @@ def upload_node_files(
 def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
     """Rank 0, before it commits the attempt ``temp`` (staged in ``storage.path(temp)``): wait
     until the listing shows every file of the manifest's table it does not hold at its size
-    (other nodes' writers upload them), for at most ``patience`` seconds. Raises
-    :class:`~pitstop.errors.SaveError` naming the checkpoint and each file still missing."""
+    (other nodes' writers upload them), for at most ``patience`` seconds; a writer whose upload
+    failed said so in the data folder (:meth:`NodeUploads.failed`): then at once. Raises
+    :class:`~pitstop.errors.SaveError` naming the checkpoint and each file still missing (and
+    each failed writer's rank and cause)."""
     local = storage.path(temp)
     name = _final(temp)
     folder = data_name(name, token_of(temp, name))
@@ -149,14 +182,26 @@ def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
         missing = [f for f in others if listed.get(f"{folder}/{f.name}") != f.size]
         if not missing:
             return
+        lack = ", ".join(f"{f.name} (rank {f.rank}, {f.size} bytes)" for f in missing)
+        failed = failed_uploads(folder, listed)
+        if failed:
+            said = "; ".join(_said(storage, key, rank) for rank, key in failed)
+            raise SaveError(f"{storage.location.url(name)} is not committed: {said} ({lack})")
         if time.monotonic() >= deadline:
-            lack = ", ".join(f"{f.name} (rank {f.rank}, {f.size} bytes)" for f in missing)
             raise SaveError(
                 f"{storage.location.url(name)} is not committed: after {patience:.0f} s the "
                 f"other nodes' writers had not uploaded {lack}; see their logs"
             )
         time.sleep(pause)  # another process's upload: nothing to wait on but the listing
         pause = min(pause * 2, 1.0)
+
+
+def _said(storage: ObjectStorage, key: str, rank: int) -> str:
+    """What node writer ``rank``'s failure object ``key`` says (its cause)."""
+    try:
+        return storage.get(key, 4096).decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return f"rank {rank}'s node could not upload its files (its message unread: {exc})"
 
 
 def publish_objects(
