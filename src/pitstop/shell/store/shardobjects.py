@@ -17,9 +17,11 @@
 # A remote tier (pitstop.shell.store.tiers) stages a sharded checkpoint published in its local
 # directory by hard links (stage_links; the local retention may delete it meanwhile) and
 # commits it as rank 0 commits one (every file not listed yet is uploaded, then the commit); a
-# resume that takes one from the remote tier downloads every file into a local temp folder
+# resume that takes one from the remote tier downloads its files (all, or on nodes sharing no
+# directory the ones a node lacks: the core's tier_takes) into a local temp folder
 # (download_sharded: the checked download, then each file fsynced and its CRC-32 compared with
-# the commit's, the folder fsynced), which the local directory then publishes by its rename.
+# the commit's, the folder fsynced), which the local directory then publishes by its rename
+# (or, where the node holds part of the same save, each file moved in: place_files).
 # On nodes sharing no directory each node's writer uploads its ranks' files (NodeUploads) and
 # rank 0 commits once the listing shows them all (await_files, bounded by timeout_s); a writer
 # whose upload failed leaves a failure object there (the core's failure_name, its cause as
@@ -35,7 +37,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,7 @@ __all__ = [
     "await_files",
     "commit_sharded",
     "download_sharded",
+    "place_files",
     "publish_objects",
     "stage_links",
     "upload_node_files",
@@ -87,10 +90,14 @@ class NodeUploads:
     ranks: tuple[int, ...]
     commits: bool
     patience: float
+    seqs: dict[tuple[int, int], int] = attrs.field(factory=dict, eq=False)
+    """``(step, own seq)`` of each save this writer followed: rank 0's seq of it (a node that
+    caught up may number its saves otherwise than rank 0's directory)."""
 
     def temp(self, entry: CheckpointEntry) -> str:
-        """The attempt at ``entry`` every node's writer uploads into (its name and seq)."""
-        return temp_name(entry.name, f"{self.token}-{entry.seq}")
+        """The attempt at ``entry`` every node's writer uploads into (its name, rank 0's seq)."""
+        seq = self.seqs.get((entry.step, entry.seq), entry.seq)
+        return temp_name(entry.name, f"{self.token}-{seq}")
 
     def send(self, storage: ObjectStorage, entry: CheckpointEntry, staged: Path) -> None:
         """Another node's writer than rank 0's: upload its ranks' files of the sharded
@@ -332,19 +339,25 @@ def download_sharded(
     name: str,
     root: Path,
     file_table: Callable[[Path, list[str], int], Iterable[ShardFile]],
-) -> None:
+    only: Callable[[Sequence[ShardFile]], Collection[str]] | None = None,
+) -> tuple[str, ...]:
     """Download the committed sharded checkpoint ``name`` into the new local folder ``root``,
-    ready to be published by a rename: every file by the checked download (its size and
-    CRC-32 as it arrives), then fsynced and its CRC-32 compared with the commit's again as it
-    lies on the disk (``file_table``: sharddir's, which fsyncs and checksums files), then the
-    folder fsynced. Raises
+    ready to be published by a rename: every file (``only``: those it names of the commit's
+    files) by the checked download (its size and CRC-32 as it arrives), then fsynced and its
+    CRC-32 compared with the commit's again as it lies on the disk (``file_table``: sharddir's,
+    which fsyncs and checksums files), then the folder fsynced. The names downloaded (none:
+    ``root`` is not made). Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file, ``OSError`` or
     :class:`~pitstop.errors.SaveError` (a file that could not be fsynced); ``root`` goes then."""
     commit = storage.commit(name)
-    expected = {f.name: f for f in commit.files}
+    wanted = set(only(commit.files)) if only is not None else {f.name for f in commit.files}
+    files = [f for f in commit.files if f.name in wanted]
+    if not files:
+        return ()
+    expected = {f.name: f for f in files}
     root.mkdir(parents=True)
     try:
-        download_files(storage, name, commit.data, commit.files, root)  # checked as they arrive
+        download_files(storage, name, commit.data, files, root)  # checked as they arrive
         for found in file_table(root, list(expected), 0):  # fsynced, and checked as they lie
             problem = file_problem(expected[found.name], found.size, found.crc32)
             if problem is not None:
@@ -353,3 +366,15 @@ def download_sharded(
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
+    return tuple(sorted(expected))
+
+
+def place_files(root: Path, target: Path) -> None:
+    """Move every file of the folder ``root`` (downloaded, checked, fsynced) into the existing
+    checkpoint folder ``target`` of the same save, each by a rename over any copy there, the
+    manifest last; ``target`` fsynced, ``root`` removed."""
+    names = sorted(os.listdir(root), key=lambda n: (n == MANIFEST_NAME, n))
+    for name in names:
+        os.replace(root / name, target / name)
+    LocalStorage(target).sync_directory()
+    shutil.rmtree(root, ignore_errors=True)
