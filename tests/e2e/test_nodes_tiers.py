@@ -10,9 +10,10 @@ bitwise the straight run's; two ranks sharing a directory that was deleted resum
 the remote tier, on every rank; two ranks saving straight to an ``s3://`` prefix pause on a
 SIGTERM and resume bitwise. FSDP2 on the two nodes (tests/e2e/sharded_nodes_loop.py) with a
 remote tier: every node's writer uploads its rank's shards and rank 0 commits each checkpoint,
-whose files are the nodes' own bytes; a node wiped, or both (``-m slow``), resumes bitwise from
-it, each node taking it from the remote tier, and so does a run on the prefix. Each wait is
-bounded; every process and the server are ended when a test ends, passing or not.
+whose files are the nodes' own bytes; a node wiped while the tier lacks the newest step resumes
+the step before bitwise, the wiped node downloading only the manifest, DCP's metadata and its
+lost shard; both wiped (``-m slow``) resume bitwise from it, and so does a run on the prefix.
+Each wait is bounded; every process and the server are ended when a test ends, passing or not.
 """
 
 from __future__ import annotations
