@@ -380,3 +380,17 @@ def test_rank_0s_wait_for_a_node_whose_upload_failed_fails_at_once_naming_its_ra
         assert "__1_0.distcp (rank 1, 6 bytes)" in said, said
     finally:
         storage.close()
+
+
+def test_a_node_writer_uploads_each_save_it_followed_where_rank_0_commits_it() -> None:
+    """A node that caught up numbers its saves otherwise than rank 0's directory: each save it
+    followed goes to the attempt folder of rank 0's seq (the last 64 remembered)."""
+    node = NodeUploads("run0", (1,), commits=False, patience=1.0)
+    entry = CheckpointEntry(progress=pitstop.Progress(step=6), seq=3, reason="manual", sharded=True)
+    assert node.temp(entry) == temp_name(entry.name, "run0-3")  # none followed: its own
+    node.follows(6, 3, 4)
+    assert node.temp(entry) == temp_name(entry.name, "run0-4")
+    for k in range(100):
+        node.follows(7 + k, 10 + k, 20 + k)
+    assert len(node.seqs) == 64
+    assert node.temp(entry) == temp_name(entry.name, "run0-3")

@@ -194,7 +194,7 @@ class SaveCalls:
             own = self.saver.follow(decision, *planned)[1]
             directory = self.saver.directory
             if isinstance(directory, TieredDirectory) and directory.remote.nodes is not None:
-                directory.remote.nodes.seqs[(own[0].step, own[1])] = wire[1]
+                directory.remote.nodes.follows(own[0].step, own[1], wire[1])
             copy = self.shards is not None and self.shards.copies  # in the background
             self.saver.begin_sharded(planned[1], temp=temp, copy=copy)
 

@@ -94,6 +94,13 @@ class NodeUploads:
     """``(step, own seq)`` of each save this writer followed: rank 0's seq of it (a node that
     caught up may number its saves otherwise than rank 0's directory)."""
 
+    def follows(self, step: int, own: int, seq: int) -> None:
+        """This writer's save of ``step`` numbered ``own`` here is rank 0's ``seq`` (the last
+        64 saves kept: each is uploaded soon after it is published)."""
+        self.seqs[(step, own)] = seq
+        while len(self.seqs) > 64:
+            del self.seqs[next(iter(self.seqs))]
+
     def temp(self, entry: CheckpointEntry) -> str:
         """The attempt at ``entry`` every node's writer uploads into (its name, rank 0's seq)."""
         seq = self.seqs.get((entry.step, entry.seq), entry.seq)
