@@ -17,6 +17,8 @@ from pitstop.core.s3.objects import (
     decode_commit,
     deletion_order,
     encode_commit,
+    failed_uploads,
+    failure_name,
     orphans,
     sharded_commit,
 )
@@ -142,3 +144,19 @@ def test_orphans_are_exactly_the_files_no_commit_names(
     left = {o for c in uncommitted for o in c.objects()} - kept
     found = orphans([*kept, *left, "not/a/data/object", ".data/x"], committed)
     assert set(found) == left
+
+
+@given(sharded_commits(), st.sets(st.integers(0, 1 << 20), max_size=4), st.data())
+def test_a_failed_writers_object_is_found_in_its_attempts_folder_only_and_is_an_orphan(
+    commit: Commit, ranks: set[int], data: st.DataObject
+) -> None:
+    """rank 0's wait finds exactly the failure objects of its attempt's folder, each writer's
+    rank read back; no file's name is one, and the next writer's open clears them."""
+    other = data.draw(tokens.filter(lambda t: t != commit.data.split("/")[1]))
+    failures = [failure_name(commit.data, r) for r in ranks]
+    elsewhere = [failure_name(data_name(commit.name, other), r) for r in ranks]
+    listed = [*commit.objects(), *failures, *elsewhere]
+    expected = sorted((r, failure_name(commit.data, r)) for r in ranks)
+    assert failed_uploads(commit.data, data.draw(st.permutations(listed))) == expected
+    assert failed_uploads(commit.data, commit.objects()) == []
+    assert set(orphans([*failures, *commit.objects()], [commit])) == set(failures)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.sharding.shardcover import cover_nodes, file_homes, part_here
+from pitstop.core.sharding.shardcover import cover_nodes, file_homes, part_here, tier_takes
 
 names = st.lists(
     st.sampled_from([f"__{r}_0.distcp" for r in range(5)] + [".metadata", "m"]),
@@ -92,3 +92,39 @@ def test_a_directorys_part_counts_what_it_holds_and_names_the_ranks_of_the_rest(
     assert here == len([n for n, _ in files if n in present])
     assert set(absent) == {r for n, r in files if n not in present}
     assert (here == listed) == (absent == ())
+
+
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=5),
+    st.lists(st.integers(0, 6), max_size=6),
+    st.data(),
+)
+def test_each_lost_file_is_taken_from_the_remote_tier_once_where_its_writer_is(
+    layout: list[int], writers: list[int], data: st.DataObject
+) -> None:
+    """Files written by ranks of this world (``layout``: each rank's directory label) and by
+    ranks of an older, larger one (``writers`` beyond it); each directory holds some whole.
+    Afterwards every file is whole somewhere; a directory takes nothing it holds, the
+    manifest and metadata unless it holds them, and of the rest only a file whole nowhere
+    that its own ranks wrote (the first directory: one no rank of this world wrote)."""
+    labels = sorted(set(layout))
+    groups = [tuple(r for r, label in enumerate(layout) if label == mine) for mine in labels]
+    files = [(f"__{r}_0.distcp", r) for r in sorted(set(writers))]
+    files += [(".metadata", 0), ("manifest.pitstop", 0)]
+    every = {".metadata", "manifest.pitstop"}
+    names = [n for n, _ in files]
+    held = [set(data.draw(st.lists(st.sampled_from(names), max_size=4))) for _ in groups]
+    takes = [tier_takes(files, groups, d, held, every) for d in range(len(groups))]
+    after = [h | set(t) for h, t in zip(held, takes, strict=True)]
+    assert cover_nodes(names, after, [set()] * len(groups)).complete
+    world = set(range(len(layout)))
+    for d, (group, took) in enumerate(zip(groups, takes, strict=True)):
+        assert list(took) == sorted(took)
+        assert not set(took) & held[d]
+        assert every - held[d] <= set(took)
+        for name, rank in files:
+            if name in took and name not in every:
+                assert not any(name in h for h in held), name
+                assert rank in group or (d == 0 and rank not in world), (name, d)
+    for name in set(names) - every:
+        assert sum(name in took for took in takes) <= 1, name

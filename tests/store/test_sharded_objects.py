@@ -33,12 +33,13 @@ import pitstop
 from multirank import Finished, Job
 from pitstop.cli import main as cli
 from pitstop.core.naming import temp_name
+from pitstop.core.records import CheckpointEntry
 from pitstop.core.s3.objects import decode_commit
 from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile, sharded_name
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.directory import scan
 from pitstop.shell.store.objectstore import ObjectStorage
-from pitstop.shell.store.shardobjects import commit_sharded, upload_shards
+from pitstop.shell.store.shardobjects import NodeUploads, commit_sharded, upload_shards
 from s3server import BUCKET, S3Server
 from trees import assert_same
 
@@ -345,3 +346,51 @@ def test_of_two_writers_committing_one_sharded_name_exactly_one_wins(s3_url: str
     finally:
         first.close()
         second.close()
+
+
+def test_rank_0s_wait_for_a_node_whose_upload_failed_fails_at_once_naming_its_rank_and_cause(
+    s3_url: str, tmp_path: Path
+) -> None:
+    """Nodes sharing no directory, a sharded remote tier: node 1's writer cannot upload its
+    rank's files (its staged manifest is not a pitstop file); it says so in the attempt's data
+    folder, and rank 0, waiting for those files to commit (patience: 60 s), fails at its next
+    listing with a SaveError naming rank 1 and the cause — not after its timeout."""
+    entry = CheckpointEntry(progress=pitstop.Progress(step=2), seq=2, reason="manual", sharded=True)
+    storage = ObjectStorage(s3_url)
+    rank0 = NodeUploads("run0", (0,), commits=True, patience=60.0)
+    node1 = NodeUploads("run0", (1,), commits=False, patience=60.0)
+    try:
+        staged = tmp_path / "node1"
+        staged.mkdir()
+        (staged / MANIFEST_NAME).write_bytes(b"not a pitstop file")
+        with pytest.raises(pitstop.CheckpointCorrupt):
+            node1.send(storage, entry, staged)
+        temp = rank0.temp(entry)
+        folder = storage.path(temp)
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"rank 0")
+        rows = [["__0_0.distcp", 6, 0, 0], ["__1_0.distcp", 6, 0, 1]]
+        with (folder / MANIFEST_NAME).open("wb") as file:
+            fileformat.write(file, fileformat.prepare({}), {"sharded": {"files": rows}})
+        with pytest.raises(pitstop.SaveError) as raised:
+            rank0.wait(storage, temp)
+        said = str(raised.value)
+        assert "rank 1's node could not upload its files of step_000000000002" in said, said
+        assert "not a pitstop file" in said or "manifest" in said, said
+        assert "__1_0.distcp (rank 1, 6 bytes)" in said, said
+    finally:
+        storage.close()
+
+
+def test_a_node_writer_uploads_each_save_it_followed_where_rank_0_commits_it() -> None:
+    """A node that caught up numbers its saves otherwise than rank 0's directory: each save it
+    followed goes to the attempt folder of rank 0's seq (the last 64 remembered)."""
+    node = NodeUploads("run0", (1,), commits=False, patience=1.0)
+    entry = CheckpointEntry(progress=pitstop.Progress(step=6), seq=3, reason="manual", sharded=True)
+    assert node.temp(entry) == temp_name(entry.name, "run0-3")  # none followed: its own
+    node.follows(6, 3, 4)
+    assert node.temp(entry) == temp_name(entry.name, "run0-4")
+    for k in range(100):
+        node.follows(7 + k, 10 + k, 20 + k)
+    assert len(node.seqs) == 64
+    assert node.temp(entry) == temp_name(entry.name, "run0-3")

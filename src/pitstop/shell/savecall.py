@@ -45,6 +45,7 @@ from pitstop.shell.saving import Saver
 from pitstop.shell.shardsave import ShardedSaves, Staged
 from pitstop.shell.state.capture import LiveState, rank_state
 from pitstop.shell.stop import StopRequest
+from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = ["SaveCalls"]
 
@@ -161,7 +162,7 @@ class SaveCalls:
                 if groups is not None:  # each writer follows rank 0 into the same temp name
                     decision, merged = decided
                     begin = partial(
-                        self._begin_across, temp, decision, policy, progress, merged, detail
+                        self._begin_across, temp, wire, decision, policy, progress, merged, detail
                     )
                     across = (groups, partial(begin, resumed_from))
                 ticket = shards.save(temp, staged, across)
@@ -185,16 +186,20 @@ class SaveCalls:
             raise interrupt
         return wire, ticket
 
-    def _begin_across(self, temp: str, decision: Any, *planned: Any) -> None:
+    def _begin_across(self, temp: str, wire: Any, decision: Any, *planned: Any) -> None:
         """Another directory's writer: plan rank 0's sharded save on its own directory and
-        make rank 0's temp directory there (rank 0 began it already)."""
+        make rank 0's temp directory there (rank 0 began it already); a remote tier's upload
+        of it goes where rank 0 commits it (``wire``: rank 0's entry, its seq)."""
         if not self.ranks.leader:
-            self.saver.follow(decision, *planned)
+            own = self.saver.follow(decision, *planned)[1]
+            directory = self.saver.directory
+            if isinstance(directory, TieredDirectory) and directory.remote.nodes is not None:
+                directory.remote.nodes.follows(own[0].step, own[1], wire[1])
             copy = self.shards is not None and self.shards.copies  # in the background
             self.saver.begin_sharded(planned[1], temp=temp, copy=copy)
 
     def _write_copies(
-        self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], None]
+        self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], object]
     ) -> int:
         """Every rank's part to every directory's writer, which plans rank 0's decision on its
         own directory (``follow``; rank 0 planned it already: agreed first, so that a failed

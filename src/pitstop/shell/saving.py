@@ -174,12 +174,12 @@ class Saver:
         self._decision = decision if decision.acts else None
         return self._decision is not None
 
-    def follow(self, decision: SaveDecision, *planned: Any) -> None:
+    def follow(self, decision: SaveDecision, *planned: Any) -> tuple[Any, ...]:
         """Another directory's writer: :meth:`plan` rank 0's ``decision`` (``planned``: the
         plan's arguments) on this directory, its own catalog and pointers, for :meth:`write`."""
         self.enter(Request.SAVE)
         self._decision = decision
-        self.plan(*planned)
+        return self.plan(*planned)
 
     @property
     def decision(self) -> SaveDecision | None:

@@ -14,6 +14,9 @@
 #                                   commit object lists every file (size, CRC-32, writing rank),
 #                                   and rank 0 writes it only once a listing of the data folder
 #                                   shows every file at its size (commit_problem)
+#   <prefix>/.data/<token>/<name>/.failed-rank-<r>  left by node writer <r> whose upload of its
+#                                   ranks' files failed (its cause as text): rank 0's wait for
+#                                   the files fails at once on it (failed_uploads)
 #   <prefix>/last|best|final        pointers: the name they point at, replaced by compare-and-swap
 #   <prefix>/latest.json            as on disk, replaced by compare-and-swap
 #   <prefix>/.lock                  the lease: one writer per prefix (holder, host, since, expiry)
@@ -58,6 +61,8 @@ __all__ = [
     "describe_lease",
     "encode_commit",
     "encode_lease",
+    "failed_uploads",
+    "failure_name",
     "is_object_url",
     "judge_lease",
     "orphans",
@@ -78,6 +83,7 @@ commit objects only, never a checkpoint's bytes."""
 
 _BUCKET_RE: Final = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _TOKEN_RE: Final = re.compile(r"[A-Za-z0-9_-]+")
+_FAILED: Final = ".failed-rank-"
 
 
 def is_object_url(value: object) -> bool:
@@ -127,6 +133,21 @@ def data_name(name: str, token: str) -> str:
     if not name or "/" in name:
         raise ValueError(f"not a plain checkpoint name: {name!r}")
     return f"{DATA_DIR}/{token}/{name}"
+
+
+def failure_name(data: str, rank: int) -> str:
+    """The object node writer ``rank`` leaves in the data folder ``data`` of a sharded attempt
+    when it could not upload its ranks' files (its body: the cause, as text), so that rank 0,
+    waiting for those files to commit the attempt, fails at once rather than at its timeout."""
+    return f"{data}/{_FAILED}{rank}"
+
+
+def failed_uploads(data: str, listed: Iterable[str]) -> list[tuple[int, str]]:
+    """The writers' failure objects (:func:`failure_name`) among ``listed`` (names relative to
+    the prefix) in the data folder ``data``: each writer's rank and object name, by rank."""
+    head = f"{data}/{_FAILED}"
+    found = [(n[len(head) :], n) for n in listed if n.startswith(head)]
+    return sorted((int(r), n) for r, n in found if r.isdigit() and r.isascii())
 
 
 def parse_data_name(relative: str) -> tuple[str, str] | None:

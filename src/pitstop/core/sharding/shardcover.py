@@ -17,7 +17,10 @@
 # each directory receives each file its ranks' reads need and it lacks, from a directory that
 # holds it whole: the sources taken in turn, the one that has sent fewest first, so that
 # several directories catching up share the senders. What one directory holds of a checkpoint
-# is counted against the list (part_here), for a listing that says "partial".
+# is counted against the list (part_here), for a listing that says "partial". A checkpoint not
+# complete across the directories that the remote tier holds: each directory downloads only the
+# files every rank reads first (the manifest, DCP's metadata) that it lacks and the lost files
+# (whole in no directory) its ranks wrote (tier_takes); the rest moves between directories.
 # How: pure functions over file names, directory indexes and ranks.
 
 """Pure checks of a sharded layout's values (exact cover, dtypes, byte bounds, key paths),
@@ -43,6 +46,7 @@ __all__ = [
     "file_homes",
     "part_here",
     "paths_problem",
+    "tier_takes",
 ]
 
 DIRECTORIES: Final = "directories"
@@ -233,3 +237,32 @@ def part_here(
     absent = sorted({rank for name, rank in listed if name not in present})
     here = sum(1 for name, _ in listed if name in present)
     return here, len(listed), tuple(absent)
+
+
+def tier_takes(
+    files: Iterable[tuple[str, int]],
+    groups: Sequence[Collection[int]],
+    index: int,
+    held: Sequence[Collection[str]],
+    every: Collection[str],
+) -> tuple[str, ...]:
+    """What directory ``index`` downloads of a checkpoint the remote tier holds (``files``: its
+    ``(name, rank)`` rows) that is not complete across the directories (``groups[d]``: the
+    ranks sharing directory ``d``; ``held[d]``: the files whole there): the files of ``every``
+    it lacks (what each directory reads first: the manifest, DCP's metadata), and each file
+    whole in no directory that its own ranks wrote — a file written by a rank in no group
+    (another world size) is the first directory's. So each lost file is downloaded once, where
+    its writer is, and every listed file is whole somewhere afterwards (the rest of the ranks'
+    reads then move between directories: :func:`cover_nodes`); sorted."""
+    ranks = {r for group in groups for r in group}
+    mine, have = set(groups[index]), set(held[index])
+    takes = {
+        name
+        for name, rank in files
+        if (name in every and name not in have)
+        or (
+            not any(name in h for h in held)
+            and (rank in mine or (index == 0 and rank not in ranks))
+        )
+    }
+    return tuple(sorted(takes))

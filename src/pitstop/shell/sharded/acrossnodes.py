@@ -23,9 +23,9 @@
 # writer's whole one makes it the one candidate, taken as above at the same path on every node
 # (a node without it receives it); on no node, one CheckpointNotFound naming each node's finding.
 # With a remote tier its checkpoints join the merged order (rank 0 lists them, without the
-# lease); a candidate not complete across the directories that the remote tier holds is copied
-# whole into every writer's directory (TieredDirectory.bring_sharded: checked, then published),
-# then judged again.
+# lease); a candidate not complete across the directories that the remote tier holds gives each
+# writer's directory what it lacks of it from there (pitstop.shell.sharded.fromtier), then is
+# judged again.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each / all_gather_each), so one rank's failure is raised on every
 # rank and every rank takes the same branch.
@@ -41,9 +41,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+import attrs
+
 from pitstop.core.metadata import entry_from_meta
-from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire, merged_order
-from pitstop.core.records import CheckpointEntry, PointerName
+from pitstop.core.ranks import DirectoryGroups, entry_to_wire, merged_order
+from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
 from pitstop.core.sharding.shardcover import FileMove, cover_nodes
 from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout
@@ -52,6 +54,7 @@ from pitstop.shell.format.fileread import verify as verify_file
 from pitstop.shell.ranks.arrival import Arrival, tail_start
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import look_on_writers, receive, send
+from pitstop.shell.sharded.fromtier import remote_listed, take_from_tier
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, scan
 from pitstop.shell.store.resolve import resolve_checkpoint
@@ -72,9 +75,9 @@ __all__ = [
 
 log = logging.getLogger("pitstop")
 
-Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], bool]
-"""A writer's resume order, each name with its entry as it travels, and whether its directory
-holds any checkpoint."""
+Listed = tuple[list[tuple[str, tuple[Any, ...] | None]], list[tuple[str, int]]]
+"""A writer's resume order, each name with its entry as it travels, and every checkpoint its
+directory holds (name, seq)."""
 
 
 def send_file(ranks: Ranks, target: int, path: Path, *, checkpoint: bool = False) -> None:
@@ -140,7 +143,8 @@ def listed_order(directory: CheckpointDirectory, pointer: PointerName) -> Listed
     best = directory.policy.best
     found = scan(directory.storage, best)
     order = resume_order(found.catalog, found.pointers, pointer, best)
-    return [(n, entry_to_wire(found.catalog.get(n))) for n in order], bool(found.catalog)
+    listed = [(n, entry_to_wire(found.catalog.get(n))) for n in order]
+    return listed, [(e.name, e.seq) for e in found.catalog]
 
 
 def _manifest_problem(path: Path) -> str | None:
@@ -212,6 +216,15 @@ def _say(moves: Sequence[FileMove], name: str, ranks: Ranks, writers: Sequence[i
             )
 
 
+@attrs.frozen
+class _Lost:
+    """A candidate not complete across the directories: what is lost, in words, and the files
+    each directory (in writer order) was found to hold whole."""
+
+    said: str
+    held: tuple[frozenset[str], ...]
+
+
 def _missing(layout: ShardedLayout, names: Sequence[str]) -> str:
     """The missing files in words, each with the rank that wrote it."""
     ranks = {f.name: f.rank for f in layout.files}
@@ -238,19 +251,27 @@ def choose_sharded_across(
     orders = [cast(Listed, lists[w]) for w in groups.writers]
     seqs = [[(name, wire[1] if wire else 0) for name, wire in order] for order, _ in orders]
     tiered = directory if isinstance(directory, TieredDirectory) else None
-    remote = dict(ranks.lead(partial(_remote_listed, tiered, pointer)) if tiered else [])
+    remote = dict(ranks.lead(partial(remote_listed, tiered, pointer)) if tiered else [])
     seqs.append([(name, wire[1]) for name, wire in remote.items()])  # the remote tier's
+    if tiered is not None:  # rank 0's catch-up uploads what each node holds its part of
+        every = set.intersection(*(set(held) for _, held in orders))
+        tiered.incomplete = {n for _, held in orders for n, s in held if (n, s) not in every}
     lost: list[str] = []  # each incomplete candidate: its step and missing files
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
         held = [dict(order) for order, _ in orders if name in dict(order)]  # on some node
         wire, path = held[0][name] if held else None, directory.storage.path(name)
-        chosen = _candidate(directory, path, wire, ranks, groups, plan) if held else ""
-        if isinstance(chosen, str) and tiered is not None and name in remote:
-            wire = remote[name]  # not complete across the nodes: each writer downloads it
-            _download(tiered, name, wire, ranks, groups)
+        chosen = _candidate(directory, path, wire, ranks, groups, plan) if held else None
+        if not isinstance(chosen, tuple) and tiered is not None and name in remote:
+            wire = remote[name]  # not complete across the nodes: each writer downloads its lack
+            seen = [dict(order).get(name) for order, _ in orders]  # another save's: replaced
+            same = [w is None or w[1] == wire[1] for w in seen]
+            found = chosen.held if chosen else (frozenset(),) * len(groups.writers)
+            take_from_tier(tiered, name, wire, ranks, groups, found, same)
             chosen = _candidate(directory, path, wire, ranks, groups, plan)
-        if isinstance(chosen, str):
-            lost.append(chosen)
+        if not isinstance(chosen, tuple):
+            lost.append(chosen.said if chosen else "")
+            if tiered is not None:  # the catch-up would wait for its lost files
+                tiered.incomplete.add(name)
             continue
         path, mine = chosen
         return path, wire, mine
@@ -263,32 +284,6 @@ def choose_sharded_across(
     if pointer is not PointerName.LAST and any(found for _, found in orders):
         raise CheckpointNotFound(f"{directory.path} has no valid {pointer.value} checkpoint")
     return None, None, None
-
-
-def _remote_listed(tiered: TieredDirectory, pointer: PointerName) -> list[tuple[str, Any]]:
-    """Rank 0: the remote tier's resume order, each name with its entry as it travels."""
-    return [(name, entry_to_wire(entry)) for name, entry in tiered.remote_order(pointer)]
-
-
-def _download(
-    tiered: TieredDirectory, name: str, wire: tuple[Any, ...], ranks: Ranks, groups: DirectoryGroups
-) -> None:
-    """Every rank: each writer copies the remote tier's sharded checkpoint ``name`` (its entry
-    ``wire``) whole into its directory (no lease taken: rank 0's is the uploader's); a failed
-    download is a warning, and the candidate is judged by what the directories then hold."""
-    entry = entry_from_wire(wire)
-    assert isinstance(entry, CheckpointEntry)
-    work = partial(tiered.bring_sharded, name, entry)
-    said = ranks.all_gather_each(work if groups.writes(ranks.rank) else lambda: None)
-    if ranks.leader:
-        log.info(
-            "resume: %s is not complete across the nodes: each takes it from the remote tier %s",
-            name,
-            tiered.remote.url,
-        )
-        for writer, problem in enumerate(said):
-            if problem is not None:
-                log.warning("resume: rank %d's directory could not take %s", writer, problem)
 
 
 def choose_sharded_path_across(
@@ -314,10 +309,10 @@ def choose_sharded_path_across(
         )
     path, wire = Path(found[holders[0]][0]), found[holders[0]][1]
     chosen = _candidate(directory, path, wire, ranks, groups, plan)
-    if isinstance(chosen, str):
+    if isinstance(chosen, _Lost):
         raise CheckpointCorrupt(
             f"resume({str(source)!r}): not complete across the nodes' directories; missing: "
-            f"{chosen}. Restore the lost files, or resume another checkpoint"
+            f"{chosen.said}. Restore the lost files, or resume another checkpoint"
         )
     return path, wire, chosen[1]
 
@@ -343,7 +338,7 @@ def _candidate(
     ranks: Ranks,
     groups: DirectoryGroups,
     plan: Callable[[Path], ShardedPlan],
-) -> tuple[Path, ShardedPlan] | str:
+) -> tuple[Path, ShardedPlan] | _Lost:
     """Every rank: candidate ``path`` chosen — its path and this rank's plan, each directory
     given what it lacks — or, when it is not complete across the directories, what is lost."""
     rank, writers = ranks.rank, groups.writers
@@ -356,7 +351,8 @@ def _candidate(
         if ranks.leader:
             said = "; ".join(f"rank {w}'s directory: {manifests[w]}" for w in writers)
             log.warning("resume skips %s: no directory holds its manifest whole: %s", step, said)
-        return f"{step}: {MANIFEST_NAME} (in no directory whole)"
+        nothing = tuple(frozenset[str]() for _ in writers)
+        return _Lost(f"{step}: {MANIFEST_NAME} (in no directory whole)", nothing)
     source = writers[whole.index(True)]
     layouts = ranks.all_gather_each(lambda: read_layout(path)[0] if rank == source else None)
     layout = cast(ShardedLayout, layouts[source])
@@ -380,7 +376,7 @@ def _candidate(
                 step,
                 missing,
             )
-        return f"{step}: {missing}"
+        return _Lost(f"{step}: {missing}", tuple(frozenset(h) for h in held))
     moves = cover.moves  # the manifest first, to every directory without it whole
     _say(moves, name, ranks, writers)
     ranks.each(lambda: _move(moves, path, layout, ranks, writers))

@@ -17,9 +17,15 @@
 # A remote tier (pitstop.shell.store.tiers) stages a sharded checkpoint published in its local
 # directory by hard links (stage_links; the local retention may delete it meanwhile) and
 # commits it as rank 0 commits one (every file not listed yet is uploaded, then the commit); a
-# resume that takes one from the remote tier downloads every file into a local temp folder
+# resume that takes one from the remote tier downloads its files (all, or on nodes sharing no
+# directory the ones a node lacks: the core's tier_takes) into a local temp folder
 # (download_sharded: the checked download, then each file fsynced and its CRC-32 compared with
-# the commit's, the folder fsynced), which the local directory then publishes by its rename.
+# the commit's, the folder fsynced), which the local directory then publishes by its rename
+# (or, where the node holds part of the same save, each file moved in: place_files).
+# On nodes sharing no directory each node's writer uploads its ranks' files (NodeUploads) and
+# rank 0 commits once the listing shows them all (await_files, bounded by timeout_s); a writer
+# whose upload failed leaves a failure object there (the core's failure_name, its cause as
+# text), and rank 0's wait fails at its next listing, naming the rank and the cause.
 # How: an ObjectStorage's requests; the staging folders are local files of this process.
 
 """Sharded checkpoints on ``s3://``: upload each rank's shards, commit them."""
@@ -27,10 +33,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,8 @@ from pitstop.core.s3.objects import (
     data_name,
     deletion_order,
     encode_commit,
+    failed_uploads,
+    failure_name,
     sharded_commit,
 )
 from pitstop.core.sharding.layoutwire import files_from_wire
@@ -60,11 +69,14 @@ __all__ = [
     "await_files",
     "commit_sharded",
     "download_sharded",
+    "place_files",
     "publish_objects",
     "stage_links",
     "upload_node_files",
     "upload_shards",
 ]
+
+log = logging.getLogger("pitstop")
 
 
 @attrs.frozen
@@ -78,16 +90,49 @@ class NodeUploads:
     ranks: tuple[int, ...]
     commits: bool
     patience: float
+    seqs: dict[tuple[int, int], int] = attrs.field(factory=dict, eq=False)
+    """``(step, own seq)`` of each save this writer followed: rank 0's seq of it (a node that
+    caught up may number its saves otherwise than rank 0's directory)."""
+
+    def follows(self, step: int, own: int, seq: int) -> None:
+        """This writer's save of ``step`` numbered ``own`` here is rank 0's ``seq`` (the last
+        64 saves kept: each is uploaded soon after it is published)."""
+        self.seqs[(step, own)] = seq
+        while len(self.seqs) > 64:
+            del self.seqs[next(iter(self.seqs))]
 
     def temp(self, entry: CheckpointEntry) -> str:
-        """The attempt at ``entry`` every node's writer uploads into (its name and seq)."""
-        return temp_name(entry.name, f"{self.token}-{entry.seq}")
+        """The attempt at ``entry`` every node's writer uploads into (its name, rank 0's seq)."""
+        seq = self.seqs.get((entry.step, entry.seq), entry.seq)
+        return temp_name(entry.name, f"{self.token}-{seq}")
 
     def send(self, storage: ObjectStorage, entry: CheckpointEntry, staged: Path) -> None:
         """Another node's writer than rank 0's: upload its ranks' files of the sharded
-        checkpoint ``entry`` staged at ``staged`` (:func:`upload_node_files`)."""
+        checkpoint ``entry`` staged at ``staged`` (:func:`upload_node_files`); a failure is
+        left for rank 0 to see (:meth:`failed`), then raised."""
         if entry.sharded:
-            upload_node_files(storage, self.temp(entry), staged, self.ranks)
+            try:
+                upload_node_files(storage, self.temp(entry), staged, self.ranks)
+            except Exception as exc:
+                self.failed(storage, entry, exc)
+                raise
+
+    def failed(self, storage: ObjectStorage, entry: CheckpointEntry, exc: BaseException) -> None:
+        """Another node's writer than rank 0's, whose upload of ``entry`` failed with ``exc``:
+        say so in the attempt's data folder (the core's failure_name), where rank 0's
+        :meth:`wait` sees it at its next listing and fails the commit at once. Best effort:
+        a prefix that cannot be written leaves rank 0 waiting ``patience`` seconds at most."""
+        if not entry.sharded:
+            return
+        temp = self.temp(entry)
+        name = _final(temp)
+        folder = data_name(name, token_of(temp, name))
+        rank = min(self.ranks)
+        text = f"rank {rank}'s node could not upload its files of {name}: {exc}"
+        try:
+            storage.put(failure_name(folder, rank), text.encode(), "overwrite")
+        except OSError as problem:
+            log.warning("could not tell rank 0 that %s: %s", text, problem)
 
     def wait(self, storage: ObjectStorage, temp: str) -> None:
         """Rank 0: :func:`await_files` for the attempt ``temp``, ``patience`` at most."""
@@ -136,8 +181,10 @@ def upload_node_files(
 def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
     """Rank 0, before it commits the attempt ``temp`` (staged in ``storage.path(temp)``): wait
     until the listing shows every file of the manifest's table it does not hold at its size
-    (other nodes' writers upload them), for at most ``patience`` seconds. Raises
-    :class:`~pitstop.errors.SaveError` naming the checkpoint and each file still missing."""
+    (other nodes' writers upload them), for at most ``patience`` seconds; a writer whose upload
+    failed said so in the data folder (:meth:`NodeUploads.failed`): then at once. Raises
+    :class:`~pitstop.errors.SaveError` naming the checkpoint and each file still missing (and
+    each failed writer's rank and cause)."""
     local = storage.path(temp)
     name = _final(temp)
     folder = data_name(name, token_of(temp, name))
@@ -149,14 +196,26 @@ def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
         missing = [f for f in others if listed.get(f"{folder}/{f.name}") != f.size]
         if not missing:
             return
+        lack = ", ".join(f"{f.name} (rank {f.rank}, {f.size} bytes)" for f in missing)
+        failed = failed_uploads(folder, listed)
+        if failed:
+            said = "; ".join(_said(storage, key, rank) for rank, key in failed)
+            raise SaveError(f"{storage.location.url(name)} is not committed: {said} ({lack})")
         if time.monotonic() >= deadline:
-            lack = ", ".join(f"{f.name} (rank {f.rank}, {f.size} bytes)" for f in missing)
             raise SaveError(
                 f"{storage.location.url(name)} is not committed: after {patience:.0f} s the "
                 f"other nodes' writers had not uploaded {lack}; see their logs"
             )
         time.sleep(pause)  # another process's upload: nothing to wait on but the listing
         pause = min(pause * 2, 1.0)
+
+
+def _said(storage: ObjectStorage, key: str, rank: int) -> str:
+    """What node writer ``rank``'s failure object ``key`` says (its cause)."""
+    try:
+        return storage.get(key, 4096).decode(errors="replace")
+    except (OSError, ValueError) as exc:
+        return f"rank {rank}'s node could not upload its files (its message unread: {exc})"
 
 
 def publish_objects(
@@ -287,19 +346,25 @@ def download_sharded(
     name: str,
     root: Path,
     file_table: Callable[[Path, list[str], int], Iterable[ShardFile]],
-) -> None:
+    only: Callable[[Sequence[ShardFile]], Collection[str]] | None = None,
+) -> tuple[str, ...]:
     """Download the committed sharded checkpoint ``name`` into the new local folder ``root``,
-    ready to be published by a rename: every file by the checked download (its size and
-    CRC-32 as it arrives), then fsynced and its CRC-32 compared with the commit's again as it
-    lies on the disk (``file_table``: sharddir's, which fsyncs and checksums files), then the
-    folder fsynced. Raises
+    ready to be published by a rename: every file (``only``: those it names of the commit's
+    files) by the checked download (its size and CRC-32 as it arrives), then fsynced and its
+    CRC-32 compared with the commit's again as it lies on the disk (``file_table``: sharddir's,
+    which fsyncs and checksums files), then the folder fsynced. The names downloaded (none:
+    ``root`` is not made). Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL and the file, ``OSError`` or
     :class:`~pitstop.errors.SaveError` (a file that could not be fsynced); ``root`` goes then."""
     commit = storage.commit(name)
-    expected = {f.name: f for f in commit.files}
+    wanted = set(only(commit.files)) if only is not None else {f.name for f in commit.files}
+    files = [f for f in commit.files if f.name in wanted]
+    if not files:
+        return ()
+    expected = {f.name: f for f in files}
     root.mkdir(parents=True)
     try:
-        download_files(storage, name, commit.data, commit.files, root)  # checked as they arrive
+        download_files(storage, name, commit.data, files, root)  # checked as they arrive
         for found in file_table(root, list(expected), 0):  # fsynced, and checked as they lie
             problem = file_problem(expected[found.name], found.size, found.crc32)
             if problem is not None:
@@ -308,3 +373,15 @@ def download_sharded(
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
+    return tuple(sorted(expected))
+
+
+def place_files(root: Path, target: Path) -> None:
+    """Move every file of the folder ``root`` (downloaded, checked, fsynced) into the existing
+    checkpoint folder ``target`` of the same save, each by a rename over any copy there, the
+    manifest last; ``target`` fsynced, ``root`` removed."""
+    names = sorted(os.listdir(root), key=lambda n: (n == MANIFEST_NAME, n))
+    for name in names:
+        os.replace(root / name, target / name)
+    LocalStorage(target).sync_directory()
+    shutil.rmtree(root, ignore_errors=True)

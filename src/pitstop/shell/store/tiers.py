@@ -7,17 +7,13 @@
 # and latest.json by compare-and-swap, retention), as the core's plan_arrival says (its seq kept;
 # the tier's own Policy retires). The prefix is opened (its lease taken) by the first upload or
 # resume, never by the constructor. A failed upload loses nothing local: logged, kept, raised by
-# the Checkpointer's next call (the core's waits_for_uploads: the run's end and a resume wait for
-# the queue); the next upload tries again. A resume tries the core's tiered_resume_order over both
-# catalogs until one verifies (a remote one downloaded into the cache first), and copies a remote
-# one it restored into the local directory once it succeeded (adopt), with its seq. Then the
-# remote tier catches up on the upload thread before any later save: the local checkpoints it
-# lacks are uploaded, oldest first, less those its retention would retire (plan_catch_up). A
-# sharded checkpoint (a directory) is staged by hard links and committed as one on s3:// is
-# (shardobjects: every file, then the commit); on nodes sharing no directory each node's writer
-# uploads its ranks' files and rank 0 commits once all are listed (shardobjects.NodeUploads). A
-# sharded resume (rank 0, sharded.choice) tries tiered_order over both tiers; a remote candidate
-# is first downloaded into this directory (bring_sharded: checked, published by the rename).
+# the Checkpointer's next call (the core's waits_for_uploads); the next upload tries again. A
+# resume tries the core's tiered_resume_order over both catalogs until one verifies, and copies a
+# remote one it restored into the local directory once it succeeded (adopt), with its seq; the
+# remote tier then catches up on the upload thread (plan_catch_up). A sharded checkpoint is
+# staged by hard links and committed as one on s3:// is; on nodes sharing no directory each
+# node's writer uploads its ranks' files and rank 0 commits once all are listed (shardobjects).
+# A sharded resume's remote candidate is first downloaded here (bring_sharded: checked, renamed).
 # How: RemoteTier (the prefix's directory, a queue, a thread) and TieredDirectory, handing it each.
 
 """The remote tier: local publish first, upload in the background, its own retention."""
@@ -50,12 +46,12 @@ from pitstop.core.saving.plan import SavePlan, plan_arrival, plan_catch_up
 from pitstop.core.saving.pointers import Tier, resume_order, tiered_resume_order
 from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store import shardobjects
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
 from pitstop.shell.store.objectstore import ObjectStorage, token_of
 from pitstop.shell.store.sharddir import file_table, publish_sharded
-from pitstop.shell.store.shardobjects import NodeUploads, download_sharded, stage_links
 from pitstop.shell.store.storage import FileKind, Storage, fetch
 
 __all__ = ["RemoteTier", "TieredDirectory"]
@@ -97,7 +93,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._staged = 0
         self._catching: tuple[Catalog, Callable[[str], Path]] | None = None  # a catch-up to do
-        self.nodes: NodeUploads | None = None  # sharded state on nodes sharing no directory
+        self.nodes: shardobjects.NodeUploads | None = None  # nodes sharing no directory
 
     # --- the loop's side --------------------------------------------------------------------
 
@@ -123,7 +119,7 @@ class RemoteTier:
         staged = self.cache / f"staged-{self._staged}-{entry.name}"
         self.cache.mkdir(parents=True, exist_ok=True)
         if entry.sharded:  # a directory: its files, each hard-linked
-            stage_links(path, staged)
+            shardobjects.stage_links(path, staged)
             return staged
         try:
             os.link(path, staged)
@@ -320,8 +316,8 @@ class TieredDirectory(CheckpointDirectory):
         )
         self._arrived: tuple[CheckpointEntry, Path] | None = None
         self.uploads = True
-        """Whether this directory's checkpoints are uploaded (``False``: another node's writer
-        uploads the same checkpoints, so that each is uploaded once)."""
+        """Whether this directory's checkpoints are uploaded (``False``: another writer's are)."""
+        self.incomplete: set[str] = set()  # found incomplete across the nodes: not caught up
 
     def execute(self, plan: SavePlan, write: WriteCheckpoint) -> list[str]:
         """Carry ``plan`` out locally; once its checkpoint is published, queue its upload."""
@@ -365,24 +361,31 @@ class TieredDirectory(CheckpointDirectory):
         listed = [(n, (found if t is Tier.REMOTE else local).catalog.get(n), t) for t, n in order]
         return [(n, e, t is Tier.REMOTE) for n, e, t in listed if isinstance(e, CheckpointEntry)]
 
-    def bring_sharded(self, name: str, listed: CheckpointEntry | None = None) -> str | None:
+    def bring_sharded(
+        self, name: str, listed: CheckpointEntry | None = None, only: Any = None
+    ) -> str | None:
         """Rank 0 (a node's writer: given its entry ``listed``, no lease): copy the remote tier's
-        sharded checkpoint ``name`` here — downloaded into a temp folder, checked (each file's
-        size and CRC-32, fsynced), published by the rename (replacing a local one); its pointers
-        move once the resume succeeded (:meth:`adopt`). ``None``, or what failed (none left)."""
+        sharded checkpoint ``name`` here: downloaded into a temp folder, checked, renamed into
+        place (or, given ``only``: shardobjects.download_sharded's, moved into this directory's
+        copy of the same save); pointers move at :meth:`adopt`. ``None``, or what failed."""
         entry = listed or self.remote.opened().catalog.get(name)
         assert entry is not NO_CHECKPOINT
         temp = self.sharded_temp(entry)
+        root, path = self.storage.path(temp), self.storage.path(name)
         try:
-            download_sharded(self.remote.objects, name, self.storage.path(temp), file_table)
+            took = shardobjects.download_sharded(self.remote.objects, name, root, file_table, only)
             there = self.storage.kind(name) is not FileKind.MISSING
-            aside = aside_name(name, token_of(temp, name)) if there else None
-            publish_sharded(self.storage, temp, name, aside=aside)
+            if took and only is not None and there:
+                shardobjects.place_files(root, path)
+            elif took:
+                aside = aside_name(name, token_of(temp, name)) if there else None
+                publish_sharded(self.storage, temp, name, aside=aside)
         except (CheckpointCorrupt, OSError, SaveError) as exc:
             return f"{name} from the remote tier {self.remote.url}: {exc}"
         self.rescan()
-        self._arrived = (entry, self.storage.path(name))
-        log.info("resume takes %s from the remote tier %s", name, self.remote.url)
+        self._arrived = (entry, path)
+        said = ", ".join(took) or "nothing (it holds what it needs)"  # one line, in the log
+        log.info("resume takes %s of %s from the remote tier %s", said, name, self.remote.url)
         return None
 
     def remote_order(self, pointer: PointerName) -> list[tuple[str, CheckpointEntry]]:
@@ -395,9 +398,8 @@ class TieredDirectory(CheckpointDirectory):
         return [(name, e) for name, e in entries if isinstance(e, CheckpointEntry)]
 
     def download(self, name: str) -> Path:
-        """Copy checkpoint ``name`` from the remote tier into this directory (downloaded to
-        the cache, then published atomically with its seq, as a peer's copy is); its local
-        path, unchecked. Reads only: no lease is taken."""
+        """Copy checkpoint ``name`` from the remote tier into this directory (downloaded to the
+        cache, then published atomically, as a peer's copy is); its path, unchecked. No lease."""
         path = self.storage.path(name)
         with self.remote.objects.fetched(name) as fetched:
 
@@ -421,7 +423,7 @@ class TieredDirectory(CheckpointDirectory):
         finally:
             self.remote.adopt()  # frees the remote checkpoint read into memory
         if self.uploads:  # the one uploader's (rank 0's, on nodes that share no directory)
-            self.remote.catch_up(self.catalog, self.storage.path)
+            self.remote.catch_up(self.catalog.without(self.incomplete), self.storage.path)
 
     def _copy_in(self, entry: CheckpointEntry, path: Path) -> None:
         def copy(file: Any, entry: CheckpointEntry, sync: Callable[[], None]) -> None:
@@ -434,9 +436,7 @@ class TieredDirectory(CheckpointDirectory):
         try:
             super().execute(plan, copy)
         except (SaveError, OSError) as exc:
-            log.warning(
-                "could not copy %s from the remote tier into %s: %s", entry.name, self.path, exc
-            )
+            log.warning("could not copy %s from the remote tier here: %s", entry.name, exc)
 
     def close(self) -> None:
         """Wait for the uploads, release the remote lease, then the local lock."""
