@@ -27,12 +27,20 @@ def test_multinode_prints_save_and_catch_up_rows_and_ends_its_workers(
     args = ["--size-mib", "1", "--tensors", "2", "--repeats", "1", "--timeout", "240"]
     assert multinode.main([*args, "--dir", str(tmp_path), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    for call in ("save", "resume"):
-        assert re.search(rf"^\| {call} \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out, re.M), out
+    for label in ("save (sync), blocking", "save, `async_save=True`: blocking", "resume"):
+        assert re.search(rf"^\| {re.escape(label)} \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out, re.M), (
+            out
+        )
     rows = json.loads(out_json.read_text())
     assert [(r["call"], r["case"]) for r in rows if r["call"] != "phase"] == [
         ("save", "1 node"),
         ("save", "2 nodes"),
+        ("own share", "1 node"),
+        ("own share", "2 nodes"),
+        ("async save", "1 node"),
+        ("async save", "2 nodes"),
+        ("async own share", "1 node"),
+        ("async own share", "2 nodes"),
         ("resume", "local"),
         ("resume", "catch-up"),
         ("resume", "catch-up, group"),
