@@ -184,10 +184,12 @@ def plan_read(
     rank: int,
     world_size: int,
     ema: nn.Module | None = None,
+    read: tuple[ShardedLayout, Mapping[str, Any]] | None = None,
 ) -> ShardedPlan:
-    """This rank's :class:`ShardedPlan` of ``directory``; reads the manifest only."""
+    """This rank's :class:`ShardedPlan` of ``directory``; reads the manifest only (``read``:
+    its layout and meta, read already)."""
     root = Path(directory)
-    layout, meta = read_layout(root)
+    layout, meta = read_layout(root) if read is None else read
     found = diff_ema(stored=holds_ema(layout), live=ema is not None)
     state: dict[str, Any] = {}
     regions: tuple[tuple[str, int, int], ...] = ()
