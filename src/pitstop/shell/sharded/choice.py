@@ -2,15 +2,16 @@
 # or on object storage: every rank together tries rank 0's resume order until a candidate
 # verifies on every rank.
 #
-# Rules: rank 0 sends the resume order (both tiers' with a remote tier: a remote candidate is
-# copied into the directory by rank 0, checked and published by its rename, before the ranks
-# try it); each rank verifies at once the files it reads that it wrote (core.sharding.sharded.
-# writer_checks), telling the files its read plan names in the same round: where every file
-# read is read by its writer (writers_read) that was all; else each file read is verified once,
-# by one of its readers (pitstop.core.sharding.sharded.share_checks), together with where each item
-# this rank reads lies in its file (pitstop.shell.sharded.rawread.check_read: nothing live
-# touched) and the run compared with the replicated tree (read beside), all agreed in one
-# round — and all move to the next candidate, whose files are read only then, when any rank
+# Rules: rank 0 sends the resume order (in the round a resume settles its save in flight; both
+# tiers' with a remote tier: a remote candidate is copied into the directory by rank 0, checked
+# and published by its rename, before the ranks try it); each rank starts checking the files it
+# wrote as soon as it read the manifest, on a thread, while it plans (core.sharding.sharded.
+# early_checks; pitstop.shell.sharded.filecheck); those it reads (writer_checks) it verifies,
+# telling the files its read plan names in the same round: where every file read is read by its
+# writer (writers_read) that was all; else each file read is verified once, by one of its
+# readers (share_checks), with where each item this rank reads lies in its file (pitstop.shell.
+# sharded.rawread.check_read: nothing live touched) and the run compared with the replicated
+# tree (read beside), all agreed in one round — and all move to the next candidate when any rank
 # found a problem; where a rank's state does not fit the layout, the files are verified alone.
 # On object storage each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
@@ -269,14 +270,15 @@ def _check_agreed(
 def _beside(
     path: Path, reading: Reading, planned: _Planned, started: Started | None
 ) -> Callable[[], str | None] | None:
-    """The manifest's tree read on a thread (where this rank's state fits), the files its plan
-    reads that ``started`` does not check hinted to the disk: the wait for the tree, if any."""
+    """The manifest's tree read on a thread (where the state fits): its wait. The plan's other
+    files hinted to the disk: whole where none was ``started`` (a reshard), else its regions."""
     plan = planned[0]
     if plan is None:
         return None
     early = set(started.names) if started is not None else set()
-    later = [(name, 0, 0) for name in plan.files if name not in early]
-    if later:  # the disk reads them while the ranks agree, checked whole
+    whole = [(name, 0, 0) for name in plan.files]
+    later = [r for r in plan.regions if r[0] not in early] if early else whole
+    if later:  # the disk reads them while the ranks agree
         prefetch(path, later)
     # the manifest's tree, its GIL-bound part off the check
     return reading.read_beside(path) if _fits(planned) else None
@@ -303,13 +305,16 @@ def choose_sharded(
     live: LiveState,
     ranks: Ranks,
     compare: Compare | None = None,
+    lead: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None, Compared]:
     """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
     this rank's plan of it, and its checked read where every rank's state fits); all ranks
     move on together, rank 0 warning about each one skipped and why (and where). ``compare``:
     run on every rank with the candidate a checked read verified on that rank, agreed in the
-    check's round (what it keeps here and what every rank told, or its error on every rank)."""
-    candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
+    check's round (what it keeps here and what every rank told, or its error on every rank).
+    ``lead``: how rank 0's resume order reaches every rank (default ``ranks.lead``; a resume's
+    folds it into the round that settles the save in flight)."""
+    candidates, any_found = (lead or ranks.lead)(partial(_candidates, directory, pointer))
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire, tiered in candidates:

@@ -174,6 +174,8 @@ class ShardedPlan:
     fit), made by :attr:`planner`."""
     planner: Any = None
     """DCP's load planner, set up on :attr:`state` (``None`` when the state does not fit)."""
+    regions: tuple[tuple[str, int, int], ...] = ()
+    """Where :attr:`reads` read: ``(file, start, length)`` each (empty when it does not fit)."""
 
 
 def plan_read(
@@ -211,6 +213,7 @@ def plan_read(
         differences=tuple(found),
         reads=reads,
         planner=planner,
+        regions=regions,
     )
 
 
