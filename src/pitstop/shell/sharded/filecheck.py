@@ -3,15 +3,15 @@
 #
 # Rules: a file is opened once (never through a link: open_untrusted) and read once, through one
 # buffer, each piece checksummed as it arrives; the descriptor is kept open for the read that
-# follows, so what is copied later is the file that was checked. The early check (Started)
-# opens its files on the calling thread — a missing one is known at once — and reads them on
-# its own thread while the caller plans the read (DCP's planning, the manifest's tree, where each
-# item lies: CPU work, the disk busy meanwhile): a resume's disk read then starts as soon as the
-# manifest is read (core.sharding.sharded.early_checks says which files). What it found about a
-# file is asked for by name (waiting for it), and only for a file the read needs: a file the plan
-# does not read is checked to no purpose, and its problem never reported; a file whose size
-# has changed since its check (cut while the rank planned) is refused then. Closing stops the
-# thread at its next piece, waits for it, and closes the files; closing twice is harmless.
+# follows, so what is copied later is the file that was checked. The early check (Started) opens its
+# files on the calling thread — a missing one is known at once — and reads them on its own thread
+# while the caller plans the read (DCP's planning, the manifest's tree: CPU work, the disk busy
+# meanwhile): a resume's disk read then starts as soon as the manifest is read
+# (core.sharding.sharded.early_checks says which files). What it found about a file is asked for by
+# name (waiting for it), and only for a file the read needs: a file the plan does not read is
+# checked to no purpose, and its problem never reported; a file whose size has changed since its
+# check (cut while the rank planned) is refused then. Closing stops the thread at its next piece,
+# waits for it, and closes the files; closing twice is harmless.
 # How: functions over a directory and its layout; Started is a context manager whose exit is
 # close(), so the caller's ExitStack that keeps the files open owns it.
 

@@ -1,22 +1,21 @@
 # A sharded resume's read without DCP's: every file checked first, then copied straight into
 # the live tensors from the files (by then in the page cache).
 #
-# Rules: what a rank reads is its read plan, made when it planned the candidate (DCP's own
-# local plan, over the metadata rebuilt from pitstop's manifest: pitstop.shell.sharded.engine.
-# plan_read), so no collective of DCP's runs. First each rank checks its share of the files
-# (size, CRC-32: pitstop.shell.sharded.filecheck; the files it wrote on a thread started as soon
-# as it read the manifest, while it plans, so that the disk is busy from then on) and, for every
-# item it reads, its
-# container: a torch.save'd tensor is a zip whose central directory, data.pkl and one storage
-# record are parsed — never unpickled: data.pkl's opcodes are only compared with those of a
-# contiguous tensor of the dtype and shape the manifest gives — and the record's size must be
-# numel x itemsize; anything else (another stride, a record stored compressed or past 4 GiB) is
-# loaded with torch.load(weights_only=True) now, and a non-tensor value through the safe
-# planner. Every value is checked before anything is allocated from it. The ranks agree on what
-# they found (one round); only when no rank found a problem are the live tensors written: each
-# record read (pread, from the same open file) into its destination's memory, or into a buffer
-# and copied where the destination is a slice or not on the CPU. A failure after the agreement
-# is an I/O error on verified files; the state is then partly written (said in the error).
+# Rules: what a rank reads is its read plan, made when it planned the candidate (DCP's own local
+# plan, over the metadata rebuilt from pitstop's manifest: pitstop.shell.sharded.engine.plan_read),
+# so no collective of DCP's runs. First each rank checks its share of the files (size, CRC-32:
+# pitstop.shell.sharded.filecheck; the files it wrote on a thread started as soon as it read the
+# manifest, while it planned) and then, for every item it reads, its container (the pages read by
+# then): a torch.save'd tensor is a zip whose central directory, data.pkl and one storage record are
+# parsed — never unpickled: data.pkl's opcodes are only compared with those of a contiguous tensor
+# of the dtype and shape the manifest gives — and the record's size must be numel x itemsize;
+# anything else (another stride, a record stored compressed or past 4 GiB) is loaded with
+# torch.load(weights_only=True) now, and a non-tensor value through the safe planner. Every value is
+# checked before anything is allocated from it. The ranks agree on what they found (one round); only
+# when no rank found a problem are the live tensors written: each record read (pread, from the same
+# open file) into its destination's memory, or into a buffer and copied where the destination is a
+# slice or not on the CPU. A failure after the agreement is an I/O error on verified files; the
+# state is then partly written (said in the error).
 # How: functions over the plan's ReadItems; the files stay open from the check to the copy.
 
 """The resume's read of a sharded checkpoint: checked first, then copied into the live state."""
@@ -296,9 +295,9 @@ def check_read(
     (a non-tensor value loaded into the plan's state; nothing live touched), and ``beside()``
     waited for. The checked read, or what was wrong and whether a check found it (a file's
     size or CRC-32, or ``beside``) rather than a read of a file another rank checks.
-    ``started``: the check of some files begun early (its files are closed with the read's);
-    those of ``checks`` among them are its to verify, while the items are found — a problem
-    it finds comes first, as a check's always does."""
+    ``started``: the check of some files begun early (its files are closed with the read's):
+    those of ``checks`` among them are waited for once the others are checked here; the items
+    are found after (their pages read by then), in the same open files."""
     files = ExitStack()
     if started is not None:
         files.enter_context(started)
@@ -306,33 +305,27 @@ def check_read(
     checking, name = True, ""
     try:
         early = set(started.names) if started is not None else set()
-        opened = dict(started.opened) if started is not None else {}
         now = sorted(set(checks) - early)  # not begun early: checked here, first
         scratch = bytearray(PIECE if now else 0)
+        opened: dict[str, int] = {}
         for name in now:
             opened[name] = checked_file(directory, plan.layout, name, files, scratch)
-        checking = False
-        failed: Exception | None = None
-        item_name = ""
-        try:
-            storage = plan.planner.metadata.storage_data
-            for item in plan.reads:
-                info = storage[item.storage_index]
-                name = info.relative_path
-                if name not in opened:
-                    opened[name] = files.enter_context(
-                        open_untrusted(directory / name, follow_symlinks=False)
-                    ).fileno()
-                _check_item(directory, plan, item, info, opened[name], checked)
-        except Exception as exc:  # said once the early checks are in: theirs come first
-            failed, item_name = exc, name
-        checking = True
         for name in sorted(set(checks) & early):
             assert started is not None
             started.verified(name)
-        if failed is not None:
-            checking, name = False, item_name
-            raise failed
+        if started is not None:  # its files, open, for the items too
+            opened = {**started.opened, **opened}
+        checking = False
+        storage = plan.planner.metadata.storage_data
+        for item in plan.reads:
+            info = storage[item.storage_index]
+            name = info.relative_path
+            if name not in opened:
+                opened[name] = files.enter_context(
+                    open_untrusted(directory / name, follow_symlinks=False)
+                ).fileno()
+            _check_item(directory, plan, item, info, opened[name], checked)
+        checking = True
         problem = None if beside is None else beside()
     except CheckpointCorrupt as exc:
         problem = str(exc)
