@@ -1,24 +1,24 @@
 # The resume path: choose a checkpoint, read it, check it against the run, restore it.
 #
-# Rules: rank 0 chooses (the core's resume order through pitstop.shell.store.resolve, each candidate
-# checked as it is read: a corrupt newest file is skipped with a warning) and its choice travels
-# to the other ranks; nothing to resume leaves everything untouched. Every rank then reads the
-# chosen file and compares it with its own run; the differences of all ranks, each once, decide
-# (pitstop.core.compat's judge: hard ones always refuse, soft ones only under strict=True, and
-# pass with a warning otherwise). The restore is all-or-nothing on every rank: prepared
-# everywhere, committed only when every rank prepared, undone where it was prepared when any
-# rank failed. Components the checkpoint holds but the run has not registered are kept in the
-# live state (deferred) for register() to apply; per-rank state is handed back only when the
-# world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
-# every rank together (pitstop.shell.sharded.choice: each file read is checked once, by one
-# of its readers, nothing live touched; on object storage each rank downloads and checks its
-# own copy as it arrives; with a remote tier rank 0 copies a remote candidate in first; across
-# directories the ranks do not share, pitstop.shell.sharded.acrossnodes); its replicated tree
-# is checked and restored as above, and its layout checked on every rank in the same pass
-# (agreed with the files' checks where it was chosen); the restore prepared and the state
-# applied in one round, then the checked tensors copied in from the same open files. An
-# optimizer that had no state has none again unless the resume restored it
-# (pitstop.shell.state.freshopt).
+# Rules: the round that settles the save in flight comes first (a sharded choice's resume order
+# travels in it). Rank 0 chooses (the core's resume order through pitstop.shell.store.resolve, each
+# candidate checked as it is read: a corrupt newest file is skipped with a warning) and its choice
+# travels to the other ranks; nothing to resume leaves everything untouched. Every rank then reads
+# the chosen file and compares it with its own run; the differences of all ranks, each once, decide
+# (pitstop.core.compat's judge: hard ones always refuse, soft ones only under strict=True, and pass
+# with a warning otherwise). The restore is all-or-nothing on every rank: prepared everywhere,
+# committed only when every rank prepared, undone where it was prepared when any rank failed.
+# Components the checkpoint holds but the run has not registered are kept in the live state
+# (deferred) for register() to apply; per-rank state is handed back only when the world size is the
+# one that saved it. A sharded checkpoint (a DCP directory) is chosen by every rank together
+# (pitstop.shell.sharded.choice: each file read is checked once, by one of its readers, nothing
+# live touched; on object storage each rank downloads and checks its own copy as it arrives; with a
+# remote tier rank 0 copies a remote candidate in first; across directories the ranks do not share,
+# pitstop.shell.sharded.acrossnodes); its replicated tree is checked and restored as above, and its
+# layout checked on every rank in the same pass (agreed with the files' checks where it was
+# chosen); the restore prepared and the state applied in one round, then the checked tensors copied
+# in from the same open files. An optimizer that had no state has none again unless the resume
+# restored it (pitstop.shell.state.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
