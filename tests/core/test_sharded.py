@@ -18,6 +18,7 @@ from pitstop.core.sharding.sharded import (
     ShardFile,
     StoredChunk,
     StoredValue,
+    early_checks,
     file_problem,
     files_for,
     fresh_optimizers,
@@ -200,6 +201,29 @@ def test_the_writers_checks_cover_every_file_read_once_exactly_when_the_writers_
     checked = [name for share in checks if share is not None for name in share]
     assert len(checked) == len(set(checked))  # none twice
     assert writers_read(saved, reads) == (set(checked) == read)  # all, exactly when they hold
+
+
+@given(st.data())
+def test_the_checks_begun_before_the_plan_hold_every_writer_check_in_the_same_world(
+    data: st.DataObject,
+) -> None:
+    world = data.draw(st.integers(1, 5), label="ranks")
+    saved_world = data.draw(st.sampled_from([world, 7]), label="saved by")
+    count = data.draw(st.integers(1, 6), label="files")
+    files = tuple(
+        ShardFile(name=f"__{i}_0.distcp", size=1, crc32=0, rank=data.draw(st.integers(0, 6)))
+        for i in range(count)
+    )
+    names = [f.name for f in files]
+    saved = ShardedLayout(world_size=saved_world, dcp_version="x", files=files, values=())
+    for rank in range(world):
+        early = early_checks(saved, rank, world)
+        if saved_world != world:  # a reshard reads other files: none begun
+            assert early == ()
+            continue
+        assert early == tuple(sorted(f.name for f in files if f.rank == rank))  # its own
+        reads = data.draw(st.lists(st.sampled_from(names)), label=f"rank {rank} reads")
+        assert set(writer_checks(saved, reads, rank, world) or ()) <= set(early)
 
 
 def test_the_checks_are_spread_when_every_rank_reads_every_file() -> None:

@@ -396,6 +396,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any] | N
         say(untouched(before, as_before(model, optimizer, schedule, ema)))
         raise
     say(f"resumed {progress.step}")
+    say(f"resume collectives {ckpt._ranks._round}")  # pitstop's, in the resume() call
     resumed = progress.step
     if args.out_resumed:  # the state restored, before any step
         rng = torch.get_rng_state()

@@ -51,15 +51,20 @@ def on_writers(ranks: Ranks, groups: DirectoryGroups, work: Callable[[], Any]) -
 
 
 def settle_on_writers(
-    ranks: Ranks, groups: DirectoryGroups, settle: Callable[[], SaveStatus | None]
-) -> SaveStatus | None:
+    ranks: Ranks,
+    groups: DirectoryGroups,
+    settle: Callable[[], SaveStatus | None],
+    then: Callable[[], Any] | None = None,
+) -> tuple[SaveStatus | None, Any]:
     """How the save in flight ended, heard by every rank: rank 0's ``settle`` (one directory),
     or every directory's writer's, agreed (the core's agreed_status); a failure on any writer
-    is raised on every rank."""
+    is raised on every rank. ``then``: rank 0's work once it settled, its result handed to
+    every rank too — in the same round where the directory is shared (``None``: none)."""
     if groups.shared:
-        return ranks.lead(settle)
+        return ranks.lead(lambda: (settle(), then() if then is not None else None))
     statuses = ranks.all_gather_each(lambda: settle() if groups.writes(ranks.rank) else None)
-    return agreed_status([statuses[w] for w in groups.writers])
+    after = ranks.lead(then) if then is not None else None
+    return agreed_status([statuses[w] for w in groups.writers]), after
 
 
 def release(directory: CheckpointDirectory, hooks: list[torch.utils.hooks.RemovableHandle]) -> None:

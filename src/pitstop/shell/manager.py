@@ -7,13 +7,11 @@
 # hands the work to the module that does it, each with one reason to change:
 #   pitstop.shell.opening       its parts made and wired, the directory locked and read
 #   pitstop.shell.savecall      one save call on every rank: hear, decide, plan, write
-#   pitstop.shell.saving        rank 0 plans a save with the core and carries it out (capture,
-#                               write through a locked CheckpointDirectory, or hand over)
+#   pitstop.shell.saving        rank 0 plans a save with the core and carries it out
 #   pitstop.shell.resuming      choose, read, check and restore a checkpoint, all-or-nothing
 #   pitstop.shell.registration  components, and the deferred ones (held until register())
 #   pitstop.shell.lifetime      the end: close(), or a Checkpointer dropped without it
-#   pitstop.shell.shardsave     sharded state: every rank writes its shards through DCP, and
-#                               a background one is published by a later call on every rank
+#   pitstop.shell.shardsave     sharded state: every rank writes its shards through DCP
 # How: a synchronous save writes straight from the live tensors before it returns; a
 # background one copies them into staging buffers and hands the write to the session's writer
 # thread. The directory lock is held from construction to close(); a Checkpointer dropped
@@ -26,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -175,8 +173,8 @@ class Checkpointer:
         """The checkpoint directory."""
         return self._directory.path
 
-    def _settle(self, request: Request) -> None:
-        """Rank 0 waits for its save in flight; every rank learns how it ended."""
+    def _settle(self, request: Request, then: Callable[[], Any] | None = None) -> Any:
+        """Rank 0 waits for its save in flight, then runs ``then``; every rank hears both."""
         session = self._session
         self._ranks.call(request.value)
         if self._shards is not None:  # every rank: the sharded save in flight, published
@@ -191,7 +189,9 @@ class Checkpointer:
                 self._hear(status)
             return status
 
-        self._hear(settle_on_writers(self._ranks, self._groups, settle))
+        status, after = settle_on_writers(self._ranks, self._groups, settle, then)
+        self._hear(status)
+        return after
 
     def _hear(self, status: SaveStatus | None) -> None:
         if self._remote is not None and status is not None and status is not SaveStatus.PENDING:
@@ -383,9 +383,9 @@ class Checkpointer:
         check_path(
             source, argument="resume source", to=f"{CHECKPOINT_PATH}, or 'last', 'best' or 'final'"
         )
-        self._settle(Request.RESUME)
         path, entry = resume_from(
             source,
+            settle=partial(self._settle, Request.RESUME),  # its round the resume's first
             strict=strict,
             live=self._live,
             ranks=self._ranks,

@@ -1,24 +1,24 @@
 # The resume path: choose a checkpoint, read it, check it against the run, restore it.
 #
-# Rules: rank 0 chooses (the core's resume order through pitstop.shell.store.resolve, each candidate
-# checked as it is read: a corrupt newest file is skipped with a warning) and its choice travels
-# to the other ranks; nothing to resume leaves everything untouched. Every rank then reads the
-# chosen file and compares it with its own run; the differences of all ranks, each once, decide
-# (pitstop.core.compat's judge: hard ones always refuse, soft ones only under strict=True, and
-# pass with a warning otherwise). The restore is all-or-nothing on every rank: prepared
-# everywhere, committed only when every rank prepared, undone where it was prepared when any
-# rank failed. Components the checkpoint holds but the run has not registered are kept in the
-# live state (deferred) for register() to apply; per-rank state is handed back only when the
-# world size is the one that saved it. A sharded checkpoint (a DCP directory) is chosen by
-# every rank together (pitstop.shell.sharded.choice: each file read is checked once, by one
-# of its readers, nothing live touched; on object storage each rank downloads and checks its
-# own copy as it arrives; with a remote tier rank 0 copies a remote candidate in first; across
-# directories the ranks do not share, pitstop.shell.sharded.acrossnodes); its replicated tree
-# is checked and restored as above, and its layout checked on every rank in the same pass
-# (agreed with the files' checks where it was chosen); the restore prepared and the state
-# applied in one round, then the checked tensors copied in from the same open files. An
-# optimizer that had no state has none again unless the resume restored it
-# (pitstop.shell.state.freshopt).
+# Rules: the round that settles the save in flight comes first (a sharded choice's resume order
+# travels in it). Rank 0 chooses (the core's resume order through pitstop.shell.store.resolve, each
+# candidate checked as it is read: a corrupt newest file is skipped with a warning) and its choice
+# travels to the other ranks; nothing to resume leaves everything untouched. Every rank then reads
+# the chosen file and compares it with its own run; the differences of all ranks, each once, decide
+# (pitstop.core.compat's judge: hard ones always refuse, soft ones only under strict=True, and pass
+# with a warning otherwise). The restore is all-or-nothing on every rank: prepared everywhere,
+# committed only when every rank prepared, undone where it was prepared when any rank failed.
+# Components the checkpoint holds but the run has not registered are kept in the live state
+# (deferred) for register() to apply; per-rank state is handed back only when the world size is the
+# one that saved it. A sharded checkpoint (a DCP directory) is chosen by every rank together
+# (pitstop.shell.sharded.choice: each file read is checked once, by one of its readers, nothing
+# live touched; on object storage each rank downloads and checks its own copy as it arrives; with a
+# remote tier rank 0 copies a remote candidate in first; across directories the ranks do not share,
+# pitstop.shell.sharded.acrossnodes); its replicated tree is checked and restored as above, and its
+# layout checked on every rank in the same pass (agreed with the files' checks where it was
+# chosen); the restore prepared and the state applied in one round, then the checked tensors copied
+# in from the same open files. An optimizer that had no state has none again unless the resume
+# restored it (pitstop.shell.state.freshopt).
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from torch import nn
@@ -73,6 +73,8 @@ __all__ = ["resume_from"]
 
 log = logging.getLogger("pitstop")
 
+T = TypeVar("T")
+
 
 def resume_from(
     source: str | os.PathLike[str],
@@ -84,6 +86,7 @@ def resume_from(
     may_change: tuple[str, ...],
     sharded: bool = False,
     groups: DirectoryGroups | None = None,
+    settle: Callable[[Callable[[], Any] | None], Any] | None = None,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
 
@@ -93,6 +96,9 @@ def resume_from(
     ``groups``: which ranks share a directory (directories not shared: every writer's copy
     counts, and one that lacks the checkpoint chosen gets it first, pitstop.shell.nodes; sharded
     state: the newest checkpoint complete across them, pitstop.shell.sharded.acrossnodes).
+    ``settle(then)``: the round that settles the save in flight, run first, with rank 0's
+    ``then()`` in it (its result returned on every rank): a sharded choice's resume order
+    travels in it.
     """
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with (
@@ -102,10 +108,18 @@ def resume_from(
         # checks as it reads: the disk read once
         reading = ResumeRead(live, ranks.rank, ranks.world_size)
         pointer = own_pointer(directory, source)
-        listed = [e.seq for e in directory.catalog] if ranks.leader else []  # before the choice
         plan = checked = compared = None
         target = _replicated(live) if sharded else live
         across = groups is not None and not groups.shared
+        listed: list[int] = []  # rank 0: the checkpoints before the choice, once settled
+        lead: Callable[[Callable[[], Any]], Any] = ranks.lead
+        if settle is not None and sharded and pointer is not None and not across:
+            lead = partial(_settled, settle, directory, listed)  # the choice's first round
+        else:
+            if settle is not None:
+                settle(None)
+            if ranks.leader:
+                listed[:] = [e.seq for e in directory.catalog]
         if sharded and pointer is not None and across:  # each node holds its ranks' shards
             assert groups is not None
             planner = partial(plan_of, live=live, ranks=ranks)
@@ -117,7 +131,7 @@ def resume_from(
             path, wire, plan = picked
         elif sharded and pointer is not None:
             compare = partial(_compare, reading, live, target, ranks, may_change)
-            chosen = choose_sharded(directory, pointer, reading, live, ranks, compare)
+            chosen = choose_sharded(directory, pointer, reading, live, ranks, compare, lead)
             path, wire, plan, checked, compared = chosen
             if checked is not None:  # its files, open until it is applied or refused
                 opened.callback(checked.close)
@@ -200,6 +214,22 @@ def resume_from(
         if ranks.leader:
             _say_resumed(path, entry, listed if pointer is PointerName.LAST else [])
         return path, entry
+
+
+def _settled(
+    settle: Callable[[Callable[[], Any] | None], Any],
+    directory: CheckpointDirectory,
+    listed: list[int],
+    work: Callable[[], T],
+) -> T:
+    """``work()``, rank 0's, in the settle's round (a sharded choice's resume order), after
+    rank 0 noted the checkpoints the directory then holds into ``listed``."""
+
+    def then() -> T:
+        listed[:] = [e.seq for e in directory.catalog]
+        return work()
+
+    return settle(then)  # type: ignore[no-any-return]
 
 
 def _say_resumed(path: Path, entry: CheckpointEntry | NoCheckpoint, listed: list[int]) -> None:

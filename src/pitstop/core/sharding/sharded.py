@@ -42,6 +42,7 @@ __all__ = [
     "StoredChunk",
     "StoredValue",
     "cover_problem",
+    "early_checks",
     "file_problem",
     "files_for",
     "fresh_optimizers",
@@ -247,6 +248,16 @@ def writer_checks(
     if any(writers.get(n, -1) not in range(world_size) for n in names):
         return None
     return tuple(sorted(n for n in names if writers[n] == rank))
+
+
+def early_checks(layout: ShardedLayout, rank: int, world_size: int) -> tuple[str, ...]:
+    """The files rank ``rank`` of ``world_size`` starts verifying as soon as it has read the
+    manifest, before it has planned its read: the ones it wrote, sorted — where the run has
+    the world size that saved (a reshard reads other files: none then). They hold every file
+    :func:`writer_checks` gives it; one its plan does not read is checked to no purpose only."""
+    if layout.world_size != world_size:
+        return ()
+    return tuple(sorted(f.name for f in layout.files if f.rank == rank))
 
 
 def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:

@@ -2,15 +2,16 @@
 # or on object storage: every rank together tries rank 0's resume order until a candidate
 # verifies on every rank.
 #
-# Rules: rank 0 sends the resume order (both tiers' with a remote tier: a remote candidate is
-# copied into the directory by rank 0, checked and published by its rename, before the ranks
-# try it); each rank verifies at once the files it reads that it wrote (core.sharding.sharded.
-# writer_checks), telling the files its read plan names in the same round: where every file
-# read is read by its writer (writers_read) that was all; else each file read is verified once,
-# by one of its readers (pitstop.core.sharding.sharded.share_checks), together with where each item
-# this rank reads lies in its file (pitstop.shell.sharded.rawread.check_read: nothing live
-# touched) and the run compared with the replicated tree (read beside), all agreed in one
-# round — and all move to the next candidate, whose files are read only then, when any rank
+# Rules: rank 0 sends the resume order (in the round a resume settles its save in flight; both
+# tiers' with a remote tier: a remote candidate is copied into the directory by rank 0, checked
+# and published by its rename, before the ranks try it); each rank starts checking the files it
+# wrote as soon as it read the manifest, on a thread, while it plans (core.sharding.sharded.
+# early_checks; pitstop.shell.sharded.filecheck); those it reads (writer_checks) it verifies,
+# telling the files its read plan names in the same round: where every file read is read by its
+# writer (writers_read) that was all; else each file read is verified once, by one of its
+# readers (share_checks), with where each item this rank reads lies in its file (pitstop.shell.
+# sharded.rawread.check_read: nothing live touched) and the run compared with the replicated
+# tree (read beside), all agreed in one round — and all move to the next candidate when any rank
 # found a problem; where a rank's state does not fit the layout, the files are verified alone.
 # On object storage each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +36,8 @@ from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
 from pitstop.core.sharding.sharded import (
     MANIFEST_NAME,
+    ShardedLayout,
+    early_checks,
     share_checks,
     writer_checks,
     writers_read,
@@ -49,6 +52,7 @@ from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
     from pitstop.shell.sharded.engine import ShardedPlan
+    from pitstop.shell.sharded.filecheck import Started
     from pitstop.shell.sharded.rawread import Checked
 
 __all__ = ["Reading", "choose_sharded", "plan_of"]
@@ -83,8 +87,13 @@ def _candidates(
     return wires, bool(found.catalog)
 
 
-def plan_of(path: Path, live: LiveState, ranks: Ranks) -> ShardedPlan:
-    """This rank's plan of the sharded checkpoint ``path``."""
+def plan_of(
+    path: Path,
+    live: LiveState,
+    ranks: Ranks,
+    read: tuple[ShardedLayout, Mapping[str, Any]] | None = None,
+) -> ShardedPlan:
+    """This rank's plan of the sharded checkpoint ``path`` (``read``: its layout and meta)."""
     from pitstop.shell.sharded.engine import plan_read
 
     return plan_read(
@@ -94,6 +103,7 @@ def plan_of(path: Path, live: LiveState, ranks: Ranks) -> ShardedPlan:
         rank=ranks.rank,
         world_size=ranks.world_size,
         ema=live.ema,
+        read=read,
     )
 
 
@@ -110,6 +120,29 @@ def _planned(path: Path, live: LiveState, ranks: Ranks) -> _Planned:
         return plan_of(path, live, ranks), None
     except (CheckpointCorrupt, OSError) as exc:
         return None, str(exc)
+
+
+def _started(path: Path, live: LiveState, ranks: Ranks) -> tuple[_Planned, Started | None]:
+    """:func:`_planned`, with the check of the files this rank wrote started as soon as the
+    manifest is read (core.sharding.sharded.early_checks), reading while the rank plans."""
+    from pitstop.shell.sharded import engine
+    from pitstop.shell.sharded.filecheck import Started
+
+    if not is_sharded_path(path):
+        return (None, None), None
+    try:
+        read = engine.read_layout(path)  # once: the plan is made from it
+    except (CheckpointCorrupt, OSError) as exc:
+        return (None, str(exc)), None
+    started = Started(path, read[0], early_checks(read[0], ranks.rank, ranks.world_size))
+    try:
+        return (plan_of(path, live, ranks, read), None), started
+    except (CheckpointCorrupt, OSError) as exc:
+        started.close()
+        return (None, str(exc)), None
+    except BaseException:
+        started.close()
+        raise
 
 
 def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
@@ -190,15 +223,18 @@ def _check_round(
     beside: Callable[[], str | None] | None,
     compare: Callable[[], tuple[Any, Any]] | None,
     tells: Any = None,
+    started: Started | None = None,
 ) -> _Round:
     """Every rank: :func:`~pitstop.shell.sharded.rawread.check_read` of ``checks`` (none with
-    no ``plan``) and, where it found nothing wrong, ``compare()``, gathered in one round with
-    ``tells``. Nothing live touched; nothing raised yet."""
+    no ``plan``: ``started`` is then closed) and, where it found nothing wrong, ``compare()``,
+    gathered in one round with ``tells``. Nothing live touched; nothing raised yet."""
     from pitstop.shell.sharded.rawread import check_read
 
     checked, own, checking = None, None, False
     if plan is not None:
-        checked, own, checking = check_read(plan.directory, plan, checks, beside)
+        checked, own, checking = check_read(plan.directory, plan, checks, beside, started)
+    elif started is not None:
+        started.close()
     kept, told, outcome, error = None, None, OK, None
     if own is None and compare is not None:
         try:
@@ -231,6 +267,23 @@ def _check_agreed(
     return checked, problems, (kept, [t for _, _, _, t, _ in found])
 
 
+def _beside(
+    path: Path, reading: Reading, planned: _Planned, started: Started | None
+) -> Callable[[], str | None] | None:
+    """The manifest's tree read on a thread (where the state fits): its wait. The plan's other
+    files hinted to the disk: whole where none was ``started`` (a reshard), else its regions."""
+    plan = planned[0]
+    if plan is None:
+        return None
+    early = set(started.names) if started is not None else set()
+    whole = [(name, 0, 0) for name in plan.files]
+    later = [r for r in plan.regions if r[0] not in early] if early else whole
+    if later:  # the disk reads them while the ranks agree
+        prefetch(path, later)
+    # the manifest's tree, its GIL-bound part off the check
+    return reading.read_beside(path) if _fits(planned) else None
+
+
 def _fetched(
     storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
 ) -> tuple[Path, _Planned]:
@@ -252,13 +305,16 @@ def choose_sharded(
     live: LiveState,
     ranks: Ranks,
     compare: Compare | None = None,
+    lead: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None, Compared]:
     """Every rank: try rank 0's resume order until a candidate verifies on every rank (with
     this rank's plan of it, and its checked read where every rank's state fits); all ranks
     move on together, rank 0 warning about each one skipped and why (and where). ``compare``:
     run on every rank with the candidate a checked read verified on that rank, agreed in the
-    check's round (what it keeps here and what every rank told, or its error on every rank)."""
-    candidates, any_found = ranks.lead(partial(_candidates, directory, pointer))
+    check's round (what it keeps here and what every rank told, or its error on every rank).
+    ``lead``: how rank 0's resume order reaches every rank (default ``ranks.lead``; a resume's
+    folds it into the round that settles the save in flight)."""
+    candidates, any_found = (lead or ranks.lead)(partial(_candidates, directory, pointer))
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
     for path, wire, tiered in candidates:
@@ -275,13 +331,14 @@ def choose_sharded(
             files = planned[0].files if planned[0] is not None else ()
             ranks.all_gather(files)
             problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
-        else:
-            planned = _planned(path, live, ranks)
-            beside = None
-            if planned[0] is not None:  # the disk reads them while the ranks agree
-                prefetch(path, [(name, 0, 0) for name in planned[0].files])  # checked whole
-                if _fits(planned):  # and the manifest is read, its GIL-bound part off the check
-                    beside = reading.read_beside(path)
+        else:  # the files it wrote are read and checked while it plans
+            planned, started = _started(path, live, ranks)
+            try:
+                beside = _beside(path, reading, planned, started)
+            except BaseException:
+                if started is not None:
+                    started.close()
+                raise
             plan, fits = planned[0], _fits(planned)
             files = plan.files if plan is not None else ()
             here = None if compare is None or plan is None else partial(compare, path, plan)
@@ -296,6 +353,7 @@ def choose_sharded(
                 beside,
                 here if hopeful is not None else None,
                 (files, fits),
+                started,
             )
             gathered = [t for *_, t in done[-1]]
             reads = [f for f, _ in gathered]

@@ -174,6 +174,8 @@ class ShardedPlan:
     fit), made by :attr:`planner`."""
     planner: Any = None
     """DCP's load planner, set up on :attr:`state` (``None`` when the state does not fit)."""
+    regions: tuple[tuple[str, int, int], ...] = ()
+    """Where :attr:`reads` read: ``(file, start, length)`` each (empty when it does not fit)."""
 
 
 def plan_read(
@@ -184,10 +186,12 @@ def plan_read(
     rank: int,
     world_size: int,
     ema: nn.Module | None = None,
+    read: tuple[ShardedLayout, Mapping[str, Any]] | None = None,
 ) -> ShardedPlan:
-    """This rank's :class:`ShardedPlan` of ``directory``; reads the manifest only."""
+    """This rank's :class:`ShardedPlan` of ``directory``; reads the manifest only (``read``:
+    its layout and meta, read already)."""
     root = Path(directory)
-    layout, meta = read_layout(root)
+    layout, meta = read_layout(root) if read is None else read
     found = diff_ema(stored=holds_ema(layout), live=ema is not None)
     state: dict[str, Any] = {}
     regions: tuple[tuple[str, int, int], ...] = ()
@@ -209,6 +213,7 @@ def plan_read(
         differences=tuple(found),
         reads=reads,
         planner=planner,
+        regions=regions,
     )
 
 

@@ -1,20 +1,21 @@
 # A sharded resume's read without DCP's: every file checked first, then copied straight into
 # the live tensors from the files (by then in the page cache).
 #
-# Rules: what a rank reads is its read plan, made when it planned the candidate (DCP's own
-# local plan, over the metadata rebuilt from pitstop's manifest: pitstop.shell.sharded.engine.
-# plan_read), so no collective of DCP's runs. First each rank checks its share of the files
-# (size, CRC-32: pitstop.shell.store.sharddir.verify_sharded) and, for every item it reads, its
-# container: a torch.save'd tensor is a zip whose central directory, data.pkl and one storage
-# record are parsed — never unpickled: data.pkl's opcodes are only compared with those of a
-# contiguous tensor of the dtype and shape the manifest gives — and the record's size must be
-# numel x itemsize; anything else (another stride, a record stored compressed or past 4 GiB) is
-# loaded with torch.load(weights_only=True) now, and a non-tensor value through the safe
-# planner. Every value is checked before anything is allocated from it. The ranks agree on what
-# they found (one round); only when no rank found a problem are the live tensors written: each
-# record read (pread, from the same open file) into its destination's memory, or into a buffer
-# and copied where the destination is a slice or not on the CPU. A failure after the agreement
-# is an I/O error on verified files; the state is then partly written (said in the error).
+# Rules: what a rank reads is its read plan, made when it planned the candidate (DCP's own local
+# plan, over the metadata rebuilt from pitstop's manifest: pitstop.shell.sharded.engine.plan_read),
+# so no collective of DCP's runs. First each rank checks its share of the files (size, CRC-32:
+# pitstop.shell.sharded.filecheck; the files it wrote on a thread started as soon as it read the
+# manifest, while it planned) and then, for every item it reads, its container (the pages read by
+# then): a torch.save'd tensor is a zip whose central directory, data.pkl and one storage record are
+# parsed — never unpickled: data.pkl's opcodes are only compared with those of a contiguous tensor
+# of the dtype and shape the manifest gives — and the record's size must be numel x itemsize;
+# anything else (another stride, a record stored compressed or past 4 GiB) is loaded with
+# torch.load(weights_only=True) now, and a non-tensor value through the safe planner. Every value is
+# checked before anything is allocated from it. The ranks agree on what they found (one round); only
+# when no rank found a problem are the live tensors written: each record read (pread, from the same
+# open file) into its destination's memory, or into a buffer and copied where the destination is a
+# slice or not on the CPU. A failure after the agreement is an I/O error on verified files; the
+# state is then partly written (said in the error).
 # How: functions over the plan's ReadItems; the files stay open from the check to the copy.
 
 """The resume's read of a sharded checkpoint: checked first, then copied into the live state."""
@@ -36,15 +37,12 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from pitstop.core.sharding.sharded import ShardedLayout, file_problem
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell.format.checksums import crc32_update
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.sharded.filecheck import PIECE, Started, checked_file
 
 __all__ = ["Checked", "check_read", "raw_record"]
 
-_PIECE: Final = 1 << 20
-"""Bytes a file's check reads at a time, into one buffer."""
 _LOOK: Final = 4096
 """Bytes read at an item's start and at its end to find its storage record."""
 _EOCD: Final = struct.Struct("<IHHHHIIH")
@@ -285,52 +283,38 @@ def _size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
-def _checked_file(
-    directory: Path, layout: ShardedLayout, name: str, files: ExitStack, scratch: bytearray
-) -> int:
-    """Open ``name`` (kept open in ``files``) and check its size and CRC-32, read once
-    through ``scratch``; its descriptor. CheckpointCorrupt naming what is wrong."""
-    try:
-        expected = layout.file(name)
-    except KeyError:
-        raise CheckpointCorrupt(f"{directory}: the manifest lists no file {name}") from None
-    try:
-        file = files.enter_context(open_untrusted(directory / name, follow_symlinks=False))
-    except FileNotFoundError:
-        raise CheckpointCorrupt(f"{directory}: {file_problem(expected, None, None)}") from None
-    fd = file.fileno()
-    size, crc = os.fstat(fd).st_size, None
-    if size == expected.size:
-        crc, at, view = 0, 0, memoryview(scratch)
-        while got := os.preadv(fd, [view], at):
-            crc = crc32_update(view[:got], crc)
-            at += got
-        size = at
-    problem = file_problem(expected, size, crc)
-    if problem is not None:
-        raise CheckpointCorrupt(f"{directory}: {problem}")
-    return fd
-
-
 def check_read(
     directory: Path,
     plan: Any,
     checks: Collection[str],
     beside: Callable[[], str | None] | None = None,
+    started: Started | None = None,
 ) -> tuple[Checked | None, str | None, bool]:
     """This rank's check of ``plan``'s read (a :class:`~pitstop.shell.sharded.engine.
     ShardedPlan`): the files ``checks`` verified whole, every item it reads found in its file
     (a non-tensor value loaded into the plan's state; nothing live touched), and ``beside()``
     waited for. The checked read, or what was wrong and whether a check found it (a file's
-    size or CRC-32, or ``beside``) rather than a read of a file another rank checks."""
+    size or CRC-32, or ``beside``) rather than a read of a file another rank checks.
+    ``started``: the check of some files begun early (its files are closed with the read's):
+    those of ``checks`` among them are waited for once the others are checked here; the items
+    are found after (their pages read by then), in the same open files."""
     files = ExitStack()
+    if started is not None:
+        files.enter_context(started)
     checked = Checked(files, plan.planner)
     checking, name = True, ""
     try:
+        early = set(started.names) if started is not None else set()
+        now = sorted(set(checks) - early)  # not begun early: checked here, first
+        scratch = bytearray(PIECE if now else 0)
         opened: dict[str, int] = {}
-        scratch = bytearray(_PIECE)
-        for name in sorted(set(checks)):
-            opened[name] = _checked_file(directory, plan.layout, name, files, scratch)
+        for name in now:
+            opened[name] = checked_file(directory, plan.layout, name, files, scratch)
+        for name in sorted(set(checks) & early):
+            assert started is not None
+            started.verified(name)
+        if started is not None:  # its files, open, for the items too
+            opened = {**started.opened, **opened}
         checking = False
         storage = plan.planner.metadata.storage_data
         for item in plan.reads:
