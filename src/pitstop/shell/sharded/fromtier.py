@@ -26,7 +26,6 @@ from pitstop.core.records import CheckpointEntry, PointerName
 from pitstop.core.sharding.shardcover import tier_takes
 from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardFile
 from pitstop.shell.ranks.distributed import Ranks
-from pitstop.shell.sharded.dcpio import DCP_METADATA
 from pitstop.shell.store.tiers import TieredDirectory
 
 __all__ = ["remote_listed", "take_from_tier"]
@@ -58,6 +57,8 @@ def take_from_tier(
     entry = entry_from_wire(wire)
     assert isinstance(entry, CheckpointEntry)
     index = groups.group_of(ranks.rank)
+    from pitstop.shell.sharded.dcpio import DCP_METADATA  # DCP itself only where sharded
+
     every = {MANIFEST_NAME, DCP_METADATA}
     have = [h if ok else frozenset() for h, ok in zip(held, same, strict=True)]
 
