@@ -42,6 +42,7 @@ def test_a_signal_only_sets_the_flag(sig: signal.Signals) -> None:
 
 
 def test_previous_handlers_come_back() -> None:
+    sigint = signal.getsignal(signal.SIGINT)  # as this process started (SIG_IGN when run in `&`)
     calls: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
     try:
@@ -49,7 +50,7 @@ def test_previous_handlers_come_back() -> None:
             assert signal.getsignal(signal.SIGTERM) is not previous
         signal.raise_signal(signal.SIGTERM)
         assert calls == [signal.SIGTERM]
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is sigint
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -134,6 +135,7 @@ def python_handler() -> Any:
 
 def test_install_catches_signals_until_uninstall(python_handler: Any) -> None:
     handler, calls = python_handler
+    sigint = signal.getsignal(signal.SIGINT)
     stop = StopRequest()
     stop.install()
     try:
@@ -146,7 +148,7 @@ def test_install_catches_signals_until_uninstall(python_handler: Any) -> None:
         stop.uninstall()
     assert not stop.installed
     assert signal.getsignal(signal.SIGTERM) is handler
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is sigint
     signal.raise_signal(signal.SIGTERM)
     assert calls == [signal.SIGTERM]
     stop.uninstall()  # not installed: nothing to do
@@ -252,6 +254,7 @@ def test_a_c_handler_that_cannot_be_put_back_leaves_the_default_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     real_signal = signal.signal
+    sigint = signal.getsignal(signal.SIGINT)
     reported_none = {signal.SIGTERM}
 
     def fake_signal(sig: int, handler: Any) -> Any:
@@ -270,7 +273,7 @@ def test_a_c_handler_that_cannot_be_put_back_leaves_the_default_and_says_so(
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert "previous SIGTERM handler was installed outside Python" in caplog.text
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is sigint
 
 
 def test_a_signal_landing_inside_an_agreement_is_never_lost(
