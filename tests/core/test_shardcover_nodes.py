@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.sharding.shardcover import cover_nodes, file_homes, part_here, tier_takes
+from pitstop.core.sharding.shardcover import (
+    cover_nodes,
+    file_homes,
+    not_on_every_directory,
+    part_here,
+    tier_takes,
+)
 
 names = st.lists(
     st.sampled_from([f"__{r}_0.distcp" for r in range(5)] + [".metadata", "m"]),
@@ -128,3 +134,21 @@ def test_each_lost_file_is_taken_from_the_remote_tier_once_where_its_writer_is(
                 assert rank in group or (d == 0 and rank not in world), (name, d)
     for name in set(names) - every:
         assert sum(name in took for took in takes) <= 1, name
+
+
+@given(
+    st.lists(
+        st.sets(st.tuples(st.sampled_from(["step_1", "step_2", "step_3"]), st.integers(0, 2))),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_a_catch_up_leaves_out_exactly_what_some_directory_lacks_as_that_save(
+    held: list[set[tuple[str, int]]],
+) -> None:
+    left_out = not_on_every_directory(held)
+    for name in {n for row in held for n, _ in row}:
+        saves = {(n, seq) for row in held for n, seq in row if n == name}
+        everywhere = all(saves <= row for row in held)  # each directory: this very save
+        assert (name not in left_out) == everywhere, (name, held)
+    assert left_out <= {n for row in held for n, _ in row}

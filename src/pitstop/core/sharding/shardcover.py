@@ -44,6 +44,7 @@ __all__ = [
     "directories_of",
     "extent_problem",
     "file_homes",
+    "not_on_every_directory",
     "part_here",
     "paths_problem",
     "tier_takes",
@@ -266,3 +267,13 @@ def tier_takes(
         )
     }
     return tuple(sorted(takes))
+
+
+def not_on_every_directory(held: Sequence[Iterable[tuple[str, int]]]) -> set[str]:
+    """The checkpoints some directory lacks (``held[d]``: the ``(name, seq)`` of each checkpoint
+    directory ``d`` holds; one of the same name but another seq counts as lacking it): those a
+    remote tier's catch-up from one directory must leave out, since the other directories'
+    writers could never upload their parts of them."""
+    rows = [set(h) for h in held]
+    everywhere = set.intersection(*rows) if rows else set()
+    return {name for row in rows for name, seq in row if (name, seq) not in everywhere}

@@ -47,7 +47,7 @@ from pitstop.core.metadata import entry_from_meta
 from pitstop.core.ranks import DirectoryGroups, entry_to_wire, merged_order
 from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
-from pitstop.core.sharding.shardcover import FileMove, cover_nodes
+from pitstop.core.sharding.shardcover import FileMove, cover_nodes, not_on_every_directory
 from pitstop.core.sharding.sharded import MANIFEST_NAME, ShardedLayout
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.format.fileread import verify as verify_file
@@ -254,8 +254,7 @@ def choose_sharded_across(
     remote = dict(ranks.lead(partial(remote_listed, tiered, pointer)) if tiered else [])
     seqs.append([(name, wire[1]) for name, wire in remote.items()])  # the remote tier's
     if tiered is not None:  # rank 0's catch-up uploads what each node holds its part of
-        every = set.intersection(*(set(held) for _, held in orders))
-        tiered.incomplete = {n for _, held in orders for n, s in held if (n, s) not in every}
+        tiered.incomplete = not_on_every_directory([held for _, held in orders])
     lost: list[str] = []  # each incomplete candidate: its step and missing files
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
         held = [dict(order) for order, _ in orders if name in dict(order)]  # on some node

@@ -66,6 +66,7 @@ from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = [
     "NodeUploads",
+    "Wanted",
     "await_files",
     "commit_sharded",
     "download_sharded",
@@ -77,6 +78,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("pitstop")
+
+Wanted = Callable[[Sequence[ShardFile]], Collection[str]] | None
+"""Which of a commit's files a download takes (``None``: every one)."""
 
 
 @attrs.frozen
@@ -346,7 +350,7 @@ def download_sharded(
     name: str,
     root: Path,
     file_table: Callable[[Path, list[str], int], Iterable[ShardFile]],
-    only: Callable[[Sequence[ShardFile]], Collection[str]] | None = None,
+    only: Wanted = None,
 ) -> tuple[str, ...]:
     """Download the committed sharded checkpoint ``name`` into the new local folder ``root``,
     ready to be published by a rename: every file (``only``: those it names of the commit's

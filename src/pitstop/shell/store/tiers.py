@@ -362,7 +362,7 @@ class TieredDirectory(CheckpointDirectory):
         return [(n, e, t is Tier.REMOTE) for n, e, t in listed if isinstance(e, CheckpointEntry)]
 
     def bring_sharded(
-        self, name: str, listed: CheckpointEntry | None = None, only: Any = None
+        self, name: str, listed: CheckpointEntry | None = None, only: shardobjects.Wanted = None
     ) -> str | None:
         """Rank 0 (a node's writer: given its entry ``listed``, no lease): copy the remote tier's
         sharded checkpoint ``name`` here: downloaded into a temp folder, checked, renamed into
