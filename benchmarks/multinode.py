@@ -19,10 +19,11 @@ share this machine's disk and CPUs (a real second node brings its own).
   waited for outside the time) — what "save blocking" is for a background save;
 * *resume, local*: a fresh ``Checkpointer(...).resume()`` on both ranks, each node holding its
   copy (each writer verifies and loads its own);
-* *resume, catch-up*: the same after node 1's copy was deleted: rank 0 verifies (and loads) its
-  copy, sends it to node 1 over a direct TCP stream (1 MiB pieces, its manifest first); node 1
-  checks each piece against the manifest as it lands, writes it, and loads what it wrote (no
-  second check) before publishing it; *catch-up, group*: the same, in turn with it, with
+* *resume, catch-up*: the same after node 1's copy was deleted: rank 0 sends its copy to node 1
+  at once over a direct TCP stream (1 MiB pieces, its manifest first), checking each piece
+  against the manifest as it reads it, then loads it (no second check); node 1 checks each
+  piece as it lands, writes it, and loads what it wrote (no second check) before publishing
+  it; *catch-up, group*: the same, in turn with it, with
   streams off (``PITSTOP_PEER_STREAM=0``): the copy over the gloo group (8 MiB messages,
   double-buffered), as before the stream;
 * *floor*: node 1 writing the same number of bytes to a file and fsyncing it — what any
@@ -100,6 +101,7 @@ PHASES = {
     "pitstop.shell.state.staging:StagingPool.snapshot": "copy into staging (async_save)",
     "pitstop.shell.resumeread:ResumeRead.verify": "verify (+ load) a copy",
     "pitstop.shell.nodes:send_file": "transfer: send",
+    "pitstop.shell.nodes:send_checked": "transfer: send",
     "pitstop.shell.nodes:receive_file": "transfer: receive + check + write",
     "pitstop.shell.state.restore:Restore.prepare": "restore the live state",
     "pitstop.shell.state.restore:Restore.commit": "restore the live state",

@@ -13,6 +13,7 @@ from pitstop.core.ranks import (
     directory_groups,
     merged_order,
 )
+from pitstop.core.ranks.catchup import Held, copies_first, copy_failed
 from pitstop.errors import ConfigError
 
 # A job: each rank's directory, as a label (ranks with the same label share a directory).
@@ -103,3 +104,55 @@ def test_a_resume_of_last_tries_every_name_once_newest_first(
 def test_another_pointer_keeps_the_first_directory_order_then_the_others() -> None:
     orders = [[("b", 1), ("a", 5)], [("c", 9), ("a", 5)]]
     assert merged_order(orders, newest_first=False) == ("b", "a", "c")
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=8))
+def test_copies_start_before_the_checks_only_to_directories_that_lack_it(
+    listed: list[bool],
+) -> None:
+    groups = DirectoryGroups(tuple((2 * i, 2 * i + 1) for i in range(len(listed))))
+    first = copies_first(groups, listed)
+    if all(listed) or not any(listed):  # each checks its own copy, or nothing to send
+        assert first == ()
+        return
+    holders = {w for w, has in zip(groups.writers, listed, strict=True) if has}
+    lacking = [w for w, has in zip(groups.writers, listed, strict=True) if not has]
+    assert sorted(t.target for t in first) == lacking  # each one copy, none to a holder
+    assert all(t.source in holders for t in first)
+    counts = [sum(t.source == h for t in first) for h in sorted(holders)]
+    assert max(counts) - min(counts) <= 1  # the senders taken in turn, as catch_up takes them
+    # with nothing found wrong, these are the copies catch_up would plan after the checks
+    assert first == catch_up(groups, listed)
+
+
+held_states = st.sampled_from(list(Held))
+
+
+@given(st.lists(held_states, min_size=2, max_size=6), st.data())
+def test_a_failed_copy_is_everyones_error_unless_its_senders_copy_is_bad(
+    held: list[Held], data: st.DataObject
+) -> None:
+    ranks = range(len(held))
+    pairs = st.tuples(st.sampled_from(ranks), st.sampled_from(ranks)).filter(lambda p: p[0] != p[1])
+    moves = [Transfer(source=s, target=t) for s, t in data.draw(st.lists(pairs, max_size=4))]
+    raised = copy_failed(moves, held)
+    expected = any(
+        held[m.source] is not Held.INVALID
+        and (held[m.source] is Held.FAILED or held[m.target] is Held.FAILED)
+        for m in moves
+    )
+    assert raised == expected
+    if all(h is not Held.FAILED for h in held):  # nothing failed on its way: nothing raised
+        assert not raised
+    for m in moves:  # a bad sender's copy explains its receiver's failure: no error
+        if held[m.source] is Held.INVALID:
+            assert not copy_failed([m], held)
+
+
+def test_a_wiped_node_receives_at_once_and_a_bad_senders_copy_falls_back() -> None:
+    groups = directory_groups([{0}, {1}])
+    first = copies_first(groups, [True, False])
+    assert first == (Transfer(source=0, target=1),)
+    assert copy_failed(first, [Held.VALID, Held.FAILED])  # broke on its way: raised everywhere
+    assert not copy_failed(first, [Held.INVALID, Held.FAILED])  # rank 0's copy is bad: skipped
+    assert not copy_failed(first, [Held.VALID, Held.VALID])

@@ -43,10 +43,10 @@ import torch.distributed as dist
 import pitstop
 from pitstop.core.ranks.stream import OFFER_BYTES
 from pitstop.errors import SaveError
-from pitstop.shell.format.fileread import load, verify
+from pitstop.shell.format.fileread import load, read_manifest, verify
 from pitstop.shell.format.filewrite import prepare, write
-from pitstop.shell.ranks import collectives
-from pitstop.shell.ranks.arrival import tail_start
+from pitstop.shell.ranks import arrival, collectives
+from pitstop.shell.ranks.arrival import CheckedReads, tail_start
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import send
 from pitstop.shell.sharded.acrossnodes import receive_file, send_file
@@ -289,6 +289,92 @@ assert found.pointers.last == "step_000000000003.pitstop", found.pointers
 assert not found.warnings, found.warnings  # not "pointer last is missing"
 assert (node / "last").is_symlink()
 assert (node / "latest.json").exists()
+checked += 1
+
+
+# A replaced node catches up at once, before any check; the sender checks its copy as it reads
+# it for sending. Its newest copy is bad (a byte of the weights flipped on its disk): both
+# sides find it (the sender as it reads, the receiver as it lands), nothing of it is published
+# or loaded, and both fall back to the checkpoint before it, copied the same way.
+def weights_at(step: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(step)
+    return {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+def newest_blob(path: Path) -> int:
+    """The file offset of a byte inside the first blob of the checkpoint ``path``."""
+    manifest = read_manifest(path)
+    return manifest.blobs[manifest.tensors[0].blob].offset + 1
+
+
+node = root / f"later{rank}"
+ckpt = pitstop.Checkpointer(node, model=model)
+for step in (3, 5):
+    model.load_state_dict(weights_at(step))
+    ckpt.save(pitstop.Progress(step=step))
+ckpt.close()
+newest = node / "step_000000000005.pitstop"
+dist.barrier()
+if rank == 1:
+    shutil.rmtree(node)  # a new machine
+else:  # rank 0's newest copy goes bad on its disk
+    data = bytearray(newest.read_bytes())
+    data[newest_blob(newest)] ^= 0x01
+    newest.write_bytes(bytes(data))
+with torch.no_grad():
+    model.weight.fill_(7.0)
+ckpt = pitstop.Checkpointer(node, model=model)
+resumed = ckpt.resume()
+ckpt.close()
+assert resumed.step == 3, resumed  # the bad newest copy skipped on both nodes
+for key, value in weights_at(3).items():
+    assert model.state_dict()[key].equal(value), key
+if rank == 1:
+    assert sorted(p.name for p in node.glob("*.pitstop")) == ["step_000000000003.pitstop"]
+    assert not list(node.glob(".pitstop-*")), list(node.iterdir())  # no temp file left
+    assert Heard.last().endswith("over a direct stream"), Heard.last()
+checked += 1
+
+
+# The same copy changed on its way (the sender's reads flip a byte after its own check: a bad
+# link): the receiver's check finds it before anything is published or loaded, and the copy's
+# error is raised on every rank; the live state is untouched.
+class FlippedAfterCheck(CheckedReads):
+    """The sender's checked reads, one byte flipped after the check (at ``at``)."""
+
+    flip = 0
+
+    def readinto(self, buffer: Any) -> int:
+        start = self.at
+        got = super().readinto(buffer)
+        if start <= self.flip < start + got:
+            memoryview(buffer).cast("B")[self.flip - start] ^= 0x20
+        return got
+
+
+if rank == 1:
+    shutil.rmtree(node)
+else:
+    newest.unlink()  # step 3 is the newest now, whole on rank 0's node
+    FlippedAfterCheck.flip = newest_blob(node / "step_000000000003.pitstop")
+    arrival.CheckedReads = FlippedAfterCheck  # type: ignore[misc]
+with torch.no_grad():
+    model.weight.fill_(7.0)
+ckpt = pitstop.Checkpointer(node, model=model)
+failed: SaveError | None = None
+try:
+    ckpt.resume()
+except SaveError as exc:
+    failed = exc
+finally:
+    ckpt.close()
+    arrival.CheckedReads = CheckedReads  # type: ignore[misc]
+assert failed is not None, "a copy changed on its way was resumed"
+for named in ("from rank 0", "fails its checksum"):  # the receiver's finding, on both ranks
+    assert named in str(failed), failed
+assert bool((model.weight == 7.0).all()), "the live state was touched"
+if rank == 1:
+    assert not list(node.glob("*.pitstop")), list(node.iterdir())  # nothing published
 checked += 1
 
 dist.barrier()

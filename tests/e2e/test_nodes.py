@@ -176,28 +176,26 @@ def test_a_wiped_node_gets_the_peers_copy_and_resumes_bitwise(
     run = Run(tmp_path)
     first = run.train_and_stop("first", rank=0)
     shutil.rmtree(run.node(wiped))  # a new machine: nothing of the run on its disk
-    if source == "last":
-        second = run.train("second")
-    else:  # resume(path): the path is on one node only; first a path on none
-        explicit = run.mount / "ckpt" / f"step_{STOP_AT:012d}.pitstop"
-        nowhere = run.mount / "elsewhere" / "step_000000000002.pitstop"
-        options = ("--resume-from", str(explicit), "--try-resume-from", str(nowhere))
-        with run.nodes("second", "--target", str(TARGET), *options, "--log-transfers") as nodes:
-            finished = [node.check() for node in nodes.wait(TIMEOUT)]
-        # The copy's bytes took the direct stream between the nodes' writers, not the group.
-        said = finished[wiped].outputs[0].splitlines()
-        heard = [line for line in said if line.startswith("INFO pitstop.transfer")]
-        assert len(heard) == 1, finished[wiped].describe()
-        assert heard[0].endswith(f"{explicit.name} from rank {1 - wiped} over a direct stream"), (
-            heard
-        )
+    explicit = run.mount / "ckpt" / f"step_{STOP_AT:012d}.pitstop"
+    nowhere = run.mount / "elsewhere" / "step_000000000002.pitstop"
+    options = ("--resume-from", str(explicit), "--try-resume-from", str(nowhere))
+    with run.nodes(
+        "second", "--target", str(TARGET), *(options if source == "path" else ()), "--log-transfers"
+    ) as nodes:
+        finished = [node.check() for node in nodes.wait(TIMEOUT)]
+    # The copy's bytes took the direct stream between the nodes' writers, not the group.
+    said = finished[wiped].outputs[0].splitlines()
+    heard = [line for line in said if line.startswith("INFO pitstop.transfer")]
+    assert len(heard) == 1, finished[wiped].describe()
+    assert heard[0].endswith(f"{explicit.name} from rank {1 - wiped} over a direct stream"), heard
+    if source == "path":  # first a path on none
         for node in finished:  # the same error on every rank, naming the path and each node
             said = [line for line in node.lines(0) if line.startswith("resume error ")]
             assert len(said) == 1, node.describe()
             assert said[0].startswith("resume error CheckpointNotFound"), said
             for named in (str(nowhere), "no node holds", "rank 0's node", "rank 1's node"):
                 assert named in said[0], said
-        second = run.outputs("second")  # the wiped node's rank read the copy it was sent
+    second = run.outputs("second")  # the wiped node's rank read the copy it was sent
     assert_continues_exactly(straight, first, second)
     # The wiped node got the checkpoint it resumed from, then saved the rest itself.
     assert steps(run.node(wiped)) == [STOP_AT, 6, 9, 10][-3:]

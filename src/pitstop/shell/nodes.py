@@ -22,25 +22,26 @@
 # loaded in the same pass), and the first candidate that verifies in at least one directory is
 # chosen. A directory whose copy is missing or does not verify receives the copy of a directory
 # that has it (the core's catch_up), over a direct stream the two writers agree to (else
-# torch.distributed: pitstop.shell.ranks.peers), into a temp file, every byte checked
-# against the file's own manifest as it lands (pitstop.shell.ranks.arrival) and then loaded for
-# the resume without a second checking read, before the store's atomic writer publishes it — a
-# copy that changed on its way, or on its sender's disk, is never published. (Sending while the
-# sender still verifies its own copy, on a thread, was measured slower on 2 shared cores: the
-# two passes contend; the copy starts once the holders' checks are agreed.)
-# With a remote tier
-# (remote=), rank 0 alone uploads (one upload per checkpoint, under the prefix's one lease; every
-# node's copy is the same bytes), rank 0 lists the remote tier too and its names join the merged
-# order (last among equals), and a checkpoint no directory holds whole is downloaded from the
-# remote tier by each writer that lacks it (no lease: reading only), published, verified, its
-# pointers written as a save would; a writer whose download failed then gets a peer's copy.
-# A resume from an explicit path (a file, not a pointer of the directory) is looked for by
-# every writer on its own node (resolved as it is given, verified every byte, loaded in the
-# same pass); the first writer whose copy verifies is
-# the holder, and every writer whose node lacks that file, or holds a copy that does not verify,
-# receives the holder's copy at the same path (its folder made if missing), over the same
-# checked transfer. On no node: one CheckpointNotFound on every rank naming the path and what each
-# node found.
+# torch.distributed: pitstop.shell.ranks.peers), into a temp file, every byte checked against
+# the file's own manifest as it lands (pitstop.shell.ranks.arrival) and then loaded for the
+# resume without a second checking read, before the store's atomic writer publishes it — a copy
+# that changed on its way, or on its sender's disk, is never published. A directory that does
+# not even list the candidate (a wiped or replaced node) gets its copy at once, before any check
+# (the core's copies_first, pitstop.core.ranks.catchup): its sender checks every piece as it
+# reads it for sending (arrival's send_checked: the receiver's checks) and loads its copy after,
+# beside the receiver's load; what each holds is agreed in that round (a sender whose copy
+# proved bad: skipped, as after a failed verify; a copy failed on its way: raised everywhere).
+# With a remote tier (remote=), rank 0 alone uploads (one upload per checkpoint, under the
+# prefix's one lease; every node's copy is the same bytes), rank 0 lists the remote tier too and
+# its names join the merged order (last among equals), and a checkpoint no directory holds whole
+# is downloaded from the remote tier by each writer that lacks it (no lease: reading only),
+# published, verified, its pointers written as a save would; a writer whose download failed
+# then gets a peer's copy. A resume from an explicit path (a file, not a pointer of the
+# directory) is looked for by every writer on its own node (resolved as it is given, verified
+# every byte, loaded in the same pass); the first writer whose copy verifies is the holder, and
+# every writer whose node lacks that file, or holds a copy that does not verify, receives the
+# holder's copy at the same path (its folder made if missing), over the same checked transfer.
+# On no node: one CheckpointNotFound on every rank naming the path and what each node found.
 # How: functions over the Ranks, the core's DirectoryGroups and the CheckpointDirectory; every
 # step's outcome agreed (Ranks.each), so one rank's failure is raised on every rank.
 
@@ -63,8 +64,11 @@ from pitstop.core.ranks import (
     merged_order,
     writes_as_seen,
 )
+from pitstop.core.ranks.catchup import copies_first
 from pitstop.core.records import PointerName
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
+from pitstop.shell.ranks.arrival import send_checked
+from pitstop.shell.ranks.catchup import first_round
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.ranks.peers import look_on_writers, probe_groups
 from pitstop.shell.resumeread import ResumeRead
@@ -197,8 +201,15 @@ def choose_across(
     mine = {name for name, _ in cast(Listed, lists[ranks.rank])[0]} if writes else set()
     for name in merged_order(seqs, newest_first=pointer is PointerName.LAST):
         path = directory.storage.path(name)
-        checked = partial(_verified, path, reading) if name in mine else lambda: False
-        answers = ranks.all_gather_each(checked)  # a fault other than a bad copy: everywhere
+        first = copies_first(groups, [name in dict(order) for order, _ in orders])
+        if first:  # a directory lacks it: its copy starts now, checked as it is read and lands
+            verify = partial(_verified, path, reading) if name in mine else None
+            send = partial(send_checked, ranks, path=path)
+            take = partial(_receive, ranks, path=path, reading=reading, directory=directory)
+            answers = first_round(ranks, first, verify=verify, send=send, receive=take)
+        else:
+            checked = partial(_verified, path, reading) if name in mine else lambda: False
+            answers = ranks.all_gather_each(checked)  # a fault other than a bad copy: everywhere
         valid = [answers[w] is True for w in groups.writers]
         _warn_invalid(ranks, groups, name, answers, "rank {}'s directory")
         transfers = catch_up(groups, valid, remote=name in dict(remote))
@@ -220,8 +231,13 @@ def choose_across(
                     name,
                     move.source,
                 )
-        ranks.each(partial(_move, transfers, path, reading, ranks, directory))
-        holder = [o for (o, _), w in zip(orders, groups.writers, strict=True) if answers[w] is True]
+        if transfers:
+            ranks.each(partial(_move, transfers, path, reading, ranks, directory))
+        holder = [
+            o
+            for (o, _), w in zip(orders, groups.writers, strict=True)
+            if answers[w] is True and name in dict(o)
+        ]
         if holder:
             return path, dict(holder[0])[name]  # the entry as a directory holding it lists it
         return path, ranks.lead(partial(_catalog_wire, directory, name))  # rank 0's copy
@@ -314,13 +330,26 @@ def _downloaded(tiered: TieredDirectory, name: str, reading: ResumeRead) -> bool
     return True
 
 
-def _verified(path: Path, reading: ResumeRead) -> bool | str:
-    """A writer's check of its copy of ``path``: True, or what is wrong with it."""
+def _verified(path: Path, reading: ResumeRead, arrived: bool = False) -> bool | str:
+    """A writer's check of its copy of ``path`` (``arrived``: checked as it was read already,
+    only loaded): True, or what is wrong with it."""
     try:
-        reading.verify(path)
+        reading.verify(path, arrived=arrived)
     except (CheckpointCorrupt, OSError) as exc:
         return str(exc) or type(exc).__name__
     return True
+
+
+def _receive(
+    ranks: Ranks, source: int, path: Path, reading: ResumeRead, directory: CheckpointDirectory
+) -> None:
+    """Receive ``source``'s copy of ``path``, every byte checked as it lands, loaded for the
+    read, then published (its pointers as a save leaves them)."""
+    with contextlib.suppress(OSError):  # an explicit path's folder: else drained
+        path.parent.mkdir(parents=True, exist_ok=True)
+    load = partial(reading.verify, known_as=path, arrived=True)
+    receive_file(ranks, source, path, load, checkpoint=True)
+    directory.rescan(repoint=path == directory.storage.path(path.name))
 
 
 def _move(
@@ -334,12 +363,7 @@ def _move(
             if ranks.rank == move.source:
                 send_file(ranks, move.target, path, checkpoint=True)
             elif ranks.rank == move.target:
-                with contextlib.suppress(OSError):  # an explicit path's folder: else drained
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                # every byte checked as it lands, before it is published; then loaded for the read
-                load = partial(reading.verify, known_as=path, arrived=True)
-                receive_file(ranks, move.source, path, load, checkpoint=True)
-                directory.rescan(repoint=path == directory.storage.path(path.name))
+                _receive(ranks, move.source, path, reading, directory)
         except Exception as exc:
             failed = failed or exc
     if failed is not None:

@@ -14,6 +14,10 @@
 # pass that writes it; the resume then loads what was written without checking it again.
 # A sender whose file has no valid header or footer sends it in order, and the receiver's
 # manifest check fails.
+# The sender of a catch-up copy checks its own copy the same way as it reads it for sending
+# (CheckedReads: the same Arrival over the pieces read), so that it need not verify it before:
+# a problem found is kept, not raised — the copy still goes out whole, and its receiver's check
+# finds the same — and said once the copy is sent.
 # How: a callable ``look`` for peers.receive, the temp file flushed before its manifest is read.
 
 """Checking a checkpoint file as its chunks arrive from a peer, against its own manifest."""
@@ -21,14 +25,17 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import BinaryIO
 
 from pitstop.core.file.manifest import FOOTER_SIZE, HEADER_SIZE, check_footer, check_header
-from pitstop.errors import CheckpointCorrupt
+from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.blobfile import PieceCheck
+from pitstop.shell.ranks.distributed import Ranks
+from pitstop.shell.ranks.peers import send
 
-__all__ = ["Arrival", "tail_start"]
+__all__ = ["Arrival", "CheckedReads", "send_checked", "tail_start"]
 
 
 def tail_start(file: BinaryIO, size: int) -> int:
@@ -92,3 +99,65 @@ class Arrival:
         if self.checks is None:
             raise CheckpointCorrupt(f"{self.name}: its header never arrived")
         self.checks.finish()
+
+
+class CheckedReads:
+    """The sender's checkpoint ``file`` (at ``path``), every piece read checked as an
+    :class:`Arrival` checks it (``name``: the file in messages): what is wrong with it is kept
+    (:attr:`problem`: a failed check or read), never raised by a read that succeeded, so the
+    copy still goes out whole."""
+
+    def __init__(self, file: BinaryIO, path: str | os.PathLike[str], name: str) -> None:
+        self.file, self.look, self.at = file, Arrival(file, path, name), 0
+        self.problem: str | None = None
+
+    def seek(self, offset: int) -> int:
+        """Move to ``offset``, as the file's own seek."""
+        self.at = offset
+        return self.file.seek(offset)
+
+    def readinto(self, buffer: memoryview) -> int:
+        """Read into ``buffer`` as the file's own readinto, then check what was read."""
+        try:
+            got = self.file.readinto(buffer) or 0  # type: ignore[attr-defined]
+        except OSError as exc:
+            self.problem = self.problem or f"{self.look.name}: {exc}"
+            raise
+        if got and self.problem is None:
+            try:
+                self.look(memoryview(buffer).cast("B")[:got], self.at)
+            except CheckpointCorrupt as exc:
+                self.problem = str(exc)
+        self.at += got
+        return got
+
+    def finish(self) -> str | None:
+        """What is wrong with the file as it was read whole (``None``: every check passed)."""
+        if self.problem is None:
+            try:
+                self.look.finish()
+            except CheckpointCorrupt as exc:
+                self.problem = str(exc)
+        return self.problem
+
+
+def send_checked(ranks: Ranks, target: int, path: Path) -> str | None:
+    """Send the checkpoint ``path`` to ``target`` (as send_file with ``checkpoint``), every
+    piece checked as it is read (CheckedReads); what is wrong with this copy, or ``None``. A
+    copy that failed on its way (not this file) raises."""
+    try:
+        file = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        send(ranks, target, None, 0, str(path))  # its receiver hears it could not be opened
+        return str(exc) or type(exc).__name__
+    with file:
+        size = os.fstat(file.fileno()).st_size
+        first = tail_start(file, size)
+        reads = CheckedReads(file, path, str(path))
+        try:
+            send(ranks, target, reads, size, str(path), first=first, crc=False, stream=True)  # type: ignore[arg-type]
+        except SaveError:
+            if reads.problem is not None:  # its own read failed
+                return reads.problem
+            raise
+        return reads.finish()
