@@ -270,6 +270,20 @@ else:
     assert Heard.last().endswith("over a direct stream"), Heard.last()
 checked += 1
 
+# A catch-up sender whose copy cannot be opened (gone since it was listed) says so as its own
+# copy's finding, not a failed copy; its receiver hears it and publishes nothing.
+target = root / "node1" / "ckpt-gone.pitstop"
+if rank == 0:
+    found = arrival.send_checked(ranks, 1, root / "node0" / "ckpt-gone.pitstop")
+    assert found is not None, "a sender without its file found nothing wrong"
+    assert "ckpt-gone.pitstop" in found, found
+else:
+    said = nothing_published(
+        target.parent, target.name, partial(receive_file, ranks, 0, target, checkpoint=True)
+    )
+    assert "rank 0 could not send" in said, said
+checked += 1
+
 # A directory that caught up gets its pointers, as a save would: the next open finds `last`.
 node = root / f"run{rank}"  # a directory of each rank's own: the ranks share none
 model = torch.nn.Linear(4, 4)

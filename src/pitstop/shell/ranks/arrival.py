@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import BinaryIO
@@ -148,7 +149,8 @@ def send_checked(ranks: Ranks, target: int, path: Path) -> str | None:
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError as exc:
-        send(ranks, target, None, 0, str(path))  # its receiver hears it could not be opened
+        with contextlib.suppress(SaveError):  # its receiver hears it could not be opened
+            send(ranks, target, None, 0, str(path))
         return str(exc) or type(exc).__name__
     with file:
         size = os.fstat(file.fileno()).st_size
