@@ -162,6 +162,7 @@ def test_a_resume_holds_the_blobs_as_they_arrived_for_one_load(
         with pytest.raises(FileNotFoundError):
             open_untrusted(path)
         assert fileformat.read_manifest(path).meta["seq"] == storage.commit(path.name).entry["seq"]
+        fileformat.verify(path)  # (checked as it arrived: `pitstop prune` verifies its choice)
         loaded = weights_of(fileread.load(path, verify=False))
         assert same({k: loaded[k] for k in history[2]}, history[2])
         with pytest.raises(OSError, match="loaded once"):

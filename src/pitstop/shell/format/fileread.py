@@ -16,9 +16,9 @@
 # over the memory (or device) the bytes were read into. Only building tensors imports torch
 # (and decoding a torch.dtype or torch.Size value): read_manifest(), verify() and check_blobs()
 # check names, sizes and CRC-32s, so listing, inspecting and verifying never load it. A
-# checkpoint held in memory as its checked blobs (untrusted.hold_blobs: an object store's
-# responses) has its manifest answered from there, and its one load built over those buffers;
-# manifest_of() checks a manifest read from elsewhere (an object's tail) as a file's.
+# checkpoint held as its checked blobs (untrusted.hold_blobs: an object store's responses) is
+# verified, its manifest read from there, its one load built over those buffers; manifest_of()
+# checks a manifest read from elsewhere (an object's tail) as a file's.
 
 """Read one pitstop checkpoint file: its manifest, a subtree of tensors, or a full verify."""
 
@@ -226,11 +226,13 @@ def verify(path: str | os.PathLike[str]) -> Manifest:
 
     Checks the header, the footer, the manifest and its checksum, every descriptor, every blob's
     CRC-32, that every padding byte is zero and that no byte is unaccounted for — so any single
-    changed byte, and any truncation, is detected. Raises
-    :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what failed. Returns the
-    manifest it checked.
-    """
+    changed byte, and any truncation, is detected (a checkpoint held as its blobs was, as they
+    arrived). Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what failed.
+    Returns the manifest it checked."""
     name = os.fspath(path)
+    held = held_manifest(name)
+    if held is not None:
+        return held
     with _open(name) as file:
         manifest = _read_manifest(file, name)
         _read_whole(file, manifest, {})
@@ -276,8 +278,7 @@ def _open(name: str) -> BinaryIO:
 
 
 def _read_manifest(file: BinaryIO, name: str) -> Manifest:
-    data, version, footer, size = _manifest_bytes(file, name)
-    return _parsed(data, version, footer, size, name)
+    return _parsed(*_manifest_bytes(file, name), name)
 
 
 def manifest_of(name: str, *, size: int, version: int, footer: Footer, data: bytes) -> Manifest:
