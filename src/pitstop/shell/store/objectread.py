@@ -260,9 +260,7 @@ class _Download:
         spans = [(b.offset, b.length) for b in manifest.blobs]
         reads = plan_reads(spans, HEADER_SIZE, manifest.manifest_offset, join=RANGE, split=split)
 
-        def arrive(
-            span: tuple[int, int],
-        ) -> tuple[int, memoryview, list[tuple[int, int, int, int]]]:
+        def arrive(span: tuple[int, int]) -> _Arrived:
             view = sink(self.get(*span), span[0])
             if view.nbytes != span[1] - span[0]:
                 raise CheckpointCorrupt(f"{self.url}: bytes {span[0]}..{span[1]} came short")
