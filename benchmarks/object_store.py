@@ -8,8 +8,9 @@ reference is obstore on the same endpoint with the same bytes (the checkpoint fi
 ``put`` of the file, its ranged get (``get_ranges``, 8 MiB ranges: obstore joins adjacent
 ranges into one request) into memory, and its truly parallel get: one ``get_range`` per 8 MiB
 range, all at once from 8 threads (the harder reference: 1.3-1.4x faster here). And the floor
-of a read that allocates no memory of its own (``floor``: not pitstop, a sketch of the next
-design): the tail GET, then ranged GETs (``get_range``, 8 threads) cut at blob boundaries from
+of a read that allocates no memory of its own (``floor``: not pitstop; its resume's design
+less the listing, the manifest's checks and the restore): the tail GET, then ranged GETs
+(``get_range``, 8 threads) cut at blob boundaries from
 the manifest (neighbours joined up to 8 MiB, a larger blob in 8 MiB pieces), each blob's CRC-32
 checked, every piece copied from obstore's buffer into its place in memory that stands for the
 live tensors (made before the clock starts), on one thread: the bytes copied once, no memory of

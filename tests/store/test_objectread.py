@@ -27,7 +27,7 @@ from pitstop.core.naming import checkpoint_name
 from pitstop.core.s3.objects import parse_url
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat, fileread
-from pitstop.shell.format.untrusted import held
+from pitstop.shell.format.untrusted import held, open_untrusted
 from pitstop.shell.store import objectread
 from pitstop.shell.store.objectstore import ObjectStorage
 from tinyrun import same, train_step, trained, weights
@@ -123,18 +123,54 @@ def test_ranges_that_cut_blobs_and_a_manifest_past_the_tail_read_exactly(
     s3_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     history = saved(s3_url)
-    monkeypatch.setattr(objectread, "RANGE", 100)  # many ranges, most blobs cut across two
+    monkeypatch.setattr(objectread, "RANGE", 100)  # many ranges, most blobs cut across several
+    monkeypatch.setattr(objectread, "SPLIT", 100)  # (held as blobs: each joined from its pieces)
     monkeypatch.setattr(objectread, "TAIL", 64)  # the footer, not the manifest: a second GET
     step, now, ckpt = resumed(s3_url)
     ckpt.close()
     assert step == 3
     assert same(now, history[2])
-    monkeypatch.setattr(objectread, "RANGE", 1 << 20)  # one range, streamed in many chunks
-    monkeypatch.setattr(objectread, "CHUNK", 1)  # each written where it belongs as it comes
+    pitstop.verify(f"{s3_url}/{checkpoint_name(3)}")  # into a memory file, range by range
+    monkeypatch.setattr(objectread, "RANGE", 1 << 20)  # neighbours joined: one range
     step, now, ckpt = resumed(s3_url)
     ckpt.close()
     assert step == 3
     assert same(now, history[2])
+
+
+def test_a_resume_holds_the_blobs_as_they_arrived_for_one_load(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resume's fetch keeps obstore's buffers: no file of the checkpoint to open (not even
+    a memory file), its manifest read from memory, its tensors built once over the buffers."""
+    history = saved(s3_url)
+
+    def no_memory_file(*args: object) -> int:
+        raise AssertionError("a resume made a memory file")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "memfd_create", no_memory_file)
+        step, now, ckpt = resumed(s3_url)
+        ckpt.close()
+    assert step == 3
+    assert same(now, history[2])
+    storage = ObjectStorage(s3_url)
+    storage.as_blobs = True
+    try:
+        path = storage.fetch(checkpoint_name(3))
+        assert held(path)
+        with pytest.raises(FileNotFoundError):
+            open_untrusted(path)
+        assert fileformat.read_manifest(path).meta["seq"] == storage.commit(path.name).entry["seq"]
+        fileformat.verify(path)  # (checked as it arrived: `pitstop prune` verifies its choice)
+        loaded = weights_of(fileread.load(path, verify=False))
+        assert same({k: loaded[k] for k in history[2]}, history[2])
+        with pytest.raises(OSError, match="loaded once"):
+            fileread.load(path, verify=False)
+        storage.release()
+        assert not held(path)
+    finally:
+        storage.close()
 
 
 def test_without_memory_files_a_checked_temp_file_is_read_and_none_is_left(

@@ -1,8 +1,10 @@
 """The requests of a resume from ``s3://``, counted on a real S3 server (SeaweedFS).
 
-A resume lists the prefix once, reads every listed commit object, pointer and ``latest.json``
-once each (at once, on the download threads, never one after another on the caller's), reads
-no commit object again before its data, and makes no HEAD; ``load`` the same. A commit
+A reader (``load``) lists the prefix once, reads every listed commit object, pointer and
+``latest.json`` once each (at once, on the download threads, never one after another on the
+caller's), reads no commit object again before its data, and makes no HEAD; a writer's resume
+right after its open sends no request before the data (the listing its open made under the
+lease stands), then the header and tail at once and the ranges. A commit
 object carried from the listing to the download that is deleted (or replaced) meanwhile makes
 the download "gone", never "corrupt"; a data object missing under an unchanged commit is
 corrupt. A reader whose choice a writer prunes between its listing and its download lists
@@ -91,7 +93,7 @@ def _check_requests(small: list[tuple[str, str, bool]]) -> None:
     assert not any(here for call, _, here in small if call == "get"), small  # all at once
 
 
-def test_a_resume_reads_each_commit_and_pointer_once(
+def test_a_resume_right_after_open_requests_nothing_before_its_data(
     s3_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _saved(s3_url)
@@ -99,10 +101,11 @@ def test_a_resume_reads_each_commit_and_pointer_once(
     with pitstop.Checkpointer(s3_url, model=other) as ckpt:
         requests = Requests(monkeypatch, s3_url)
         assert ckpt.resume().step == 4
-    _check_requests(requests.before_data())
+    assert requests.before_data() == []  # the open's listing and commits, read once, stand
     assert same(weights(model), weights(other))
-    data = [key for _, key, _ in requests.seen if key.startswith(".data/")]
-    assert len(data) == 2, data  # its tail, and its one range from byte 0 (the header in it)
+    data = [(call, here) for call, key, here in requests.seen if key.startswith(".data/")]
+    assert len(data) == 3, data  # its header and tail, then its one range
+    assert not any(here for _, here in data[:2]), data  # header and tail at once
 
 
 def test_a_load_reads_each_commit_and_pointer_once(

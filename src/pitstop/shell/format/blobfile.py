@@ -18,7 +18,9 @@
 # where the OS or the filesystem refuses, or a read is refused part-way (an alignment the
 # device wants bigger), the bytes are read through the page cache instead.
 # PieceCheck checks a file that arrives in pieces, in any order (a download's ranged GETs):
-# each piece's blob CRC-32s and padding on the thread that got it, joined per blob in order.
+# each piece's blob CRC-32s and padding on the thread that got it, joined per blob in order;
+# blob_views then gives each blob's bytes from the pieces kept (a view of the one holding it,
+# or, for a blob in several, joined: a copy).
 # How: os.preadv into a memoryview over a tensor's own memory (a ctypes array over its data
 # pointer); posix_fadvise(POSIX_FADV_DONTNEED) where the OS has it.
 
@@ -31,7 +33,7 @@ import bisect
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Final
 
 from pitstop.core.file.manifest import Manifest
@@ -41,7 +43,15 @@ from pitstop.shell.format.checksums import crc32_combine, crc32_update
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Advance", "BlobFile", "PieceCheck", "blob_corrupt", "byte_view", "drop_cached"]
+__all__ = [
+    "Advance",
+    "BlobFile",
+    "PieceCheck",
+    "blob_corrupt",
+    "blob_views",
+    "byte_view",
+    "drop_cached",
+]
 
 Advance = Callable[[int], None]
 
@@ -240,3 +250,29 @@ class PieceCheck:
                 self.compare(index)
             elif left:
                 raise CheckpointCorrupt(f"{self.url}: blob {index} was not read whole")
+
+
+def blob_views(manifest: Manifest, got: Mapping[int, memoryview]) -> dict[int, memoryview]:
+    """Each blob's bytes, by index, from the views ``got`` (by offset) of the data region:
+    a view of the one that holds it, or joined from the pieces of several (a copy)."""
+    starts = sorted(got)
+    found: dict[int, memoryview] = {}
+    for index, blob in enumerate(manifest.blobs):
+        at = starts[max(0, bisect.bisect_right(starts, blob.offset) - 1)] if starts else 0
+        if blob.length == 0:
+            found[index] = memoryview(b"")
+        elif blob.stop <= at + got[at].nbytes:
+            found[index] = got[at][blob.offset - at : blob.stop - at]
+        else:
+            found[index] = _joined(got, at, blob.offset, blob.stop)
+    return found
+
+
+def _joined(got: Mapping[int, memoryview], at: int, start: int, stop: int) -> memoryview:
+    """Bytes ``start..stop`` copied from the views ``got`` (by offset), from the one at ``at``."""
+    joined, cursor = bytearray(stop - start), start
+    while cursor < stop:
+        piece = got[at][cursor - at : stop - at]
+        joined[cursor - start : cursor - start + piece.nbytes] = piece
+        cursor = at = cursor + piece.nbytes
+    return memoryview(joined)

@@ -15,7 +15,10 @@
 # region — the page cache the read just filled — or, for the key paths its caller places,
 # over the memory (or device) the bytes were read into. Only building tensors imports torch
 # (and decoding a torch.dtype or torch.Size value): read_manifest(), verify() and check_blobs()
-# check names, sizes and CRC-32s, so listing, inspecting and verifying never load it.
+# check names, sizes and CRC-32s, so listing, inspecting and verifying never load it. A
+# checkpoint held as its checked blobs (untrusted.hold_blobs: an object store's responses) is
+# verified, its manifest read from there, its one load built over those buffers; manifest_of()
+# checks a manifest read from elsewhere (an object's tail) as a file's.
 
 """Read one pitstop checkpoint file: its manifest, a subtree of tensors, or a full verify."""
 
@@ -23,11 +26,8 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO, Literal, TypeAlias
-
-import msgpack
 
 from pitstop.core.file.manifest import (
     FOOTER_SIZE,
@@ -47,10 +47,25 @@ from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint
 from pitstop.shell.format import progress
 from pitstop.shell.format.blobread import read_blobs
 from pitstop.shell.format.checksums import crc32_update
-from pitstop.shell.format.treecheck import TensorRef, check_tree, resolve, subtree
-from pitstop.shell.format.treecodec import manifest_budget, unpack, unpacker
-from pitstop.shell.format.treewalk import ITEMSIZES, MAPPINGS, SEQUENCES, tensor_dtypes
-from pitstop.shell.format.untrusted import NotRegularFile, open_untrusted, take_map
+from pitstop.shell.format.treecheck import (
+    TensorRef,
+    blob_places,
+    build_tensors,
+    check_dtypes,
+    check_tree,
+    from_held,
+    resolve,
+    subtree,
+)
+from pitstop.shell.format.treecodec import manifest_budget, partial_map, unpack, unpacker
+from pitstop.shell.format.treewalk import ITEMSIZES, MAPPINGS, SEQUENCES
+from pitstop.shell.format.untrusted import (
+    NotRegularFile,
+    held_manifest,
+    open_untrusted,
+    take_blobs,
+    take_map,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +76,7 @@ __all__ = [
     "Place",
     "check_blobs",
     "load",
+    "manifest_of",
     "read_manifest",
     "read_meta",
     "verify",
@@ -101,7 +117,7 @@ def read_meta(
             if key == "format":
                 fields[key] = stream.unpack()
             elif key == "meta":
-                fields[key] = _partial_map(stream, skip or {})
+                fields[key] = partial_map(stream, skip or {})
             else:
                 stream.skip()
         if stream.tell() != len(data):
@@ -115,36 +131,6 @@ def read_meta(
     return parse_meta(fields, keys, name=name, version=version, check_tree=check_tree)
 
 
-def _partial_map(stream: msgpack.Unpacker, skip: Mapping[str, Collection[str]]) -> object:
-    """A map from ``stream`` whose entries ``skip`` names (a key: the keys of its own map to
-    skip) are left out; a value that is no map comes back whole, for the checks to name."""
-    try:
-        length = stream.read_map_header()
-    except msgpack.UnpackValueError:  # not a map: decoded whole, refused by the meta check
-        return stream.unpack()
-    result: dict[object, object] = {}
-    for _ in range(length):
-        key = stream.unpack()
-        inner = skip.get(key) if isinstance(key, str) else None
-        if inner is None:
-            result[key] = stream.unpack()
-            continue
-        try:
-            count = stream.read_map_header()
-        except msgpack.UnpackValueError:
-            result[key] = stream.unpack()
-            continue
-        value: dict[object, object] = {}
-        for _ in range(count):
-            entry = stream.unpack()
-            if isinstance(entry, str) and entry in inner:
-                stream.skip()
-            else:
-                value[entry] = stream.unpack()
-        result[key] = value
-    return result
-
-
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and check a checkpoint's header, footer and manifest; no tensor bytes are read.
 
@@ -152,6 +138,9 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     the file and what is wrong (an incomplete file has no valid footer).
     """
     name = os.fspath(path)
+    held = held_manifest(name)  # a checkpoint held in memory as its blobs: checked already
+    if held is not None:
+        return held
     with _open(name) as file:
         return _read_manifest(file, name)
 
@@ -182,24 +171,38 @@ def load(
     if isinstance(select, (str, bytes)):
         raise TypeError(f"select is a sequence of keys, such as ('weights', 'ema'); got {select!r}")
     name = os.fspath(path)
+    blobs = take_blobs(name)
+    if blobs is not None:  # held in memory as its blobs, each checked as it arrived
+        manifest = held_manifest(name)
+        assert manifest is not None
+        node, needed, devices = _wanted(manifest, select, place)
+        return resolve(node, from_held(manifest, needed, devices, blobs))
     with _open(name) as file:
         manifest = _read_manifest(file, name)
-        node = manifest.tree
-        if select is not None:
-            try:
-                node = subtree(node, select)
-            except KeyError as missing:
-                raise IncompatibleCheckpoint(
-                    [f"{name}: the stored tree has no {missing.args[0]}"]
-                ) from None
-        paths: dict[int, KeyPath] = {}
-        for index, key_path in _tensor_paths(node, tuple(select or ())):
-            paths.setdefault(index, key_path)
-        devices = {i: place(p) for i, p in paths.items()} if place is not None else {}
+        node, needed, devices = _wanted(manifest, select, place)
         tensors = _materialize(
-            file, manifest, sorted(paths), devices, verify=verify, drop_placed=drop_placed
+            file, manifest, needed, devices, verify=verify, drop_placed=drop_placed
         )
     return resolve(node, tensors)
+
+
+def _wanted(
+    manifest: Manifest, select: Sequence[str | int] | None, place: Place | None
+) -> tuple[object, list[int], dict[int, torch.device | None]]:
+    """The subtree ``select`` names, its tensors' indices and where ``place`` puts each."""
+    node = manifest.tree
+    if select is not None:
+        try:
+            node = subtree(node, select)
+        except KeyError as missing:
+            raise IncompatibleCheckpoint(
+                [f"{manifest.path}: the stored tree has no {missing.args[0]}"]
+            ) from None
+    paths: dict[int, KeyPath] = {}
+    for index, key_path in _tensor_paths(node, tuple(select or ())):
+        paths.setdefault(index, key_path)
+    devices = {i: place(p) for i, p in paths.items()} if place is not None else {}
+    return node, sorted(paths), devices
 
 
 def _tensor_paths(tree: object, path: KeyPath) -> Iterator[tuple[int, KeyPath]]:
@@ -223,11 +226,13 @@ def verify(path: str | os.PathLike[str]) -> Manifest:
 
     Checks the header, the footer, the manifest and its checksum, every descriptor, every blob's
     CRC-32, that every padding byte is zero and that no byte is unaccounted for — so any single
-    changed byte, and any truncation, is detected. Raises
-    :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what failed. Returns the
-    manifest it checked.
-    """
+    changed byte, and any truncation, is detected (a checkpoint held as its blobs was, as they
+    arrived). Raises :class:`~pitstop.errors.CheckpointCorrupt` naming the file and what failed.
+    Returns the manifest it checked."""
     name = os.fspath(path)
+    held = held_manifest(name)
+    if held is not None:
+        return held
     with _open(name) as file:
         manifest = _read_manifest(file, name)
         _read_whole(file, manifest, {})
@@ -273,7 +278,18 @@ def _open(name: str) -> BinaryIO:
 
 
 def _read_manifest(file: BinaryIO, name: str) -> Manifest:
-    data, version, footer, size = _manifest_bytes(file, name)
+    return _parsed(*_manifest_bytes(file, name), name)
+
+
+def manifest_of(name: str, *, size: int, version: int, footer: Footer, data: bytes) -> Manifest:
+    """The manifest of the file ``name`` (``size`` bytes, its header's ``version``, its checked
+    ``footer``) from its bytes ``data`` (read from elsewhere: an object store's tail), checked
+    as :func:`read_manifest` checks a file's; CheckpointCorrupt naming ``name``."""
+    check_manifest_bytes(data, footer, name=name)
+    return _parsed(data, version, footer, size, name)
+
+
+def _parsed(data: bytes, version: int, footer: Footer, size: int, name: str) -> Manifest:
     try:
         doc = unpack(data)
     except CheckpointCorrupt as error:  # the decoder does not know the file's name
@@ -340,21 +356,6 @@ def _read_at(file: BinaryIO, offset: int, length: int, name: str) -> bytes:
     return data
 
 
-def _blob_places(
-    manifest: Manifest, devices: Mapping[int, torch.device | None]
-) -> dict[int, torch.device]:
-    """Where each blob goes: its tensors' device, or mapped (left out) where they disagree."""
-    wanted: dict[int, set[torch.device | None]] = {}
-    for i, device in devices.items():
-        wanted.setdefault(manifest.tensors[i].blob, set()).add(device)
-    places: dict[int, torch.device] = {}
-    for blob, choice in wanted.items():
-        device = choice.pop() if len(choice) == 1 else None
-        if device is not None:
-            places[blob] = device
-    return places
-
-
 def _materialize(
     file: BinaryIO,
     manifest: Manifest,
@@ -368,21 +369,9 @@ def _materialize(
     map of the file's data region, or over the storages placed blobs were read into."""
     import torch  # building tensors: the first use of torch in a read
 
-    if sys.byteorder != "little":
-        raise IncompatibleCheckpoint(
-            [f"{manifest.path}: this host is big-endian; pitstop files hold little-endian bytes"]
-        )
-    known = tensor_dtypes()
-    for i in needed:  # a dtype on pitstop's list that an older torch lacks
-        if manifest.tensors[i].dtype not in known:
-            raise IncompatibleCheckpoint(
-                [
-                    f"{manifest.path}: tensor {', '.join(manifest.tensor_paths[i])} has dtype "
-                    f"{manifest.tensors[i].dtype}, which torch {torch.__version__} does not have"
-                ]
-            )
+    known = check_dtypes(manifest, needed)
     blobs = sorted({manifest.tensors[i].blob for i in needed})
-    places = {b: d for b, d in _blob_places(manifest, devices).items() if b in set(blobs)}
+    places = {b: d for b, d in blob_places(manifest, devices).items() if b in set(blobs)}
     if verify == "file":
         storages = _read_whole(file, manifest, places, drop_placed=drop_placed)
     else:
@@ -408,20 +397,4 @@ def _materialize(
             storages[index] = torch.frombuffer(
                 mapped, dtype=torch.uint8, count=blob.length, offset=blob.offset
             ).untyped_storage()
-    tensors: dict[int, torch.Tensor] = {}
-    for i in needed:
-        d = manifest.tensors[i]
-        storage = storages[d.blob]
-        try:
-            # (a uint8 view, not torch.empty(dtype=...): that warns for complex32)
-            tensors[i] = (
-                torch.empty(0, dtype=torch.uint8, device=storage.device)
-                .view(known[d.dtype])
-                .set_(storage, d.storage_offset, d.shape, d.stride)
-            )
-        except RuntimeError as error:
-            raise CheckpointCorrupt(
-                f"{manifest.path}: tensor {', '.join(manifest.tensor_paths[i])} cannot be built: "
-                f"{error}"
-            ) from error
-    return tensors
+    return build_tensors(manifest, needed, storages, known)

@@ -1,5 +1,5 @@
 # What a decoded tree may hold, and what readers do with one: check it, find its tensors, put
-# tensors in, take a subtree.
+# tensors in, take a subtree; and build a file's tensors over the storages of its blobs.
 #
 # Rules: a decoded tree holds the types pitstop.shell.format.treewalk allows, tensors as
 # TensorRef placeholders (never as dict keys or set members, each naming a row of the file's
@@ -12,12 +12,15 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 import attrs
 
-from pitstop.errors import CheckpointCorrupt
+from pitstop.core.file.manifest import Manifest
+from pitstop.errors import CheckpointCorrupt, IncompatibleCheckpoint
 from pitstop.shell.format import numpyvalues
 from pitstop.shell.format.treewalk import (
     MAPPINGS,
@@ -28,13 +31,24 @@ from pitstop.shell.format.treewalk import (
     join_key,
     leaves,
     show_path,
+    tensor_dtypes,
     type_name,
 )
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorRef", "check_tree", "resolve", "subtree", "tensor_refs"]
+__all__ = [
+    "TensorRef",
+    "blob_places",
+    "build_tensors",
+    "check_dtypes",
+    "check_tree",
+    "from_held",
+    "resolve",
+    "subtree",
+    "tensor_refs",
+]
 
 
 @attrs.frozen
@@ -180,3 +194,95 @@ def subtree(tree: object, select: Sequence[str | int]) -> object:
             raise KeyError(join_key(path, key))
         path = join_key(path, key)
     return node
+
+
+def check_dtypes(manifest: Manifest, needed: Sequence[int]) -> Mapping[str, torch.dtype]:
+    """torch's dtype of each dtype name, once this host and torch can build every tensor
+    ``needed`` of ``manifest`` (little-endian, each dtype known): checked before a byte is read
+    into memory; else :class:`~pitstop.errors.IncompatibleCheckpoint` naming the file."""
+    import torch
+
+    if sys.byteorder != "little":
+        raise IncompatibleCheckpoint(
+            [f"{manifest.path}: this host is big-endian; pitstop files hold little-endian bytes"]
+        )
+    known = tensor_dtypes()
+    for i in needed:  # a dtype on pitstop's list that an older torch lacks
+        if manifest.tensors[i].dtype not in known:
+            raise IncompatibleCheckpoint(
+                [
+                    f"{manifest.path}: tensor {', '.join(manifest.tensor_paths[i])} has dtype "
+                    f"{manifest.tensors[i].dtype}, which torch {torch.__version__} does not have"
+                ]
+            )
+    return known
+
+
+def build_tensors(
+    manifest: Manifest,
+    needed: Sequence[int],
+    storages: Mapping[int, torch.UntypedStorage],
+    known: Mapping[str, torch.dtype],
+) -> dict[int, torch.Tensor]:
+    """Tensors ``needed`` of ``manifest``, each over its blob's storage in ``storages`` as its
+    descriptor says; CheckpointCorrupt naming the tensor for one that does not fit."""
+    import torch
+
+    tensors: dict[int, torch.Tensor] = {}
+    for i in needed:
+        d = manifest.tensors[i]
+        storage = storages[d.blob]
+        try:
+            # (a uint8 view, not torch.empty(dtype=...): that warns for complex32)
+            tensors[i] = (
+                torch.empty(0, dtype=torch.uint8, device=storage.device)
+                .view(known[d.dtype])
+                .set_(storage, d.storage_offset, d.shape, d.stride)
+            )
+        except RuntimeError as error:
+            raise CheckpointCorrupt(
+                f"{manifest.path}: tensor {', '.join(manifest.tensor_paths[i])} cannot be built: "
+                f"{error}"
+            ) from error
+    return tensors
+
+
+def blob_places(
+    manifest: Manifest, devices: Mapping[int, torch.device | None]
+) -> dict[int, torch.device]:
+    """Where each blob goes: its tensors' device, or mapped (left out) where they disagree."""
+    wanted: dict[int, set[torch.device | None]] = {}
+    for i, device in devices.items():
+        wanted.setdefault(manifest.tensors[i].blob, set()).add(device)
+    places: dict[int, torch.device] = {}
+    for blob, choice in wanted.items():
+        device = choice.pop() if len(choice) == 1 else None
+        if device is not None:
+            places[blob] = device
+    return places
+
+
+def from_held(
+    manifest: Manifest,
+    needed: Sequence[int],
+    devices: Mapping[int, torch.device | None],
+    held: Mapping[int, memoryview],
+) -> dict[int, torch.Tensor]:
+    """Build tensors ``needed`` over the ``held`` blobs' bytes (checked as they arrived; the
+    buffers become the tensors' memory), a placed blob's copied to its device."""
+    import torch
+
+    known = check_dtypes(manifest, needed)
+    places = blob_places(manifest, devices)
+    storages = {}
+    with warnings.catch_warnings():  # the buffers are read-only: nothing else reads them
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        for index in sorted({manifest.tensors[i].blob for i in needed}):
+            view = held[index]
+            empty = torch.empty(0, dtype=torch.uint8)
+            data = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else empty
+            device = places.get(index)
+            if device is not None and device.type != "cpu":
+                data = data.to(device)
+            storages[index] = data.untyped_storage()
+    return build_tensors(manifest, needed, storages, known)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import sys
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
@@ -58,6 +59,7 @@ __all__ = [
     "encode_tree",
     "join_key",
     "manifest_budget",
+    "partial_map",
     "show_path",
     "tensor_dtypes",
     "unpack",
@@ -310,3 +312,33 @@ def _build(code: int, content: object) -> object:
     if len(members) != len(content):
         raise CheckpointCorrupt(f"ext {name} holds duplicate members")
     return members if code == EXT_SET else frozenset(members)
+
+
+def partial_map(stream: msgpack.Unpacker, skip: Mapping[str, Collection[str]]) -> object:
+    """A map from ``stream`` whose entries ``skip`` names (a key: the keys of its own map to
+    skip) are left out; a value that is no map comes back whole, for the checks to name."""
+    try:
+        length = stream.read_map_header()
+    except msgpack.UnpackValueError:  # not a map: decoded whole, refused by the meta check
+        return stream.unpack()
+    result: dict[object, object] = {}
+    for _ in range(length):
+        key = stream.unpack()
+        inner = skip.get(key) if isinstance(key, str) else None
+        if inner is None:
+            result[key] = stream.unpack()
+            continue
+        try:
+            count = stream.read_map_header()
+        except msgpack.UnpackValueError:
+            result[key] = stream.unpack()
+            continue
+        value: dict[object, object] = {}
+        for _ in range(count):
+            entry = stream.unpack()
+            if isinstance(entry, str) and entry in inner:
+                stream.skip()
+            else:
+                value[entry] = stream.unpack()
+        result[key] = value
+    return result

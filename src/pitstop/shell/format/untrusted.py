@@ -24,6 +24,10 @@
 # Its writer may also leave a private, copy-on-write map of it whose pages it mapped as they
 # were written (premap): the first load takes it (take_map) and copies from it without a page
 # fault; later loads map the file afresh, so what one load's tensors change no other sees.
+# A checkpoint may instead be held as its manifest and its blobs' bytes, every one checked as it
+# arrived (hold_blobs: the buffers of an object store's responses, no file at all): the format's
+# reader answers read_manifest from it, and its first load takes the buffers (take_blobs) and
+# builds its tensors over them; nothing else opens it.
 # Memory is freed on one thread of the process (free_later), never by the caller's.
 
 """open_untrusted and read_untrusted: the one way pitstop opens a file it reads."""
@@ -40,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from pitstop.core.file.manifest import Manifest
 from pitstop.core.naming import entry_components
 
 __all__ = [
@@ -49,11 +54,14 @@ __all__ = [
     "describe_mode",
     "free_later",
     "held",
+    "held_manifest",
     "hold",
+    "hold_blobs",
     "open_untrusted",
     "premap",
     "read_untrusted",
     "release",
+    "take_blobs",
     "take_map",
     "vouch",
 ]
@@ -64,6 +72,7 @@ _LINK_RULE = "inside a checkpoint directory only the pointers last, best and fin
 
 _HELD: dict[str, tuple[int, bool]] = {}  # path -> (descriptor of a memory file, checked)
 _MAPS: dict[str, mmap.mmap] = {}  # path -> a private map of the memory file held there
+_BLOBS: dict[str, tuple[Manifest, dict[int, memoryview] | None]] = {}  # path -> held blobs
 _HELD_LOCK = threading.Lock()
 
 
@@ -76,6 +85,36 @@ def hold(path: str | os.PathLike[str], fd: int) -> None:
         _HELD[os.fspath(path)] = (fd, False)
     if old is not None:
         os.close(old[0])
+
+
+def hold_blobs(
+    path: str | os.PathLike[str], manifest: Manifest, blobs: dict[int, memoryview]
+) -> None:
+    """Hold the checkpoint ``path`` as its ``manifest`` and its ``blobs``' bytes (by index, every
+    one checked): what :func:`held_manifest` and the first :func:`take_blobs` answer, until
+    :func:`release`."""
+    with _HELD_LOCK:
+        _BLOBS[os.fspath(path)] = (manifest, blobs)
+
+
+def held_manifest(path: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest of the checkpoint held as blobs at ``path`` (``None``: none is)."""
+    with _HELD_LOCK:
+        found = _BLOBS.get(os.fspath(path))
+    return None if found is None else found[0]
+
+
+def take_blobs(path: str | os.PathLike[str]) -> dict[int, memoryview] | None:
+    """The blobs of the checkpoint held at ``path``, once: a later call raises ``OSError``
+    (its first load's tensors own them); ``None``: no checkpoint is held there as blobs."""
+    with _HELD_LOCK:
+        found = _BLOBS.get(os.fspath(path))
+        if found is None:
+            return None
+        _BLOBS[os.fspath(path)] = (found[0], None)
+    if found[1] is None:
+        raise OSError(errno.EBUSY, f"{path} was loaded once from memory; fetch it again to reload")
+    return found[1]
 
 
 def vouch(path: str | os.PathLike[str]) -> None:
@@ -100,23 +139,27 @@ def take_map(path: str | os.PathLike[str]) -> mmap.mmap | None:
 
 
 def held(path: str | os.PathLike[str]) -> bool:
-    """Whether a memory file is held at ``path``."""
+    """Whether a memory file, or a checkpoint's blobs, are held at ``path``."""
     with _HELD_LOCK:
-        return os.fspath(path) in _HELD
+        return os.fspath(path) in _HELD or os.fspath(path) in _BLOBS
 
 
 def checked(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a memory file every byte of which was checked (:func:`vouch`)."""
+    """Whether ``path`` holds a memory file every byte of which was checked (:func:`vouch`), or
+    a checkpoint's checked blobs."""
     with _HELD_LOCK:
-        return _HELD.get(os.fspath(path), (0, False))[1]
+        return _HELD.get(os.fspath(path), (0, False))[1] or os.fspath(path) in _BLOBS
 
 
 def release(path: str | os.PathLike[str]) -> None:
-    """Close the memory file held at ``path``, if any (tensors mapped from it keep theirs).
-    The close, which frees its memory (about 0.1 s for 512 MiB), runs on a thread of its own."""
+    """Close the memory file held at ``path``, or drop the blobs held there, if any (tensors
+    over them keep theirs). The free (about 0.1 s for 512 MiB) runs on a thread of its own."""
     with _HELD_LOCK:
         found = _HELD.pop(os.fspath(path), None)
         _MAPS.pop(os.fspath(path), None)  # unmapped once no tensor over it is left
+        blobs = _BLOBS.pop(os.fspath(path), None)  # freed once no tensor over them is left
+    if blobs is not None and blobs[1] is not None:
+        free_later(blobs[1].clear)
     if found is not None:
         free_later(lambda: os.close(found[0]))
 

@@ -144,8 +144,8 @@ class CheckpointDirectory:
             tuple[str, ShardedLayout | None, object, Mapping[str, object]] | None
         ) = None
         self._carried: SavePlan | None = None  # the last plan published, pointers and all
-        self.catalog = Catalog()
-        self.pointers = Pointers()
+        self.catalog, self.pointers = Catalog(), Pointers()
+        self.opened: Scan | None = None  # the scan open() made under the lock
 
     def open(self) -> Scan:
         """Lock the directory, check it can be written, remove dead writers' temp files, scan it.
@@ -166,7 +166,7 @@ class CheckpointDirectory:
             raise
         for warning in found.warnings:
             log.warning("%s", warning)
-        self.catalog, self.pointers = found.catalog, found.pointers
+        self.catalog, self.pointers, self.opened = found.catalog, found.pointers, found
         self._foreign = (found.catalog.newest(), len(found.catalog))
         self._had_latest = had_latest
         return found

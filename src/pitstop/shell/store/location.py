@@ -64,6 +64,7 @@ def checkpoint_directory(
     from pitstop.shell.store.objectstore import ObjectStorage
 
     objects = ObjectStorage(directory, storage_options=storage_options)
+    objects.as_blobs = True  # its fetches are the resume's: loaded once, from obstore's buffers
     run_id = uuid.uuid4().hex[:12]
     return CheckpointDirectory(
         objects.cache,

@@ -2,36 +2,35 @@
 # CRC-32 checked as its bytes arrive.
 #
 # Rules: the data object's size must be the one its commit records (the tail's response says
-# it: no request of its own). Its tail (footer and manifest; a second GET only for a manifest
-# larger than the tail read) is requested first, and the RANGE-sized GETs of the rest right
-# after it, without waiting (WORKERS at a time; the first holds the header); header, footer and
-# manifest are checked as a local file's are (fileread.read_manifest) while those run. Each
-# range is streamed, every CHUNK written where it belongs (its pages mapped) as it arrives (the
-# copy overlaps the transfer); then, on its thread (once the manifest is checked: a range that
-# arrived first waits for it), each piece of a blob it holds has its CRC-32 computed and every
+# it). Its header and tail (footer and, usually, the manifest: a second GET only for a manifest
+# longer than TAIL) are requested at once and checked as a local file's are
+# (fileread.manifest_of); then the data region's ranged GETs, WORKERS at a time, cut where the
+# core says (pitstop.core.s3.reads: at blob starts, neighbours joined up to RANGE bytes). On its
+# thread, as each range arrives, each blob piece it holds has its CRC-32 computed and every
 # padding byte it holds is checked to be zero; a blob whose bytes are all in is compared with
-# its manifest's CRC-32 at once, and the first one that fails stops the read (CheckpointCorrupt
-# naming the URL and the blob; the requests still queued are cancelled). So every byte is
-# checked as a local verify checks it, once, while the network is still busy.
-# Where the bytes go: an anonymous memory file (memfd), held under the checkpoint's local path
-# (pitstop.shell.format.untrusted.hold) once every check passed, and vouched for — the
-# resume's read then loads it without checking it again, and every other reader opens it as a
-# file. Nothing is written to a disk and nothing is left behind by a killed process; where
-# there is no memfd (not Linux) a temp file of the cache is written and renamed instead.
-# Memory: the checkpoint's size (the memory file, until its reader is done: the storage holds
-# one at a time per cache, released by the next fetch, by the storage's release() after a
-# resume, or by close()) plus at most WORKERS * RANGE bytes of responses in flight (in the
-# whole process: its downloads share one pool).
-# A sharded checkpoint's files (download_files) are read the same way, every part of every
-# file in flight at once, into temp files of its local folder, each renamed once whole: each
-# part's CRC-32 computed on its thread as it arrives, the file's joined from its parts in
-# order and compared with the commit's record (size, CRC-32) when its last part is in, the
-# first that fails stopping the read. The (size, CRC-32) of what arrived is returned, so the
-# resume compares it with the manifest without reading the files again.
-# How: one thread pool of WORKERS per process; obstore's GETs and streams release the GIL,
-# os.pwrite, madvise (by ctypes: hostmem.advise) and the CRC-32 (format.checksums) too. A read
-# that fails cancels its queued GETs and waits for the running ones
-# before its memory file is closed.
+# its manifest's CRC-32 at once, and the first that fails stops the read (CheckpointCorrupt
+# naming the URL and the blob; the GETs still queued are cancelled). Where the bytes go:
+#   * blobs=True (the resume's read): nowhere. obstore's buffers are kept (a blob of at most
+#     SPLIT bytes arrives in one, so it is never copied; a longer one is joined from its
+#     pieces) and held with the manifest under the checkpoint's local path once every check
+#     passed (untrusted.hold_blobs): read_manifest answers from them, and the first load builds
+#     its tensors over the buffers (the restore's copy into the live tensors is the one copy).
+#   * else a memory file (memfd), each range written where it belongs as it arrives (its pages
+#     mapped), held under that path (untrusted.hold) and vouched for once every check passed:
+#     every reader opens it as a file. Without memfd (not Linux), or for other processes to
+#     read (memory=False): a temp file of the cache, renamed once checked.
+# Memory: the checkpoint's size (held until its reader is done: one per cache, released by the
+# next fetch, by the storage's release() after a resume, or by close()) plus, into a file, at
+# most WORKERS * RANGE bytes of responses in flight (the process's downloads share one pool).
+# A sharded checkpoint's files (download_files) are read the same way, every part of every file
+# in flight at once, into temp files of its local folder renamed once whole: each part's CRC-32
+# computed on its thread as it arrives, the file's joined from its parts in order and compared
+# with the commit's record (size, CRC-32) once its last part is in, the first that fails
+# stopping the read; the (size, CRC-32) of what arrived is returned, so the resume compares it
+# with the manifest without reading the files again.
+# How: one pool of WORKERS threads per process; obstore's GETs release the GIL, os.pwrite,
+# madvise (hostmem.advise) and the CRC-32 (format.checksums) too. A read that fails cancels its
+# queued GETs and waits for the running ones before its memory is let go.
 
 """Downloading a checkpoint from object storage into memory, checked as it arrives."""
 
@@ -55,13 +54,14 @@ from pitstop.core.file.manifest import (
 )
 from pitstop.core.naming import TEMP_PREFIX
 from pitstop.core.s3.objects import Commit, Location, range_reads
+from pitstop.core.s3.reads import plan_reads
 from pitstop.core.sharding.sharded import ShardFile, file_problem
 from pitstop.errors import CheckpointCorrupt
-from pitstop.shell.format import fileformat
-from pitstop.shell.format.blobfile import PieceCheck
+from pitstop.shell.format.blobfile import PieceCheck, blob_views
 from pitstop.shell.format.checksums import crc32_combine, crc32_update
+from pitstop.shell.format.fileread import manifest_of
 from pitstop.shell.format.hostmem import advise
-from pitstop.shell.format.untrusted import hold, premap, release, vouch
+from pitstop.shell.format.untrusted import hold, hold_blobs, premap, release, vouch
 
 _T = TypeVar("_T")
 _J = TypeVar("_J")
@@ -77,21 +77,23 @@ class ObjectStorage(Protocol):
     def head(self, name: str) -> dict[str, Any] | None: ...
 
 
-__all__ = ["CHUNK", "RANGE", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
+__all__ = ["RANGE", "SPLIT", "TAIL", "WORKERS", "download", "download_files", "let_go", "pool"]
 
 RANGE: Final = 8 << 20
-"""Bytes per ranged GET."""
+"""Bytes per ranged GET: neighbouring blobs joined up to it; into a memory file, at most this."""
+
+SPLIT: Final = 64 << 20
+"""A blob held as its buffers is read by one GET up to this size (a longer one in pieces of
+it, joined): the fewer copies against the more connections."""
 
 WORKERS: Final = 16
 """Ranged GETs in flight at once."""
 
-CHUNK: Final = 1 << 20
-"""Bytes of a streamed range written at a time, as they arrive."""
-
-TAIL: Final = 1 << 20
+TAIL: Final = 256 << 10
 """Bytes read from the end of the object first: the footer and, usually, the whole manifest."""
 
 _POPULATE_READ: Final = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.13 names it
+_Arrived = tuple[int, memoryview, list[tuple[int, int, int, int]]]  # a range: where, bytes, pieces
 
 _HELD: dict[Path, Path] = {}  # cache directory -> the checkpoint held in memory for it
 _HELD_LOCK = threading.Lock()
@@ -116,33 +118,47 @@ def let_go(cache: Path) -> None:
 
 
 def download(
-    objects: ObjectStorage, name: str, commit: Commit, target: Path, *, memory: bool = True
+    objects: ObjectStorage,
+    name: str,
+    commit: Commit,
+    target: Path,
+    *,
+    memory: bool = True,
+    blobs: bool = False,
 ) -> Path:
     """Read checkpoint ``name`` of ``objects`` (its ``commit`` as read) into memory held at
     ``target`` (its local path in the cache), every byte checked as it arrives; ``target``. Raises
     :class:`~pitstop.errors.CheckpointCorrupt` naming the URL (a missing or short data object,
     a bad manifest, a blob failing its CRC-32, a padding byte not zero) with nothing held.
+    ``blobs``: held as its manifest and obstore's buffers, for one load (the resume's).
     ``memory=False``: into a file of the cache, for other processes to read (ranks that share
     the directory read rank 0's download), checked the same way as it arrives."""
     url = objects.location.url(name)
     if commit.size < HEADER_SIZE + FOOTER_SIZE:
         raise CheckpointCorrupt(f"{url}: {commit.size} bytes, too few for a checkpoint file")
     let_go(target.parent)
+    if blobs and memory:
+        read = _Download(objects, commit.data, url)
+        manifest, views = read.run(commit.size, lambda piece, _: memoryview(piece), SPLIT, True)
+        hold_blobs(target, manifest, blob_views(manifest, views))
+        with _HELD_LOCK:
+            _HELD[target.parent] = target
+        return target
     memory = memory and hasattr(os, "memfd_create")
     if memory:
         fd = os.memfd_create(f"pitstop-{name}", os.MFD_CLOEXEC)
         where = target
-        hold(where, fd)  # owned there from now on; opened by the manifest's check
+        hold(where, fd)  # owned there from now on
     else:  # no anonymous memory file here: a temp file of the cache, renamed when checked
         target.parent.mkdir(parents=True, exist_ok=True)
         where = target.with_name(f"{TEMP_PREFIX}fetch{uuid.uuid4().hex[:8]}-{name}")
         fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, commit.size)
-        read = _Download(objects, commit.data, fd, url)
+        read = _Download(objects, commit.data, url, fd)
         if memory:  # the first load's map, its pages mapped as they are written (premap)
             read.mapping = mmap.mmap(fd, commit.size, access=mmap.ACCESS_COPY)
-        read.run(where, commit.size)
+        read.run(commit.size, read.put, RANGE)
     except BaseException:
         if memory:
             release(where)
@@ -197,15 +213,16 @@ def download_files(
 
 
 class _Download:
-    """One checkpoint's read: its manifest, then its data region, checked as it arrives."""
+    """One checkpoint's read: its header and tail, its manifest, then its data region, checked
+    as it arrives."""
 
-    def __init__(self, objects: ObjectStorage, data: str, fd: int, url: str) -> None:
+    def __init__(self, objects: ObjectStorage, data: str, url: str, fd: int = -1) -> None:
         self.objects, self.data, self.fd, self.url = objects, data, fd, url
         self.mapping: mmap.mmap | None = None  # a private map of the file, pages mapped as written
         self.key = objects.location.key(data)
 
     def get(self, start: int, end: int) -> Any:
-        """Bytes ``start..end`` of the data object."""
+        """Bytes ``start..end`` of the data object (obstore's buffer)."""
         client, key = self.objects.client, self.key
         return self.objects.call(
             "read", self.data, lambda o: o.get_range(client, key, start=start, end=end)
@@ -224,69 +241,39 @@ class _Download:
                 self.mapping = None  # a kernel before 5.14: the load's faults map them
         return view
 
-    def stream(
-        self, start: int, end: int, header: concurrent.futures.Future[bytes] | None = None
-    ) -> list[tuple[memoryview, int]]:
-        """Bytes ``start..end``, each chunk written as it arrives (:meth:`put`), as ``(bytes,
-        offset)`` chunks; ``header`` (a range from 0) gets the header once its bytes are in."""
-        client, key, span = self.objects.client, self.key, (start, end)
-
-        def request(o: Any) -> list[tuple[memoryview, int]]:
-            chunks, at = [], start
-            for chunk in o.get(client, key, options={"range": span}).stream(min_chunk_size=CHUNK):
-                chunks.append((self.put(chunk, at), at))
-                at += len(chunk)
-                if header is not None and not header.done() and at >= HEADER_SIZE:
-                    header.set_result(os.pread(self.fd, HEADER_SIZE, 0))
-            return chunks
-
-        chunks = self.objects.call("read", self.data, request)
-        if sum(view.nbytes for view, _ in chunks) != end - start:
-            raise CheckpointCorrupt(f"{self.url}: bytes {start}..{end} of {self.data} came short")
-        return chunks
-
-    def run(self, where: Path, size: int) -> None:
-        """Read and check the whole object (``size`` bytes, as its commit says) into the memory
-        file held at ``where``: its tail, then its ranges from byte 0 (the first holds the
-        header), all at once; the manifest checked here once tail and header are in."""
+    def run(
+        self, size: int, sink: Callable[[Any, int], memoryview], split: int, keep: bool = False
+    ) -> tuple[Manifest, dict[int, memoryview]]:
+        """Read and check the whole object (``size`` bytes, as its commit says), each response
+        given to ``sink(buffer, offset)`` (which keeps or writes it: its bytes as a view): header
+        and tail at once, the manifest checked, then the data region's ranges (blobs longer
+        than ``split`` in pieces); the manifest, and (``keep``) the data region's views by
+        offset."""
         tail = max(HEADER_SIZE, size - TAIL)
-        ends = pool().submit(self.tail, tail, size)
-        header, ready = concurrent.futures.Future[bytes](), threading.Event()
-        checks: list[PieceCheck] = []
-
-        def look(view: memoryview, at: int) -> list[tuple[int, int, int, int]]:
-            ready.wait()  # set once the manifest is checked or has failed
-            skip = min(view.nbytes, max(0, HEADER_SIZE - at))  # the header: checked by first()
-            view, at = view[skip:], at + skip
-            stop = checks[0].manifest.manifest_offset if checks else at
-            return checks[0].piece(view[: stop - at], at) if stop > at else []
-
-        def arrive(span: tuple[int, int]) -> list[tuple[int, int, int, int]]:
-            try:
-                chunks = self.stream(*span, header if span[0] == 0 else None)
-            except BaseException as exc:  # the header's wait ends with the range's failure
-                if span[0] == 0 and not header.done():
-                    header.set_exception(exc)
-                raise
-            return [found for view, at in chunks for found in look(view, at)]
-
-        def first() -> None:
-            try:
-                end = self.put(self.size(ends, size), tail)
-                manifest = self.manifest(where, size, tail, header.result(), end)
-                checks.append(PieceCheck(manifest, self.url))
-            finally:
-                ready.set()
-            if manifest.manifest_offset > tail:  # the tail read holds data bytes too
-                checks[0].note(checks[0].piece(end[: manifest.manifest_offset - tail], tail))
-
-        ranges = range_reads(tail, max(RANGE, HEADER_SIZE))  # the first holds the header
+        header, ends = pool().submit(self.get, 0, HEADER_SIZE), pool().submit(self.tail, tail, size)
         try:
-            _spans(ranges, arrive, lambda f: checks[0].note(f), first)
+            end = sink(self.size(ends, size), tail)
+            manifest = self.manifest(size, tail, sink(header.result(), 0), end, sink)
         finally:
-            ready.set()
-            concurrent.futures.wait([ends])
-        checks[0].finish()
+            concurrent.futures.wait([header, ends])
+        check, got = PieceCheck(manifest, self.url), {}
+        spans = [(b.offset, b.length) for b in manifest.blobs]
+        reads = plan_reads(spans, HEADER_SIZE, manifest.manifest_offset, join=RANGE, split=split)
+
+        def arrive(span: tuple[int, int]) -> _Arrived:
+            view = sink(self.get(*span), span[0])
+            if view.nbytes != span[1] - span[0]:
+                raise CheckpointCorrupt(f"{self.url}: bytes {span[0]}..{span[1]} came short")
+            return span[0], view, check.piece(view, span[0])
+
+        def seen(found: _Arrived) -> None:
+            if keep:
+                got[found[0]] = found[1]
+            check.note(found[2])
+
+        _spans(reads, arrive, seen)
+        check.finish()
+        return manifest, got
 
     def tail(self, tail: int, size: int) -> Any:
         """obstore's response to the GET of bytes ``tail..size`` (it says the object's size)."""
@@ -314,20 +301,25 @@ class _Download:
         return self.objects.call("read", self.data, lambda o: found.bytes())
 
     def manifest(
-        self, where: Path, size: int, tail: int, header: bytes, end: memoryview
+        self,
+        size: int,
+        tail: int,
+        header: memoryview,
+        end: memoryview,
+        sink: Callable[[Any, int], memoryview],
     ) -> Manifest:
-        """The manifest, with ``header`` and ``end`` (the bytes from ``tail``) in the memory
-        file: header, footer and manifest checked as a local file's."""
-        try:
-            version = check_header(header, name=self.url)
-            footer = check_footer(
-                end[-FOOTER_SIZE:].tobytes(), name=self.url, size=size, version=version
-            )
-            if footer.manifest_offset < tail:
-                self.put(self.get(footer.manifest_offset, tail), footer.manifest_offset)
-            return fileformat.read_manifest(where)
-        except CheckpointCorrupt as exc:
-            raise CheckpointCorrupt(f"{self.url}: {exc}") from None
+        """The manifest, from ``header`` and ``end`` (the bytes from ``tail``; a manifest that
+        starts before them read now): header, footer and manifest checked as a local file's."""
+        version = check_header(header.tobytes(), name=self.url)
+        footer = check_footer(
+            end[-FOOTER_SIZE:].tobytes(), name=self.url, size=size, version=version
+        )
+        start = footer.manifest_offset
+        if start < tail:  # a manifest longer than the tail read
+            data = sink(self.get(start, tail), start).tobytes() + end[:-FOOTER_SIZE].tobytes()
+        else:
+            data = end[start - tail : -FOOTER_SIZE].tobytes()
+        return manifest_of(self.url, size=size, version=version, footer=footer, data=data)
 
 
 def _spans(
@@ -365,7 +357,7 @@ class _Files:
     ) -> None:
         self.url, self.files = url, {f.name: f for f in files}
         self.reads = {
-            f.name: _Download(objects, f"{folder}/{f.name}", fds[f.name], url) for f in files
+            f.name: _Download(objects, f"{folder}/{f.name}", url, fds[f.name]) for f in files
         }
         self.parts: dict[str, dict[int, tuple[int, int]]] = {f.name: {} for f in files}
         self.left = {f.name: f.size for f in files}

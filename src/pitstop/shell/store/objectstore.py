@@ -85,6 +85,8 @@ class ObjectStorage(Requests):
         self.in_memory = True
         """A fetched checkpoint file is held in memory (False: in a file of the cache, where
         the other ranks sharing the directory read it)."""
+        self.as_blobs = False
+        """...held in memory as its checked blobs, for one load: the resume's (objectread)."""
         self.readers: DirectoryGroups | None = None
         """Which ranks read which one's fetch (each group's first rank fetches into its own
         cache; pitstop.shell.nodes); ``None``: each rank reads its own (one rank)."""
@@ -314,19 +316,17 @@ class ObjectStorage(Requests):
         return self._commit_read(name).entry
 
     def fetch(self, name: str) -> Path:
-        """Read checkpoint ``name`` into memory by ranged, parallel GETs, every blob's CRC-32
-        checked as it arrives (pitstop.shell.store.objectread); its local path in the cache,
-        where every reader opens it until :meth:`release`. ``CheckpointCorrupt`` naming the
-        URL when it does not verify (its data missing or not the size its commit records);
-        ``FileNotFoundError`` when its commit is gone or replaced meanwhile (a writer's
-        retention: gone, not corrupt). A sharded checkpoint: its local folder, every file
-        fetched (:meth:`fetch_files`). The commit the last listing read is not read again."""
+        """Read checkpoint ``name`` into memory, every blob's CRC-32 checked as it arrives
+        (objectread); its local path in the cache, where it is read until :meth:`release`.
+        ``CheckpointCorrupt`` naming the URL when it does not verify; ``FileNotFoundError`` when
+        its commit is gone or replaced meanwhile. A sharded checkpoint: its local folder, every
+        file fetched (:meth:`fetch_files`). The commit the last listing read is not read again."""
         if _is_sharded(name):
             self.fetch_files(name)
             return self._local.path(name)
-        commit = self._commit_read(name)
+        commit, path = self._commit_read(name), self._local.path(name)
         with self._gone_if_moved(name):
-            return download(self, name, commit, self._local.path(name), memory=self.in_memory)
+            return download(self, name, commit, path, memory=self.in_memory, blobs=self.as_blobs)
 
     @contextlib.contextmanager
     def _gone_if_moved(self, name: str) -> Iterator[None]:

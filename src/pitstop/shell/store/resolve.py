@@ -9,6 +9,7 @@
 # retention deletes the target while it is being resolved or read, the pointer is read again /
 # the directory scanned again (at most RESOLVE_ATTEMPTS times) and the newest valid checkpoint
 # taken; a checkpoint deleted while it was read is "gone" (CheckpointNotFound), never "corrupt".
+# A writer's resume on an object store takes the scan its open made under the lease, if unchanged.
 # How: scan + choose_resume from pitstop.shell.store.directory.
 
 """Resolving a checkpoint argument (file, pointer or directory) to one checkpoint file."""
@@ -50,7 +51,7 @@ from pitstop.shell.store.directory import (
     vanished,
     verify_any,
 )
-from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.storage import FileKind, LocalStorage, RemoteStorage, Storage
 from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
@@ -376,8 +377,13 @@ def find_resume(
         return path, entry
     if pointer is not None:
         source = pointer.value
-        storage = directory.storage
-        found = scan(storage, best)
+        storage, found = directory.storage, directory.opened
+        if not (  # an object store's scan at open, under its lease, while this writer changed
+            isinstance(storage, RemoteStorage)  # nothing: no other writer commits or deletes
+            and found is not None  # there meanwhile (readers, local directories: a scan)
+            and (found.catalog, found.pointers) == (directory.catalog, directory.pointers)
+        ):
+            found = scan(storage, best)
         choice = choose_resume(storage, found, PointerName(source), best, verify=verify)
         if choice.path is None and source != PointerName.LAST.value and found.catalog:
             raise CheckpointNotFound(f"{directory.path} has no valid {source} checkpoint")
