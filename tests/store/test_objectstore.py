@@ -27,9 +27,9 @@ from pitstop.core.naming import LOCK_NAME, checkpoint_name
 from pitstop.core.s3.objects import Lease, data_name, encode_lease, parse_url
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.lease import torn_uploads
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import publish_file
-from pitstop.shell.store.s3client import torn_uploads
 from s3server import S3Server, run_python
 from tinyrun import same, train_step, trained, weights
 
@@ -131,7 +131,8 @@ TORN = """
 import os, sys
 import obstore
 from pitstop.core.s3.objects import data_name, parse_url
-from pitstop.shell.store.s3client import open_store, torn_uploads
+from pitstop.shell.store.lease import torn_uploads
+from pitstop.shell.store.s3client import open_store
 url = sys.argv[1]
 location = parse_url(url)
 key = location.key(data_name("step_000000000009.pitstop", "dead_1"))

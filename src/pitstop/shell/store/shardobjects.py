@@ -32,7 +32,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -43,14 +42,11 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.naming import temp_name
+from pitstop.core.naming import temp_name, temp_token
 from pitstop.core.records import CheckpointEntry
 from pitstop.core.s3.objects import (
-    Commit,
     commit_problem,
     data_name,
-    deletion_order,
-    encode_commit,
     failed_uploads,
     failure_name,
     sharded_commit,
@@ -61,7 +57,7 @@ from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32
 from pitstop.shell.store.objectread import download_files
-from pitstop.shell.store.objectstore import ObjectStorage, token_of
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = [
@@ -130,7 +126,7 @@ class NodeUploads:
             return
         temp = self.temp(entry)
         name = _final(temp)
-        folder = data_name(name, token_of(temp, name))
+        folder = data_name(name, temp_token(temp, name))
         rank = min(self.ranks)
         text = f"rank {rank}'s node could not upload its files of {name}: {exc}"
         try:
@@ -153,7 +149,7 @@ def upload_shards(storage: ObjectStorage, directory: Path, table: Iterable[Shard
     wrote) from its local staging folder ``directory`` (``.tmp-<token>-<name>``) to the data
     objects of the checkpoint it will be. Raises ``OSError`` naming the object."""
     name = _final(directory.name)
-    folder = data_name(name, token_of(directory.name, name))
+    folder = data_name(name, temp_token(directory.name, name))
     for file in table:
         storage.put(f"{folder}/{file.name}", directory / file.name, "overwrite")
 
@@ -172,7 +168,7 @@ def upload_node_files(
     of the attempt ``temp`` that rank 0 commits (no lease taken: rank 0 holds it). Their names;
     raises ``OSError`` naming the object."""
     name = _final(temp)
-    folder = data_name(name, token_of(temp, name))
+    folder = data_name(name, temp_token(temp, name))
     mine = set(ranks)
     sent = []
     for file in _table(staged):
@@ -191,7 +187,7 @@ def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
     each failed writer's rank and cause)."""
     local = storage.path(temp)
     name = _final(temp)
-    folder = data_name(name, token_of(temp, name))
+    folder = data_name(name, temp_token(temp, name))
     others = [f for f in _table(local) if not (local / f.name).is_file()]
     deadline = time.monotonic() + patience
     pause = 0.05
@@ -283,7 +279,7 @@ def commit_sharded(
         manifest = ShardFile(
             name=MANIFEST_NAME, size=len(data), crc32=crc32(memoryview(data)), rank=0
         )
-        commit = sharded_commit(name, token_of(temp, name), (*files, manifest), meta)
+        commit = sharded_commit(name, temp_token(temp, name), (*files, manifest), meta)
         listed = _listed(storage, commit.data)
         for file in commit.files:  # rank 0's own: .metadata and the manifest
             key = f"{commit.data}/{file.name}"
@@ -293,34 +289,9 @@ def commit_sharded(
         problem = commit_problem(commit, listed)
         if problem is not None:
             raise SaveError(f"{storage.location.url(name)} is not committed: {problem}")
-        _commit(storage, commit)
+        storage.write_commit(commit)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-
-
-def _commit(storage: ObjectStorage, commit: Commit) -> None:
-    """Write ``commit`` by one conditional PUT: a create, or the swap of this writer's own
-    earlier commit of its name (by the ETag it saw), whose data objects go after."""
-    name, old = commit.name, None
-    try:
-        seen = storage.etag(name)  # a commit this process read or wrote
-        if seen is not None:
-            with contextlib.suppress(FileNotFoundError):
-                old = storage.commit(name)
-            if old is not None and storage.etag(name) != seen:
-                raise FileExistsError(
-                    f"{storage.location.url(name)} was replaced by another writer"
-                )
-        storage.put(name, encode_commit(commit), "create" if old is None else {"e_tag": seen})
-    except BaseException:
-        for obj in commit.objects():
-            with contextlib.suppress(OSError):
-                storage.delete(obj)
-        raise
-    if old is not None and old.data != commit.data:
-        for obj in deletion_order(old)[1:]:
-            with contextlib.suppress(OSError):
-                storage.delete(obj)
 
 
 def stage_links(source: Path, staged: Path) -> None:
