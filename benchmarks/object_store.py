@@ -30,6 +30,7 @@ The endpoint is a SeaweedFS ``weed mini`` on loopback that the benchmark starts 
 the ratios are what to read.
 
     .venv/bin/python benchmarks/object_store.py --sizes 64,512 --repeats 3
+    .venv/bin/python benchmarks/object_store.py --sizes 512 --repeats 5 --saves-only  # no reads
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ def _clocked(into: dict[str, list[float]]) -> Iterator[None]:
     )
 
 
-def measure(server: S3Server, size: int, repeats: int, tmp: Path) -> dict[str, list[float]]:
+def measure(
+    server: S3Server, size: int, repeats: int, tmp: Path, reads: bool = True
+) -> dict[str, list[float]]:
     """``{candidate: [seconds per repeat]}`` for ``size`` bytes (the file obstore moves made in
-    ``tmp``, removed with it whatever fails)."""
+    ``tmp``, removed with it whatever fails); ``reads`` False: the save and the put only."""
     import obstore
     from obstore.store import S3Store
 
@@ -231,10 +234,10 @@ def measure(server: S3Server, size: int, repeats: int, tmp: Path) -> dict[str, l
                 raise RuntimeError("the floor's copy put bytes in the wrong place")
 
         put()
-        reads = [resume, get, pget, floor]
-        for read in reads[repeat % 4 :] + reads[: repeat % 4]:
+        turns = [resume, get, pget, floor] if reads else []
+        for read in turns[repeat % 4 :] + turns[: repeat % 4]:
             read()
-        if _has_s3fs():
+        if reads and _has_s3fs():
             _dcp(server, f"s3://{BUCKET}/bench-dcp-{uuid.uuid4().hex[:8]}", model, times)
         file.unlink()
         file.parent.rmdir()
@@ -292,7 +295,7 @@ def _dcp(server: S3Server, url: str, model: torch.nn.Module, times: dict[str, li
 
 def rows_of(size_mib: float, times: dict[str, list[float]]) -> list[dict[str, Any]]:
     rows = []
-    pairs = [("save", "save", "put"), ("resume", "resume", "get")]
+    pairs = [("save", "save", "put")] + ([("resume", "resume", "get")] if times["resume"] else [])
     if times["dcp-save"]:
         pairs += [("dcp save", "dcp-save", "put"), ("dcp resume", "dcp-resume", "get")]
     for op, ours, theirs in pairs:
@@ -310,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64", help="checkpoint sizes in MiB, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each candidate per size")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument(
+        "--saves-only", action="store_true", help="the save and obstore's put only (no reads)"
+    )
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")]
     if args.repeats < 1 or any(s <= 0 for s in sizes):
@@ -325,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())
         try:
             for size in sizes:
-                measured = measure(server, int(size * MIB), args.repeats, Path(tmp))
+                measured = measure(
+                    server, int(size * MIB), args.repeats, Path(tmp), not args.saves_only
+                )
                 rows += rows_of(size, measured)
                 phases.append((size, measured))
         finally:
@@ -351,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "| MiB | resume s | requests | read | copy | rest | get_ranges s | floor s | floor / pget |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for size, measured in phases:
+    for size, measured in phases if not args.saves_only else []:
         cells = " | ".join(f"{statistics.median(measured[p]):.3f}" for p in ("resume", *PHASES))
         get, floor = (statistics.median(measured[k]) for k in ("get", "floor"))
         ratio = floor / statistics.median(measured["pget"])

@@ -7,13 +7,12 @@
 # the limit is sent). A file whose size is known (already on disk: a remote tier's upload, a
 # sharded checkpoint's files) goes in parts of at least STREAM_PART, as small as keeps it within
 # MAX_PARTS, in whole MiB. At most CONCURRENCY parts are in flight at once, so the memory an
-# upload holds is about CONCURRENCY parts. A stream keeps the first KEEP_HEAD bytes and its
-# last STREAM_PART or more (the header, and the manifest and footer at the end) for the commit
-# to read the manifest from; a manifest that begins before what was kept is read back from the
-# uploaded object (read_back: the missing range).
-# How: pure arithmetic over sizes; the footer is unpacked by pitstop.core.file.framing.
+# upload holds is about CONCURRENCY parts. A stream keeps the first KEEP_HEAD bytes (a
+# checkpoint's header) and its last writes, a part or more (its manifest and footer, each one
+# write), for the commit to read the manifest from.
+# How: pure arithmetic over sizes.
 
-"""The part plan of an upload to object storage, and what a streamed upload keeps."""
+"""The part plan of an upload to object storage."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from typing import Final
 
 import attrs
 
-from pitstop.core.file.framing import HEADER_SIZE, check_footer, check_header
+from pitstop.core.file.framing import HEADER_SIZE
 
 __all__ = [
     "CONCURRENCY",
@@ -33,7 +32,6 @@ __all__ = [
     "STREAM_PART",
     "UploadPlan",
     "file_plan",
-    "read_back",
     "stream_plan",
 ]
 
@@ -80,14 +78,3 @@ def file_plan(size: int) -> UploadPlan:
         raise ValueError(f"an object holds 0 to {MAX_OBJECT} bytes, not {size}")
     needed = -(-size // MAX_PARTS)  # the smallest part that keeps it within MAX_PARTS
     return UploadPlan(max(STREAM_PART, -(-needed // MIB) * MIB), CONCURRENCY)
-
-
-def read_back(header: bytes, footer: bytes, size: int, kept_from: int) -> tuple[int, int] | None:
-    """The range of a streamed checkpoint file of ``size`` bytes that its manifest needs beyond
-    what the stream kept (its bytes from ``kept_from`` on), given its first ``HEADER_SIZE``
-    bytes and its last ``FOOTER_SIZE``: ``(start, end)``, or ``None`` when the manifest lies in
-    what was kept. ``CheckpointCorrupt`` when header or footer do not check (a broken writer)."""
-    name = "the uploaded checkpoint"
-    version = check_header(header[:HEADER_SIZE], name=name)
-    start = check_footer(footer, name=name, size=size, version=version).manifest_offset
-    return (start, kept_from) if start < kept_from else None

@@ -13,9 +13,10 @@
 # each ETag seen noted. A file is put by the client reading it itself, in the parts the core's
 # file_plan sets; a checkpoint file being written is an Upload: its bytes go out as the parts of
 # one multipart upload while the rest is written (pitstop.core.s3.uploads' stream_plan), copied
-# as they come (a writer may reuse its buffers), and its header and tail are kept for the
-# commit to read its manifest from. (The two requests obstore does not make, to list and abort
-# a dead writer's multipart uploads, are pitstop.shell.store.lease's.)
+# as they come (a writer may reuse its buffers), and its header and last writes (a checkpoint's
+# manifest and footer) are kept, for the commit to read its manifest from. (The two requests
+# obstore does not make, to list and abort a dead writer's multipart uploads, are
+# pitstop.shell.store.lease's.)
 # How: obstore, imported on first use (put, open_writer).
 
 """The S3 client behind ``s3://`` locations: opening it, its requests, what its errors mean."""
@@ -33,10 +34,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pitstop.core.file.framing import FOOTER_SIZE
 from pitstop.core.s3.objects import Location, parse_url
 from pitstop.core.s3.s3config import profile_settings, retry_settings
-from pitstop.core.s3.uploads import KEEP_HEAD, MAX_PARTS, UploadPlan, file_plan, read_back
+from pitstop.core.s3.uploads import KEEP_HEAD, MAX_PARTS, UploadPlan, file_plan
 from pitstop.errors import ConfigError
 from pitstop.shell.format.untrusted import read_untrusted
 
@@ -232,8 +232,9 @@ class Upload(io.RawIOBase):
     as the parts of one multipart upload while the rest is still being written (one PUT when it
     stays under a part), at most the plan's concurrency at once; nothing is visible before
     :meth:`finish`, and :meth:`abort` drops what was sent. Its first ``KEEP_HEAD`` bytes and its
-    last part or more are written, at :meth:`close`, at their offsets into the file ``local``
-    (made sparse, the object's size), so its manifest reads from there as from the whole file."""
+    last writes, a part or more, are written at :meth:`close` at their offsets into the file
+    ``local`` (made sparse, the object's size): a checkpoint's header, and its manifest and
+    footer (each one write), read from there as from the whole file."""
 
     def __init__(self, requests: Requests, name: str, local: Path, plan: UploadPlan) -> None:
         super().__init__()
@@ -295,31 +296,13 @@ class Upload(io.RawIOBase):
             super().close()
 
     def finish(self) -> None:
-        """Complete the upload (the object appears; a part that failed to go up aborts it),
-        then read back into the local file what its manifest needs beyond what was kept."""
+        """Complete the upload: the object appears (a part that failed to go up aborts it)."""
         try:
             self._requests.call("write", self._object, lambda o: self._writer.flush())
         except BaseException:
             self.abort()
             raise
         self._requests.call("write", self._object, lambda o: self._writer.close())
-        kept_from = self._tail[0][0] if self._tail else 0
-        footer = b""
-        for _, piece in reversed(self._tail):  # the last FOOTER_SIZE bytes
-            footer = piece[-(FOOTER_SIZE - len(footer)) :] + footer
-            if len(footer) == FOOTER_SIZE:
-                break
-        missing = read_back(self._head, footer, self.position, kept_from)
-        if missing is not None:
-            key = self._requests.location.key(self._object)
-            got = self._requests.call(
-                "read",
-                self._object,
-                lambda o: o.get_range(self._requests.client, key, start=missing[0], end=missing[1]),
-            )
-            with self._local.open("r+b") as local:
-                local.seek(missing[0])
-                local.write(memoryview(got))
 
     def abort(self) -> None:
         """Drop the upload: the parts sent are freed (where this fails, the next writer's open
