@@ -11,7 +11,6 @@ wins.
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import os
 import subprocess
@@ -323,42 +322,34 @@ def test_the_cli_verifies_and_inspects_s3_urls(
     assert checkpoint_name(2) in out
 
 
-def checkpoint_bytes(mib: int) -> bytes:
-    """A real checkpoint file of about ``mib`` MiB (one random tensor)."""
-    buffer = io.BytesIO()
-    fileformat.write(buffer, fileformat.prepare({"w": torch.randn(mib << 18)}), {"step": 1})
-    return buffer.getvalue()
-
-
 def test_a_checkpoint_goes_up_in_parts_while_it_is_written(s3_url: str, tmp_path: Path) -> None:
-    """A checkpoint file streams to its data object: parts are under way while it is still
-    being written (nothing visible yet), its bytes copied as they come (the writer reuses one
-    buffer); completed, the object is the file, and the local file holds its header, manifest
-    and footer at their offsets, so its manifest reads as the whole file's."""
-    body = checkpoint_bytes(14)  # three parts of MIN_PART
+    """A checkpoint file streams to its data object: its parts are under way by the time the
+    writer is done (nothing visible yet), its bytes copied as they come (the tensors changed
+    then do not change it); completed, the object is the file, and the local file holds its
+    header, manifest and footer at their offsets, so its manifest reads as the whole file's."""
+    tensor = torch.randn(14 << 18)  # 14 MiB: three parts of MIN_PART
+    prepared = fileformat.prepare({"w": tensor})
     whole = tmp_path / "whole"
-    whole.write_bytes(body)
+    with whole.open("wb") as file:
+        fileformat.write(file, prepared, {"step": 1})
     location, storage = parse_url(s3_url), ObjectStorage(s3_url)
     try:
         data = data_name(checkpoint_name(1), "t_1")
         kept = tmp_path / "kept"
         kept.touch()
         upload = Upload(storage, data, kept, UploadPlan(MIN_PART, 2))
-        reused = bytearray(1 << 20)
-        for at in range(0, len(body), len(reused)):
-            piece = body[at : at + len(reused)]
-            reused[: len(piece)] = piece
-            assert upload.write(memoryview(reused)[: len(piece)]) == len(piece)
-            if at == 2 * MIN_PART:  # two parts in: their upload is under way, not visible
-                assert len(torn_uploads(location, None, location.key(data)) or []) == 1
-                assert storage.head(data) is None
+        fileformat.write(upload, prepared, {"step": 1})  # type: ignore[arg-type]
+        assert len(torn_uploads(location, None, location.key(data)) or []) == 1  # under way
+        assert storage.head(data) is None
+        tensor.add_(1.0)  # the writer's memory changes: what was sent does not
         upload.close()
         upload.finish()
-        assert bytes(obstore.get(storage.client, location.key(data)).bytes()) == body
+        got = bytes(obstore.get(storage.client, location.key(data)).bytes())
+        assert got == whole.read_bytes()
         assert torn_uploads(location, None, location.key(data)) == []
     finally:
         storage.close()
-    assert kept.stat().st_size == len(body)
+    assert kept.stat().st_size == whole.stat().st_size
     ours, theirs = fileformat.read_manifest(kept), fileformat.read_manifest(whole)
     fields = ("size", "manifest_offset", "blobs", "tensors", "tensor_paths", "meta")
     assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
