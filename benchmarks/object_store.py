@@ -355,10 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['obstore_s']:.3f} | {r['ratio']:.2f} | {parallel} |"
         )
     print()
-    print(
-        "| MiB | resume s | requests | read | copy | rest | get_ranges s | floor s | floor / pget |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size, measured in phases if args.saves_only else []:  # each repeat: the noise
+        each = {k: " ".join(f"{t:.2f}" for t in measured[k]) for k in ("save", "put")}
+        print(f"# {size:g} MiB, each repeat: save {each['save']} s; put {each['put']} s")
+    if not args.saves_only:
+        print(
+            "| MiB | resume s | requests | read | copy | rest | get_ranges s | floor s |"
+            " floor / pget |"
+        )
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, measured in phases if not args.saves_only else []:
         cells = " | ".join(f"{statistics.median(measured[p]):.3f}" for p in ("resume", *PHASES))
         get, floor = (statistics.median(measured[k]) for k in ("get", "floor"))
