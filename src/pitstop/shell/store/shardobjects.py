@@ -7,10 +7,11 @@
 # that rank's write failure, which DCP's gather of the results raises on every rank, and a save
 # whose write returned has every rank's shards uploaded (upload_shards). Rank 0 then writes the
 # manifest, uploads it and DCP's `.metadata`, lists the data folder and writes the one commit
-# object only when the core says every file is there at its size (commit_sharded): a create
-# (If-None-Match: *), or the swap of its own earlier commit of that name (If-Match), whose data
-# objects are deleted after. A failed commit deletes this attempt's data objects (what cannot be
-# deleted is an orphan the next writer's open removes). Reading (ObjectStorage.fetch_files): the
+# object only when the core says every file is there at its size (commit_sharded), as a file's
+# (ObjectStorage.write_commit): a create (If-None-Match: *), or the swap of its own earlier
+# commit of that name (If-Match), whose data objects are deleted after. A failed commit deletes
+# this attempt's data objects (what cannot be deleted is an orphan the next writer's open
+# removes). Reading (ObjectStorage.fetch_files): the
 # commit's files, or only those named (a resume's rank: the manifest, then what its read plan
 # needs), are downloaded to a local folder, each checked against its commit's size; the CRC-32s
 # are checked by the reader (pitstop.shell.store.sharddir.verify_sharded) before DCP reads.
