@@ -18,11 +18,15 @@ from pitstop.core.naming import (
     checkpoint_name,
     classify,
     entry_components,
+    is_checkpoint_name,
+    is_file_name,
+    is_sharded_name,
     parse_aside,
     parse_name,
     parse_sharded_name,
     sharded_name,
     temp_name,
+    temp_token,
 )
 from pitstop.core.sharding.sharded import MANIFEST_NAME
 from pitstop.errors import SaveError
@@ -135,6 +139,26 @@ def test_no_two_attempts_share_a_temp_name(
     assert (name == temp_name(final, other)) == (token == other)
     assert parse_aside(aside_name(sharded_name(2), token)) == sharded_name(2)
     assert attempt_token(run, attempt + 1) != token
+
+
+@given(tokens, attempts, tokens, st.sampled_from(["last", LATEST_JSON, "step_2", "a-b"]))
+def test_a_temp_names_token_is_the_one_it_was_made_with(
+    run: str, attempt: int, other: str, final: str
+) -> None:
+    token = attempt_token(run, attempt)
+    assert temp_token(temp_name(final, token), final) == token
+    for wrong in (final + "x", "x" + final):  # the temp name of another name
+        with pytest.raises(ValueError, match="not a temp name"):
+            temp_token(temp_name(wrong, other), final)
+    with pytest.raises(ValueError, match="not a temp name"):
+        temp_token(final, final)
+
+
+@given(st.one_of(steps.map(checkpoint_name), steps.map(sharded_name), st.text(max_size=30)))
+def test_a_names_kind_is_what_parsing_it_says(name: str) -> None:
+    assert is_file_name(name) == (parse_name(name) is not NOT_A_CHECKPOINT)
+    assert is_sharded_name(name) == (parse_sharded_name(name) is not NOT_A_CHECKPOINT)
+    assert is_checkpoint_name(name) == (is_file_name(name) or is_sharded_name(name))
 
 
 @pytest.mark.parametrize(("run", "attempt"), [("", 1), ("a b", 1), ("run", 0), ("run", True)])

@@ -10,6 +10,7 @@ wins.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -25,11 +26,14 @@ import torch
 import pitstop
 from pitstop.core.naming import LOCK_NAME, checkpoint_name
 from pitstop.core.s3.objects import Lease, data_name, encode_lease, parse_url
+from pitstop.core.s3.uploads import MAX_PARTS, MIN_PART, STREAM_PART, UploadPlan
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
+from pitstop.shell.format import fileformat
 from pitstop.shell.format.untrusted import open_untrusted
+from pitstop.shell.store.lease import torn_uploads
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.publish import publish_file
-from pitstop.shell.store.s3client import torn_uploads
+from pitstop.shell.store.s3client import Upload
 from s3server import S3Server, run_python
 from tinyrun import same, train_step, trained, weights
 
@@ -131,7 +135,8 @@ TORN = """
 import os, sys
 import obstore
 from pitstop.core.s3.objects import data_name, parse_url
-from pitstop.shell.store.s3client import open_store, torn_uploads
+from pitstop.shell.store.lease import torn_uploads
+from pitstop.shell.store.s3client import open_store
 url = sys.argv[1]
 location = parse_url(url)
 key = location.key(data_name("step_000000000009.pitstop", "dead_1"))
@@ -315,3 +320,71 @@ def test_the_cli_verifies_and_inspects_s3_urls(
     out = capsys.readouterr().out
     assert checkpoint_name(3) in out
     assert checkpoint_name(2) in out
+
+
+def test_a_checkpoint_goes_up_in_parts_while_it_is_written(s3_url: str, tmp_path: Path) -> None:
+    """A checkpoint file streams to its data object: its parts are under way by the time the
+    writer is done (nothing visible yet), its bytes copied as they come (the tensors changed
+    then do not change it); completed, the object is the file, and the local file holds its
+    header, manifest and footer at their offsets, so its manifest reads as the whole file's."""
+    tensor = torch.randn(14 << 18)  # 14 MiB: three parts of MIN_PART
+    prepared = fileformat.prepare({"w": tensor})
+    whole = tmp_path / "whole"
+    with whole.open("wb") as file:
+        fileformat.write(file, prepared, {"step": 1})
+    location, storage = parse_url(s3_url), ObjectStorage(s3_url)
+    try:
+        data = data_name(checkpoint_name(1), "t_1")
+        kept = tmp_path / "kept"
+        kept.touch()
+        upload = Upload(storage, data, kept, UploadPlan(MIN_PART, 2))
+        fileformat.write(upload, prepared, {"step": 1})  # type: ignore[arg-type]
+        assert len(torn_uploads(location, None, location.key(data)) or []) == 1  # under way
+        assert storage.head(data) is None
+        tensor.add_(1.0)  # the writer's memory changes: what was sent does not
+        upload.close()
+        upload.finish()
+        got = bytes(obstore.get(storage.client, location.key(data)).bytes())
+        assert got == whole.read_bytes()
+        assert torn_uploads(location, None, location.key(data)) == []
+    finally:
+        storage.close()
+    assert kept.stat().st_size == whole.stat().st_size
+    ours, theirs = fileformat.read_manifest(kept), fileformat.read_manifest(whole)
+    fields = ("size", "manifest_offset", "blobs", "tensors", "tensor_paths", "meta")
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
+
+
+def test_a_save_failing_part_way_leaves_no_upload_and_nothing_listed(s3_url: str) -> None:
+    """A checkpoint whose write fails after parts went up: SaveError, its multipart upload
+    aborted, no data object, nothing listed, no temp file left."""
+    location, storage = parse_url(s3_url), ObjectStorage(s3_url)
+
+    def failing(file: BinaryIO, sync: object) -> None:
+        file.write(bytes(2 * STREAM_PART + 1))  # two parts under way
+        raise OSError(errno.EIO, "the writer failed")
+
+    try:
+        with pytest.raises(SaveError, match=r"could not write .*the writer failed"):
+            publish_file(storage, checkpoint_name(1), "t_1", failing)
+        assert torn_uploads(location, None, location.prefix) == []
+        assert storage.names() == []
+        assert storage.data_names() == []
+    finally:
+        storage.close()
+
+
+def test_a_stream_past_the_largest_object_it_can_send_is_an_error_naming_it(
+    s3_url: str, tmp_path: Path
+) -> None:
+    storage = ObjectStorage(s3_url)
+    try:
+        (tmp_path / "kept").touch()
+        upload = Upload(storage, "big", tmp_path / "kept", UploadPlan(1, 1))
+        with pytest.raises(OSError, match=f"{s3_url}/big: .*at most {MAX_PARTS} bytes") as raised:
+            upload.write(bytes(MAX_PARTS + 1))
+        assert raised.value.errno == errno.EFBIG
+        upload.abort()
+        assert storage.head("big") is None
+    finally:
+        storage.close()

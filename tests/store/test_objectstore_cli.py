@@ -14,8 +14,8 @@ import pitstop
 from pitstop.cli import main
 from pitstop.core.naming import checkpoint_name
 from pitstop.core.s3.objects import parse_url
+from pitstop.shell.store.lease import torn_uploads
 from pitstop.shell.store.objectstore import ObjectStorage
-from pitstop.shell.store.s3client import torn_uploads
 from tinyrun import same, train_step, trained, weights
 
 STEPS = [checkpoint_name(s) for s in (1, 2, 3)]

@@ -30,7 +30,7 @@ from pitstop.shell.store.resolve import (
     resolve_checkpoint,
     split_argument,
 )
-from pitstop.shell.store.storage import FileKind, LocalStorage, Storage
+from pitstop.shell.store.storage import FileKind, LocalStorage, Storage, reader_cache
 
 __all__ = [
     "Target",
@@ -69,7 +69,7 @@ def open_directory(
     (a local directory or an ``s3://`` prefix, whose checkpoints a reader fetches to this
     process's read cache); ``missing(path)`` is the message when a local one is no directory."""
     if is_object_url(directory):
-        from pitstop.shell.store.objectstore import ObjectStorage, reader_cache
+        from pitstop.shell.store.objectstore import ObjectStorage
 
         objects = ObjectStorage(directory, cache=reader_cache())
         data, _ = read_latest_json(objects)

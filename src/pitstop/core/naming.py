@@ -40,12 +40,16 @@ __all__ = [
     "checkpoint_name",
     "classify",
     "entry_components",
+    "is_checkpoint_name",
+    "is_file_name",
+    "is_sharded_name",
     "parse_aside",
     "parse_checkpoint",
     "parse_name",
     "parse_sharded_name",
     "sharded_name",
     "temp_name",
+    "temp_token",
 ]
 
 SUFFIX: Final = ".pitstop"
@@ -154,6 +158,21 @@ def parse_checkpoint(name: str) -> int | NotACheckpoint:
     return parse_sharded_name(name) if step is NOT_A_CHECKPOINT else step
 
 
+def is_file_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint file's name."""
+    return parse_name(name) is not NOT_A_CHECKPOINT
+
+
+def is_sharded_name(name: str) -> bool:
+    """Whether ``name`` is a sharded checkpoint's name."""
+    return parse_sharded_name(name) is not NOT_A_CHECKPOINT
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's name, a file's or a sharded one's."""
+    return parse_checkpoint(name) is not NOT_A_CHECKPOINT
+
+
 def temp_name(final_name: str, token: str) -> str:
     """Return the name of a writer's temp file for ``final_name``.
 
@@ -163,6 +182,15 @@ def temp_name(final_name: str, token: str) -> str:
     if not _TOKEN_RE.fullmatch(token):
         raise ValueError(f"temp token must match [A-Za-z0-9_-]+, got {token!r}")
     return f"{TEMP_PREFIX}{token}-{final_name}"
+
+
+def temp_token(temp: str, final_name: str) -> str:
+    """The token that :func:`temp_name` made the temp name ``temp`` of ``final_name`` with;
+    ``ValueError`` when ``temp`` is no temp name of ``final_name``."""
+    token = temp[len(TEMP_PREFIX) : -len(final_name) - 1]
+    if temp != f"{TEMP_PREFIX}{token}-{final_name}" or not _TOKEN_RE.fullmatch(token):
+        raise ValueError(f"{temp} is not a temp name of {final_name}")
+    return token
 
 
 def attempt_token(run_id: str, attempt: int) -> str:

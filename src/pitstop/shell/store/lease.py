@@ -1,4 +1,4 @@
-# One writer per object-storage prefix: the lease object.
+# One writer per object-storage prefix: the lease object, and clearing what dead writers left.
 #
 # Rules: a writer takes `<prefix>/.lock` with a conditional create; one that finds it takes it
 # over only as the core's judge_lease says (expired, or its holder ran on this host and is gone),
@@ -9,24 +9,37 @@
 # error naming it: a missing bucket, refused credentials, an unreachable endpoint), and, once the
 # lease is held, removes the data objects no commit names and aborts the incomplete multipart
 # uploads under the prefix's data objects (uploads of writers that died).
-# Releasing deletes the lease object.
-# How: an ObjectStorage's requests; wall-clock time (the core's records hold epoch seconds).
+# Releasing deletes the lease object. The two requests obstore does not make — listing the
+# incomplete multipart uploads under a prefix, and aborting one — are signed here (AWS Signature
+# Version 4) with the client's endpoint and static credentials (from any source the client
+# reads); without static credentials (an instance role) they are skipped.
+# How: an ObjectStorage's requests; wall-clock time (the core's records hold epoch seconds);
+# urllib and hmac for the two signed requests.
 
 """The lease: one writer per ``s3://`` checkpoint prefix."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
+import hmac
 import logging
 import os
 import socket
 import threading
 import time
+import urllib.parse
+import urllib.request
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from typing import Any
 
 from pitstop.core.naming import LOCK_NAME, EntryKind, classify
 from pitstop.core.s3.objects import (
     Lease,
     LeaseVerdict,
+    Location,
     decode_lease,
     describe_lease,
     encode_lease,
@@ -36,9 +49,9 @@ from pitstop.core.s3.objects import (
 )
 from pitstop.errors import CheckpointCorrupt, DirectoryLocked, SaveError
 from pitstop.shell.store.objectstore import ObjectStorage
-from pitstop.shell.store.s3client import abort_upload, torn_uploads
+from pitstop.shell.store.s3client import DEADLINE_S, resolved
 
-__all__ = ["LEASE_S", "ObjectLease"]
+__all__ = ["LEASE_S", "ObjectLease", "abort_upload", "torn_uploads"]
 
 log = logging.getLogger("pitstop")
 
@@ -191,3 +204,97 @@ class ObjectLease:
                 self.storage.delete(LOCK_NAME)
         except OSError as exc:
             log.warning("could not release the lease of %s: %s", self.storage.url, exc)
+
+
+def _setting(options: Mapping[str, Any] | None, names: tuple[str, ...], env: str) -> str:
+    """A client setting: the first of ``names`` in ``options`` (obstore's keys), else ``env``."""
+    for name in names:
+        if options and options.get(name):
+            return str(options[name])
+    return os.environ.get(env, "")
+
+
+def _signed(
+    location: Location,
+    options: Mapping[str, Any] | None,
+    method: str,
+    key: str,
+    query: Mapping[str, str],
+) -> bytes | None:
+    """Send one signed (SigV4) request for ``key`` of ``location``'s bucket (path style); its
+    body. ``None``: no static credentials to sign with. Raises ``OSError`` when it fails."""
+    options = resolved(options)
+    access = _setting(options, ("access_key_id", "aws_access_key_id"), "AWS_ACCESS_KEY_ID")
+    secret = _setting(
+        options, ("secret_access_key", "aws_secret_access_key"), "AWS_SECRET_ACCESS_KEY"
+    )
+    if not access or not secret:
+        return None
+    token = _setting(options, ("session_token", "token", "aws_session_token"), "AWS_SESSION_TOKEN")
+    region = _setting(options, ("region", "aws_region"), "AWS_REGION")
+    endpoint = _setting(options, ("endpoint", "aws_endpoint", "endpoint_url"), "AWS_ENDPOINT_URL")
+    endpoint = (endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
+    host = urllib.parse.urlsplit(endpoint).netloc
+    path = urllib.parse.quote(f"/{location.bucket}/{key}" if key else f"/{location.bucket}", "/~")
+    canonical_query = "&".join(
+        f"{urllib.parse.quote(k, '~')}={urllib.parse.quote(v, '~')}"
+        for k, v in sorted(query.items())
+    )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    empty = hashlib.sha256(b"").hexdigest()
+    headers = {"host": host, "x-amz-content-sha256": empty, "x-amz-date": stamp}
+    if token:
+        headers["x-amz-security-token"] = token
+    names = ";".join(sorted(headers))
+    canonical = "\n".join(
+        (
+            method,
+            path,
+            canonical_query,
+            "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
+            names,
+            empty,
+        )
+    )
+    scope = f"{day}/{region}/s3/aws4_request"
+    signing = (
+        f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+    )
+    derived = ("AWS4" + secret).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        derived = hmac.new(derived, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(derived, signing.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={access}/{scope}, SignedHeaders={names}, "
+        f"Signature={signature}"
+    )
+    url = f"{endpoint}{path}" + (f"?{canonical_query}" if canonical_query else "")
+    request = urllib.request.Request(url, method=method, headers=headers)
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
+        return bytes(response.read())
+
+
+def torn_uploads(
+    location: Location, options: Mapping[str, Any] | None, under: str
+) -> list[tuple[str, str]] | None:
+    """The incomplete multipart uploads whose key starts with ``under``: ``(key, upload id)``
+    each (``None``: no static credentials to ask with). Raises ``OSError`` when it fails."""
+    body = _signed(location, options, "GET", "", {"uploads": "", "prefix": under})
+    if body is None:
+        return None
+    found = []
+    for upload in ET.fromstring(body).iter():
+        if upload.tag.rpartition("}")[2] != "Upload":
+            continue
+        fields = {child.tag.rpartition("}")[2]: child.text or "" for child in upload}
+        if fields.get("Key") and fields.get("UploadId"):
+            found.append((fields["Key"], fields["UploadId"]))
+    return found
+
+
+def abort_upload(
+    location: Location, options: Mapping[str, Any] | None, key: str, upload_id: str
+) -> None:
+    """Abort the incomplete multipart upload ``upload_id`` of ``key`` (its parts are freed)."""
+    _signed(location, options, "DELETE", key, {"uploadId": upload_id})

@@ -1,11 +1,14 @@
 # A checkpoint directory on object storage (s3://bucket/prefix), behind the Storage protocol.
 #
 # Rules: the layout, the commit record, the lease and the retry schedule are the core's
-# (pitstop.core.s3.objects). The publish sequence maps onto objects: a checkpoint's temp file is
-# written locally (a cache directory of this process), and its rename to the final name uploads
-# it to a data object of its own, then creates the commit object with a conditional put
-# (If-None-Match: *) — one that loses the race raises, its data object removed; a checkpoint that
-# replaces one of its name swaps the commit object by its ETag (If-Match). Pointer symlinks and
+# (pitstop.core.s3.objects). The publish sequence maps onto objects: a checkpoint file's temp
+# file is a stream (s3client.Upload) whose bytes go up to a data object of its own as they are
+# written, only its header and tail kept in a local file (a cache directory of this process; its
+# fsync: nothing to do); its rename to the final name completes that upload (nothing is visible
+# before), then creates the commit object with a conditional put (If-None-Match: *) — one that
+# loses the race raises, its data object removed; a checkpoint that replaces one of its name
+# swaps the commit object by its ETag (If-Match); a failed publish aborts the stream's upload.
+# Pointer symlinks and
 # latest.json are objects replaced by compare-and-swap on the ETag this process last saw, so a
 # writer that lost its lease cannot move them. A listing names committed checkpoints only (the
 # commit objects, never a data object); removing a checkpoint deletes its commit object first,
@@ -20,15 +23,14 @@
 # file that holds the checkpoint (upload_from), so its publish uploads that file, never a copy.
 # A sharded checkpoint's commit object stands for its directory (kind, size, listing); its files
 # are fetched into a local folder by the same ranged GETs, all at once (fetch_files: each
-# file's size and CRC-32 checked against its commit as it arrives); its upload and commit are
-# pitstop.shell.store.shardobjects'.
+# file's size and CRC-32 checked against its commit as it arrives); its upload is
+# pitstop.shell.store.shardobjects', its commit the same conditional put (write_commit).
 # How: obstore (pip install pitstop[s3]), imported on first use.
 
 """Object storage: a checkpoint directory at ``s3://bucket/prefix``."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import os
@@ -37,18 +39,18 @@ import tempfile
 import threading
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from pitstop.core.naming import (
     LATEST_JSON,
-    NOT_A_CHECKPOINT,
     POINTER_NAMES,
     TEMP_PREFIX,
     EntryKind,
     classify,
-    parse_checkpoint,
-    parse_name,
-    parse_sharded_name,
+    is_checkpoint_name,
+    is_file_name,
+    is_sharded_name,
+    temp_token,
 )
 from pitstop.core.ranks import DirectoryGroups
 from pitstop.core.s3.objects import (
@@ -59,13 +61,14 @@ from pitstop.core.s3.objects import (
     deletion_order,
     encode_commit,
 )
+from pitstop.core.s3.uploads import stream_plan
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format import fileformat
 from pitstop.shell.store.objectread import download, download_files, let_go, pool
-from pitstop.shell.store.s3client import SMALL, Requests, StoreError
+from pitstop.shell.store.s3client import SMALL, Requests, StoreError, Upload
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
-__all__ = ["ObjectStorage", "StoreError", "reader_cache", "token_of"]
+__all__ = ["ObjectStorage", "StoreError"]
 
 
 class ObjectStorage(Requests):
@@ -92,6 +95,7 @@ class ObjectStorage(Requests):
         cache; pitstop.shell.nodes); ``None``: each rank reads its own (one rank)."""
         self._links: dict[str, str] = {}  # temp pointer name -> the checkpoint it names
         self._sources: dict[str, Path] = {}  # checkpoint name -> the local file its upload reads
+        self._uploads: dict[str, Upload] = {}  # temp name -> its stream, until committed
         self._scan = threading.local()  # .read: what listed() read, on this thread, in its block
         self._commits: dict[str, tuple[str | None, Commit]] = {}  # the last listing's: ETag, record
 
@@ -213,12 +217,21 @@ class ObjectStorage(Requests):
         return int(meta["size"])
 
     def create_exclusive(self, name: str) -> BinaryIO:
-        """A new local temp file in the cache."""
-        return self._local.create_exclusive(name)
+        """A new local temp file in the cache; a checkpoint file's (unless :meth:`upload_from`
+        names its source) is a stream that uploads it as it is written (s3client.Upload)."""
+        file = self._local.create_exclusive(name)
+        target = name.rpartition("-")[2]
+        if not name.startswith(TEMP_PREFIX) or not _is_file(target) or target in self._sources:
+            return file
+        file.close()
+        data = data_name(target, temp_token(name, target))
+        self._uploads[name] = Upload(self, data, self._local.path(name), stream_plan())
+        return cast(BinaryIO, self._uploads[name])
 
     def sync_file(self, file: BinaryIO) -> None:
-        """fsync the local temp file (its upload is what makes it durable)."""
-        self._local.sync_file(file)
+        """fsync the local temp file (a stream: nothing to do; its upload makes it durable)."""
+        if not isinstance(file, Upload):
+            self._local.sync_file(file)
 
     def replace(self, source: str, target: str) -> None:
         """Publish the temp ``source`` as ``target``: upload and commit a checkpoint, or swap a
@@ -244,36 +257,48 @@ class ObjectStorage(Requests):
             self._sources[name] = path
 
     def _commit(self, source: str, target: str) -> None:
-        """Upload ``source`` (or the file :meth:`upload_from` names) to a data object of its
-        own, then create (or swap) the commit."""
-        token = token_of(source, target)
+        """Upload ``source`` (or the file :meth:`upload_from` names; a stream: complete its
+        upload) to a data object of its own, then write its commit."""
         local = self._sources.get(target) or self._local.path(source)
-        meta = fileformat.read_manifest(local).meta
-        entry = {k: meta[k] for k in ENTRY_KEYS if k in meta}
-        data = data_name(target, token)
-        self.put(data, local, "overwrite")
-        record = Commit(name=target, data=data, size=local.stat().st_size, entry=entry)
-        old = None
+        data = data_name(target, temp_token(source, target))
+        upload = self._uploads.pop(source, None)
         try:
-            seen = self._etags.get(target)  # a commit this process read or wrote
-            if seen is not None:
-                with contextlib.suppress(FileNotFoundError):  # (gone: created anew)
-                    old = self.commit(target)
-                if old is not None and self._etags.get(target) != seen:
-                    raise FileExistsError(
-                        errno.EEXIST, f"{self.location.url(target)} was replaced by another writer"
-                    )
-            # only a commit this writer has seen is replaced, by its ETag; any other is created,
-            # so of two writers committing one name, one wins
-            mode: object = "create" if old is None else {"e_tag": seen}
-            self.put(target, encode_commit(record), mode)
+            if upload is not None:
+                upload.finish()
+            meta = fileformat.read_manifest(local).meta
+            if upload is None:
+                self.put(data, local, "overwrite")
         except BaseException:
             with contextlib.suppress(OSError):
                 self.delete(data)
             raise
-        if old is not None and old.data != data:
-            with contextlib.suppress(OSError):
-                self.delete(old.data)
+        entry = {k: meta[k] for k in ENTRY_KEYS if k in meta}
+        self.write_commit(Commit(name=target, data=data, size=local.stat().st_size, entry=entry))
+
+    def write_commit(self, commit: Commit) -> None:
+        """Write ``commit`` by one conditional PUT: a create, or the swap of this writer's own
+        earlier commit of its name (by its ETag), whose data objects go after (a failed one
+        removes its own): of two writers committing one name, one wins."""
+        name, old = commit.name, None
+        try:
+            seen = self.etag(name)  # a commit this process read or wrote
+            if seen is not None:
+                with contextlib.suppress(FileNotFoundError):  # (gone: created anew)
+                    old = self.commit(name)
+                if old is not None and self.etag(name) != seen:
+                    raise FileExistsError(
+                        errno.EEXIST, f"{self.location.url(name)} was replaced by another writer"
+                    )
+            self.put(name, encode_commit(commit), "create" if old is None else {"e_tag": seen})
+        except BaseException:
+            for obj in commit.objects():
+                with contextlib.suppress(OSError):
+                    self.delete(obj)
+            raise
+        if old is not None and old.data != commit.data:
+            for obj in deletion_order(old)[1:]:
+                with contextlib.suppress(OSError):
+                    self.delete(obj)
 
     def sync_directory(self) -> None:
         """Nothing to do: each put is durable when it returns."""
@@ -301,6 +326,8 @@ class ObjectStorage(Requests):
         if self._links.pop(name, None) is not None:
             return
         if classify(name) is EntryKind.TEMP:
+            if (upload := self._uploads.pop(name, None)) is not None:
+                upload.abort()
             self._local.remove(name)
             return
         if not _committed(name):
@@ -387,36 +414,5 @@ class ObjectStorage(Requests):
                 self.release()
 
 
-_READER_CACHE: list[Path] = []
-
-
-def reader_cache() -> Path:
-    """The local directory this process fetches checkpoints to for reading (``load``,
-    ``verify``, ``info``): made on first use, removed at exit (a loaded tensor maps its file)."""
-    if not _READER_CACHE:
-        path = Path(tempfile.mkdtemp(prefix="pitstop-s3-read-"))
-        atexit.register(shutil.rmtree, path, True)
-        _READER_CACHE.append(path)
-    return _READER_CACHE[0]
-
-
-def _is_file(name: str) -> bool:
-    """Whether ``name`` is a checkpoint file's name (a commit object's)."""
-    return parse_name(name) is not NOT_A_CHECKPOINT
-
-
-def _is_sharded(name: str) -> bool:
-    """Whether ``name`` is a sharded checkpoint's name (a commit object's)."""
-    return parse_sharded_name(name) is not NOT_A_CHECKPOINT
-
-
-def _committed(name: str) -> bool:
-    """Whether ``name`` is a checkpoint's name, a file's or a sharded one's (a commit object's)."""
-    return parse_checkpoint(name) is not NOT_A_CHECKPOINT
-
-
-def token_of(source: str, target: str) -> str:
-    """The publish attempt's token in the temp name ``.tmp-<token>-<target>``."""
-    if not source.startswith(TEMP_PREFIX) or not source.endswith(f"-{target}"):
-        raise OSError(errno.EINVAL, f"{source} is not a temp name of {target}")
-    return source[len(TEMP_PREFIX) : -len(target) - 1]
+# what a name is: a checkpoint file's, a sharded checkpoint's, either's (a commit object's)
+_is_file, _is_sharded, _committed = is_file_name, is_sharded_name, is_checkpoint_name

@@ -51,7 +51,13 @@ from pitstop.shell.store.directory import (
     vanished,
     verify_any,
 )
-from pitstop.shell.store.storage import FileKind, LocalStorage, RemoteStorage, Storage
+from pitstop.shell.store.storage import (
+    FileKind,
+    LocalStorage,
+    RemoteStorage,
+    Storage,
+    reader_cache,
+)
 from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
@@ -281,7 +287,7 @@ def _resolve_object(url: str, *, fallback: bool, verify: Callable[[Path], None])
     local file of this process (removed at exit) that ``verify`` checks before it is used. A
     pointer or prefix whose checkpoint a live writer deleted meanwhile is resolved again (at
     most RESOLVE_ATTEMPTS times); a checkpoint named by its name is not."""
-    from pitstop.shell.store.objectstore import ObjectStorage, reader_cache
+    from pitstop.shell.store.objectstore import ObjectStorage
 
     prefix, what = split_object_url(url)
     storage = ObjectStorage(prefix, cache=reader_cache())

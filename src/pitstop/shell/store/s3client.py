@@ -8,27 +8,27 @@
 # profile_settings; an http:// endpoint is allowed (local servers). Retries follow the core's
 # schedule (retry_settings) and end within DEADLINE_S. Without the extra installed, asking for
 # it is one ConfigError naming `pip install pitstop[s3]`. A failure's cause is said in words (a
-# missing bucket, refused credentials) for the StoreError that names the URL. The two requests
-# obstore does not make — listing the incomplete multipart uploads under a prefix, and aborting
-# one (what a writer killed mid-upload leaves) — are signed here (AWS Signature Version 4) with
-# the same endpoint and static credentials (from any of the three sources); without static
-# credentials (an instance role) they are skipped. Requests are one prefix's requests (get,
-# put, head, delete, list), each failure a StoreError naming the URL, each ETag seen noted.
-# How: obstore, imported on first use; urllib and hmac for the two signed requests.
+# missing bucket, refused credentials) for the StoreError that names the URL. Requests are one
+# prefix's requests (get, put, head, delete, list), each failure a StoreError naming the URL,
+# each ETag seen noted. A file is put by the client reading it itself, in the parts the core's
+# file_plan sets; a checkpoint file being written is an Upload: its bytes go out as the parts of
+# one multipart upload while the rest is written (pitstop.core.s3.uploads' stream_plan), copied
+# as they come (a writer may reuse its buffers), and its header and last writes (a checkpoint's
+# manifest and footer) are kept, for the commit to read its manifest from. (The two requests
+# obstore does not make, to list and abort a dead writer's multipart uploads, are
+# pitstop.shell.store.lease's.)
+# How: obstore, imported on first use (put, open_writer).
 
 """The S3 client behind ``s3://`` locations: opening it, its requests, what its errors mean."""
 
 from __future__ import annotations
 
+import collections
 import configparser
-import datetime
+import contextlib
 import errno
-import hashlib
-import hmac
+import io
 import os
-import urllib.parse
-import urllib.request
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from pitstop.core.s3.objects import Location, parse_url
 from pitstop.core.s3.s3config import profile_settings, retry_settings
+from pitstop.core.s3.uploads import KEEP_HEAD, MAX_PARTS, UploadPlan, file_plan
 from pitstop.errors import ConfigError
 from pitstop.shell.format.untrusted import read_untrusted
 
@@ -44,11 +45,11 @@ __all__ = [
     "SMALL",
     "Requests",
     "StoreError",
-    "abort_upload",
+    "Upload",
     "cause",
     "obstore_module",
     "open_store",
-    "torn_uploads",
+    "resolved",
 ]
 
 DEADLINE_S = 20.0
@@ -77,7 +78,7 @@ def open_store(location: Location, options: Mapping[str, Any] | None = None) -> 
     profile ``AWS_PROFILE`` names in ``~/.aws/credentials`` and ``~/.aws/config``), ``options``
     (obstore's S3 config keys, ``profile``, ``client_options``, ``retry_config``) over them."""
     obstore = obstore_module()
-    config = _resolved(options)
+    config = resolved(options)
     client = dict(config.pop("client_options", None) or {})
     retry = config.pop("retry_config", None)
     endpoint = str(config.get("endpoint", os.environ.get("AWS_ENDPOINT_URL", "")))
@@ -160,14 +161,22 @@ class Requests:
         return self._etags.get(name)
 
     def put(self, name: str, data: bytes | Path, mode: object) -> str:
-        """Put ``data`` at ``name`` with ``mode`` (``"create"``, ``{"e_tag": ...}``); the ETag."""
+        """Put ``data`` at ``name`` with ``mode`` (``"create"``, ``{"e_tag": ...}``); the ETag.
+        A file (``Path``) is read by the client itself, in the parts the core plans."""
         key = self.location.key(name)
-        body: Any = data if isinstance(data, bytes) else data.open("rb")
-        try:
-            result = self.call("write", name, lambda o: o.put(self.client, key, body, mode=mode))
-        finally:
-            if not isinstance(body, bytes):
-                body.close()
+        plan = file_plan(len(data) if isinstance(data, bytes) else data.stat().st_size)
+        result = self.call(
+            "write",
+            name,
+            lambda o: o.put(
+                self.client,
+                key,
+                data,
+                mode=mode,
+                chunk_size=plan.part_size,
+                max_concurrency=plan.concurrency,
+            ),
+        )
         etag = str(result.get("e_tag") or "")
         self._etags[name] = etag
         return etag
@@ -218,7 +227,91 @@ class Requests:
         return self.call("list", ".data", walk)
 
 
-def _resolved(options: Mapping[str, Any] | None) -> dict[str, Any]:
+class Upload(io.RawIOBase):
+    """The object ``name`` written as a stream (the checkpoint writer's file): its bytes go out
+    as the parts of one multipart upload while the rest is still being written (one PUT when it
+    stays under a part), at most the plan's concurrency at once; nothing is visible before
+    :meth:`finish`, and :meth:`abort` drops what was sent. Its first ``KEEP_HEAD`` bytes and its
+    last writes, a part or more, are written at :meth:`close` at their offsets into the file
+    ``local`` (made sparse, the object's size): a checkpoint's header, and its manifest and
+    footer (each one write), read from there as from the whole file."""
+
+    def __init__(self, requests: Requests, name: str, local: Path, plan: UploadPlan) -> None:
+        super().__init__()
+        self.name = requests.location.url(name)
+        self._requests, self._object, self._local, self._plan = requests, name, local, plan
+        key = requests.location.key(name)
+        self._writer = requests.call(
+            "write",
+            name,
+            lambda o: o.open_writer(
+                requests.client,
+                key,
+                buffer_size=plan.part_size,
+                max_concurrency=plan.concurrency,
+            ),
+        )
+        self.position = 0
+        self._head = b""
+        self._tail: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._kept = 0  # bytes in _tail
+
+    def writable(self) -> bool:
+        """Yes."""
+        return True
+
+    def write(self, data: Any) -> int:
+        """Send ``data`` on (a copy: the caller may reuse its buffer); the bytes taken."""
+        piece = bytes(data)
+        if not piece:
+            return 0
+        if self.position + len(piece) > self._plan.largest:
+            raise OSError(
+                errno.EFBIG,
+                f"{self.name}: a checkpoint file streamed to object storage holds at most "
+                f"{self._plan.largest} bytes ({MAX_PARTS} parts of {self._plan.part_size}); "
+                "save to a local directory with remote=, or sharded",
+            )
+        self._requests.call("write", self._object, lambda o: self._writer.write(piece))
+        if self.position < KEEP_HEAD:
+            self._head += piece[: KEEP_HEAD - self.position]
+        self._tail.append((self.position, piece))
+        self._kept += len(piece)
+        while self._kept - len(self._tail[0][1]) >= self._plan.part_size:
+            self._kept -= len(self._tail.popleft()[1])
+        self.position += len(piece)
+        return len(piece)
+
+    def close(self) -> None:
+        """Write what was kept into the local file, at its offsets; close it."""
+        if self.closed:
+            return
+        try:
+            with self._local.open("r+b") as local:
+                local.truncate(self.position)
+                for at, piece in ((0, self._head), *self._tail):
+                    local.seek(at)
+                    local.write(piece)
+        finally:
+            super().close()
+
+    def finish(self) -> None:
+        """Complete the upload: the object appears (a part that failed to go up aborts it)."""
+        try:
+            self._requests.call("write", self._object, lambda o: self._writer.flush())
+        except BaseException:
+            self.abort()
+            raise
+        self._requests.call("write", self._object, lambda o: self._writer.close())
+
+    def abort(self) -> None:
+        """Drop the upload: the parts sent are freed (where this fails, the next writer's open
+        aborts it)."""
+        with contextlib.suppress(Exception):
+            self._writer.__exit__(OSError, None, None)
+
+
+def resolved(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """``options`` with what the AWS profile adds (the keys neither they nor the environment
     set), its ``profile`` key taken out, and a region (``us-east-1`` when none gives one)."""
     config = dict(options or {})
@@ -268,97 +361,3 @@ def cause(exc: BaseException) -> str:
         return f"the credentials were refused ({keys})"
     first = text.splitlines()[0] if text else ""
     return f"{name}: {first[:300]}"
-
-
-def _setting(options: Mapping[str, Any] | None, names: tuple[str, ...], env: str) -> str:
-    """A client setting: the first of ``names`` in ``options`` (obstore's keys), else ``env``."""
-    for name in names:
-        if options and options.get(name):
-            return str(options[name])
-    return os.environ.get(env, "")
-
-
-def _signed(
-    location: Location,
-    options: Mapping[str, Any] | None,
-    method: str,
-    key: str,
-    query: Mapping[str, str],
-) -> bytes | None:
-    """Send one signed (SigV4) request for ``key`` of ``location``'s bucket (path style); its
-    body. ``None``: no static credentials to sign with. Raises ``OSError`` when it fails."""
-    options = _resolved(options)
-    access = _setting(options, ("access_key_id", "aws_access_key_id"), "AWS_ACCESS_KEY_ID")
-    secret = _setting(
-        options, ("secret_access_key", "aws_secret_access_key"), "AWS_SECRET_ACCESS_KEY"
-    )
-    if not access or not secret:
-        return None
-    token = _setting(options, ("session_token", "token", "aws_session_token"), "AWS_SESSION_TOKEN")
-    region = _setting(options, ("region", "aws_region"), "AWS_REGION")
-    endpoint = _setting(options, ("endpoint", "aws_endpoint", "endpoint_url"), "AWS_ENDPOINT_URL")
-    endpoint = (endpoint or f"https://s3.{region}.amazonaws.com").rstrip("/")
-    host = urllib.parse.urlsplit(endpoint).netloc
-    path = urllib.parse.quote(f"/{location.bucket}/{key}" if key else f"/{location.bucket}", "/~")
-    canonical_query = "&".join(
-        f"{urllib.parse.quote(k, '~')}={urllib.parse.quote(v, '~')}"
-        for k, v in sorted(query.items())
-    )
-    now = datetime.datetime.now(datetime.timezone.utc)
-    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    empty = hashlib.sha256(b"").hexdigest()
-    headers = {"host": host, "x-amz-content-sha256": empty, "x-amz-date": stamp}
-    if token:
-        headers["x-amz-security-token"] = token
-    names = ";".join(sorted(headers))
-    canonical = "\n".join(
-        (
-            method,
-            path,
-            canonical_query,
-            "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
-            names,
-            empty,
-        )
-    )
-    scope = f"{day}/{region}/s3/aws4_request"
-    signing = (
-        f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
-    )
-    derived = ("AWS4" + secret).encode()
-    for part in (day, region, "s3", "aws4_request"):
-        derived = hmac.new(derived, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(derived, signing.encode(), hashlib.sha256).hexdigest()
-    headers["authorization"] = (
-        f"AWS4-HMAC-SHA256 Credential={access}/{scope}, SignedHeaders={names}, "
-        f"Signature={signature}"
-    )
-    url = f"{endpoint}{path}" + (f"?{canonical_query}" if canonical_query else "")
-    request = urllib.request.Request(url, method=method, headers=headers)
-    with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
-        return bytes(response.read())
-
-
-def torn_uploads(
-    location: Location, options: Mapping[str, Any] | None, under: str
-) -> list[tuple[str, str]] | None:
-    """The incomplete multipart uploads whose key starts with ``under``: ``(key, upload id)``
-    each (``None``: no static credentials to ask with). Raises ``OSError`` when it fails."""
-    body = _signed(location, options, "GET", "", {"uploads": "", "prefix": under})
-    if body is None:
-        return None
-    found = []
-    for upload in ET.fromstring(body).iter():
-        if upload.tag.rpartition("}")[2] != "Upload":
-            continue
-        fields = {child.tag.rpartition("}")[2]: child.text or "" for child in upload}
-        if fields.get("Key") and fields.get("UploadId"):
-            found.append((fields["Key"], fields["UploadId"]))
-    return found
-
-
-def abort_upload(
-    location: Location, options: Mapping[str, Any] | None, key: str, upload_id: str
-) -> None:
-    """Abort the incomplete multipart upload ``upload_id`` of ``key`` (its parts are freed)."""
-    _signed(location, options, "DELETE", key, {"uploadId": upload_id})

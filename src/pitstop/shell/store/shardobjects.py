@@ -7,10 +7,11 @@
 # that rank's write failure, which DCP's gather of the results raises on every rank, and a save
 # whose write returned has every rank's shards uploaded (upload_shards). Rank 0 then writes the
 # manifest, uploads it and DCP's `.metadata`, lists the data folder and writes the one commit
-# object only when the core says every file is there at its size (commit_sharded): a create
-# (If-None-Match: *), or the swap of its own earlier commit of that name (If-Match), whose data
-# objects are deleted after. A failed commit deletes this attempt's data objects (what cannot be
-# deleted is an orphan the next writer's open removes). Reading (ObjectStorage.fetch_files): the
+# object only when the core says every file is there at its size (commit_sharded), as a file's
+# (ObjectStorage.write_commit): a create (If-None-Match: *), or the swap of its own earlier
+# commit of that name (If-Match), whose data objects are deleted after. A failed commit deletes
+# this attempt's data objects (what cannot be deleted is an orphan the next writer's open
+# removes). Reading (ObjectStorage.fetch_files): the
 # commit's files, or only those named (a resume's rank: the manifest, then what its read plan
 # needs), are downloaded to a local folder, each checked against its commit's size; the CRC-32s
 # are checked by the reader (pitstop.shell.store.sharddir.verify_sharded) before DCP reads.
@@ -32,7 +33,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -43,14 +43,11 @@ from typing import Any
 
 import attrs
 
-from pitstop.core.naming import temp_name
+from pitstop.core.naming import temp_name, temp_token
 from pitstop.core.records import CheckpointEntry
 from pitstop.core.s3.objects import (
-    Commit,
     commit_problem,
     data_name,
-    deletion_order,
-    encode_commit,
     failed_uploads,
     failure_name,
     sharded_commit,
@@ -61,7 +58,7 @@ from pitstop.errors import CheckpointCorrupt, SaveError
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.checksums import crc32
 from pitstop.shell.store.objectread import download_files
-from pitstop.shell.store.objectstore import ObjectStorage, token_of
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.storage import FileKind, LocalStorage
 
 __all__ = [
@@ -130,7 +127,7 @@ class NodeUploads:
             return
         temp = self.temp(entry)
         name = _final(temp)
-        folder = data_name(name, token_of(temp, name))
+        folder = data_name(name, temp_token(temp, name))
         rank = min(self.ranks)
         text = f"rank {rank}'s node could not upload its files of {name}: {exc}"
         try:
@@ -153,7 +150,7 @@ def upload_shards(storage: ObjectStorage, directory: Path, table: Iterable[Shard
     wrote) from its local staging folder ``directory`` (``.tmp-<token>-<name>``) to the data
     objects of the checkpoint it will be. Raises ``OSError`` naming the object."""
     name = _final(directory.name)
-    folder = data_name(name, token_of(directory.name, name))
+    folder = data_name(name, temp_token(directory.name, name))
     for file in table:
         storage.put(f"{folder}/{file.name}", directory / file.name, "overwrite")
 
@@ -172,7 +169,7 @@ def upload_node_files(
     of the attempt ``temp`` that rank 0 commits (no lease taken: rank 0 holds it). Their names;
     raises ``OSError`` naming the object."""
     name = _final(temp)
-    folder = data_name(name, token_of(temp, name))
+    folder = data_name(name, temp_token(temp, name))
     mine = set(ranks)
     sent = []
     for file in _table(staged):
@@ -191,7 +188,7 @@ def await_files(storage: ObjectStorage, temp: str, patience: float) -> None:
     each failed writer's rank and cause)."""
     local = storage.path(temp)
     name = _final(temp)
-    folder = data_name(name, token_of(temp, name))
+    folder = data_name(name, temp_token(temp, name))
     others = [f for f in _table(local) if not (local / f.name).is_file()]
     deadline = time.monotonic() + patience
     pause = 0.05
@@ -283,7 +280,7 @@ def commit_sharded(
         manifest = ShardFile(
             name=MANIFEST_NAME, size=len(data), crc32=crc32(memoryview(data)), rank=0
         )
-        commit = sharded_commit(name, token_of(temp, name), (*files, manifest), meta)
+        commit = sharded_commit(name, temp_token(temp, name), (*files, manifest), meta)
         listed = _listed(storage, commit.data)
         for file in commit.files:  # rank 0's own: .metadata and the manifest
             key = f"{commit.data}/{file.name}"
@@ -293,34 +290,9 @@ def commit_sharded(
         problem = commit_problem(commit, listed)
         if problem is not None:
             raise SaveError(f"{storage.location.url(name)} is not committed: {problem}")
-        _commit(storage, commit)
+        storage.write_commit(commit)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-
-
-def _commit(storage: ObjectStorage, commit: Commit) -> None:
-    """Write ``commit`` by one conditional PUT: a create, or the swap of this writer's own
-    earlier commit of its name (by the ETag it saw), whose data objects go after."""
-    name, old = commit.name, None
-    try:
-        seen = storage.etag(name)  # a commit this process read or wrote
-        if seen is not None:
-            with contextlib.suppress(FileNotFoundError):
-                old = storage.commit(name)
-            if old is not None and storage.etag(name) != seen:
-                raise FileExistsError(
-                    f"{storage.location.url(name)} was replaced by another writer"
-                )
-        storage.put(name, encode_commit(commit), "create" if old is None else {"e_tag": seen})
-    except BaseException:
-        for obj in commit.objects():
-            with contextlib.suppress(OSError):
-                storage.delete(obj)
-        raise
-    if old is not None and old.data != commit.data:
-        for obj in deletion_order(old)[1:]:
-            with contextlib.suppress(OSError):
-                storage.delete(obj)
 
 
 def stage_links(source: Path, staged: Path) -> None:

@@ -4,24 +4,36 @@
 # fail any step of a publish. Names are plain entry names inside the one directory — never
 # paths — and LocalStorage refuses anything with a separator, so no operation can reach outside
 # the directory. Temp files are created exclusively (O_EXCL) in the same directory, so a rename
-# to the final name is atomic on a local filesystem.
+# to the final name is atomic on a local filesystem. A reader opens a remote checkpoint as a
+# local copy (fetch), in this process's read cache (reader_cache: made once, removed at exit).
 # How: LocalStorage maps each step to one os call; nothing is cached.
 
 """Storage: the protocol for a checkpoint directory's file operations, and the local one."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import enum
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from pitstop.shell.format.untrusted import read_untrusted
 
-__all__ = ["FileKind", "LocalStorage", "RemoteStorage", "Storage", "WriterLock", "fetch"]
+__all__ = [
+    "FileKind",
+    "LocalStorage",
+    "RemoteStorage",
+    "Storage",
+    "WriterLock",
+    "fetch",
+    "reader_cache",
+]
 
 
 class FileKind(enum.Enum):
@@ -118,6 +130,19 @@ class RemoteStorage(Storage, Protocol):
 def fetch(storage: Storage, name: str) -> Path:
     """A local file holding checkpoint ``name``: its own path, or a fetched copy."""
     return storage.fetch(name) if isinstance(storage, RemoteStorage) else storage.path(name)
+
+
+_READER_CACHE: list[Path] = []
+
+
+def reader_cache() -> Path:
+    """The local directory this process fetches checkpoints to for reading (``load``,
+    ``verify``, ``info``): made on first use, removed at exit (a loaded tensor maps its file)."""
+    if not _READER_CACHE:
+        path = Path(tempfile.mkdtemp(prefix="pitstop-s3-read-"))
+        atexit.register(shutil.rmtree, path, True)
+        _READER_CACHE.append(path)
+    return _READER_CACHE[0]
 
 
 class WriterLock(Protocol):

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import attrs
 
-from pitstop.core.naming import aside_name, temp_name
+from pitstop.core.naming import aside_name, temp_name, temp_token
 from pitstop.core.records import (
     NO_CHECKPOINT,
     Catalog,
@@ -50,7 +50,7 @@ from pitstop.shell.store import shardobjects
 from pitstop.shell.store.atomic import write_atomically
 from pitstop.shell.store.directory import CheckpointDirectory, WriteCheckpoint, scan, verify_any
 from pitstop.shell.store.lease import ObjectLease
-from pitstop.shell.store.objectstore import ObjectStorage, token_of
+from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.sharddir import file_table, publish_sharded
 from pitstop.shell.store.storage import FileKind, Storage, fetch
 
@@ -378,7 +378,7 @@ class TieredDirectory(CheckpointDirectory):
             if took and only is not None and there:
                 shardobjects.place_files(root, path)
             elif took:
-                aside = aside_name(name, token_of(temp, name)) if there else None
+                aside = aside_name(name, temp_token(temp, name)) if there else None
                 publish_sharded(self.storage, temp, name, aside=aside)
         except (CheckpointCorrupt, OSError, SaveError) as exc:
             return f"{name} from the remote tier {self.remote.url}: {exc}"
