@@ -7,7 +7,12 @@ about ``--size-mib`` MiB in all. The nodes are simulated in-process, by the code
 mount-namespace harness of the tests (tests/nodes.py) takes too: each rank is given a directory
 of its own (``ROOT/node<R>/...``), so pitstop's probe finds that the ranks share no directory,
 exactly as on two machines with local disks; "1 node" gives both ranks one directory. Both
-share this machine's disk and CPUs (a real second node brings its own).
+share this machine's disk and CPUs (a real second node brings its own): each worker runs torch's
+CPU work (a copy into staging buffers) on its node's half of the CPUs' threads, in both layouts,
+as torchrun sets ``OMP_NUM_THREADS=1`` for several ranks on one machine. Two teams of all the
+CPUs' OpenMP threads on the same cores oversubscribe them: a 64 MiB copy made by both ranks at
+once then took 3-13x one made alone (one thread each: 1.0-1.3x; alone, 1 thread or 2 took the
+same, 7-9 ms: the copy is memory-bound).
 
 * *save, 1 node*: ``Checkpointer(ROOT/shared/...).save(p)`` on both ranks: rank 0 writes the
   one file (rank 1's per-rank part gathered to it);
@@ -163,6 +168,7 @@ def worker(rank: int, root: Path, size_mib: int, tensors: int, repeats: int, out
 
     import pitstop
 
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))  # its node's share
     dist.init_process_group("gloo", rank=rank, world_size=2)
     phases = Phases()
     split: dict[str, list[dict[str, float]]] = {"1 node": [], "2 nodes": [], "catch-up": []}

@@ -320,6 +320,7 @@ def train(args: argparse.Namespace, rank: int, world: int, distributed: bool) ->
                     saved = ckpt.maybe_save(progress, stop=stop, metrics=metrics)
                     if saved is not None:
                         report(args.report, f"saved {saved.step}")
+                        report(args.report, f"save collectives {ckpt._ranks._round}")
                     if stop or progress.step >= args.target:
                         break
                 else:

@@ -94,6 +94,9 @@ class Run:
             nodes[index].signal(local, signal.SIGTERM)
             for finished in nodes.wait(TIMEOUT):
                 finished.check()
+                for local in range(self.per_node):  # the save at step 3: as many rounds as on
+                    said = finished.lines(local)  # one node (rank 1's plan rides the parts')
+                    assert said[said.index("saved 3") + 1] == "save collectives 4", said
         results = self.outputs(out)
         assert [r["progress"][0] for r in results] == [at] * self.ranks
         assert results[rank]["stop_reason"] == "SIGTERM"

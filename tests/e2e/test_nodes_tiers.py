@@ -18,6 +18,8 @@ Each wait is bounded; every process and the server are ended when a test ends, p
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import signal
 import uuid
@@ -349,6 +351,44 @@ def test_sharded_state_on_nodes_is_uploaded_by_every_node_and_committed_by_rank_
         for key in SHARDED_COMPARED:
             assert_same(before[key], after[key], f"rank {rank} {key}")
     assert remote_steps(url) == [4, SHARDED_TARGET]
+
+
+@needs_nodes
+@pytest.mark.slow  # two node jobs: ~30 s (without a tier: tests/e2e/test_nodes_sharded.py)
+def test_shards_lost_on_every_node_and_absent_from_the_remote_tier_are_one_error_naming_them(
+    tmp_path: Path, url: str
+) -> None:
+    """Node 1 wiped (its rank's shards on no node now) and every commit of the remote tier
+    deleted: no checkpoint is complete on the nodes or in the tier, and the resume is one
+    ``CheckpointCorrupt`` on every rank naming each step and the lost shard — never a fresh
+    start, never a wait."""
+    no_failed_upload(sharded_run(tmp_path, url))
+    node1 = tmp_path / "node1" / "ckpt"
+    lost = {p.name for p in node1.glob("step_*/__*.distcp")}
+    assert len(lost) == 1, lost  # one rank per node: its shard of every step
+    kept = sorted(int(p.name[5:]) for p in (tmp_path / "node0" / "ckpt").glob("step_*"))
+    assert kept == [2, 4, SHARDED_TARGET], kept
+    shutil.rmtree(node1)  # a new machine
+    storage = ObjectStorage(url)
+    try:
+        for step in remote_steps(url):
+            storage.delete(f"step_{step:012d}")  # its commit: the tier lacks it
+    finally:
+        storage.close()
+    assert remote_steps(url) == []
+    with sharded_nodes(tmp_path, url, "second", "--target", str(SHARDED_TARGET)) as running:
+        finished = running.wait(TIMEOUT)
+    (shard,) = lost
+    for node in finished:  # every rank, the same error
+        said = [line for line in node.lines(0) if line.startswith("error ")]
+        assert len(said) == 1, node.describe()
+        assert said[0].startswith("error CheckpointCorrupt"), said
+        message = json.loads(said[0].split(" ", 2)[2])
+        assert "no checkpoint is complete across the nodes' directories" in message, message
+        for step in kept:
+            assert re.search(rf"step {step} \(step_{step:012d}\): [^;]*{shard}", message), message
+        assert not [line for line in node.lines(0) if line.startswith("resumed")], said
+    assert not node1.exists() or not list(node1.glob("step_*")), "nothing was made up"
 
 
 def resume_from_the_tier(tmp_path: Path, url: str, wiped: tuple[int, ...]) -> None:

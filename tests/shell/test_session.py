@@ -6,6 +6,7 @@ below is the one the test names — never a race that usually goes one way.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import pitstop
 from pitstop import Checkpointer, Progress, SaveReason
 from pitstop.core.session import Phase, SaveStatus
 from pitstop.errors import DirectoryLocked, SaveError
+from pitstop.shell.session import SaveSession
 from tinyrun import same, train_step, trained, weights
 from writergate import OPENER_TIMEOUT, TIMEOUT, WriterGate
 
@@ -203,3 +205,74 @@ def test_a_background_save_that_only_moves_pointers(tmp_path: Path, mode: bool |
         assert final.path == written.path
         assert final.published
     assert (tmp_path / "final").resolve() == written.path.resolve()
+
+
+class _Watched(threading.Condition):
+    """A session's condition that says each time the writer thread starts to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writer_waits = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if threading.current_thread().name == "pitstop-writer":
+            self.writer_waits.set()
+        return super().wait(timeout)
+
+
+def _settled(session: SaveSession, ticket: int) -> SaveStatus:
+    """``session.wait_for(ticket)``, bounded: a held job never let go fails, never hangs."""
+    got: list[SaveStatus] = []
+    waiter = threading.Thread(target=lambda: got.append(session.wait_for(ticket)), daemon=True)
+    waiter.start()
+    waiter.join(TIMEOUT)
+    assert got, f"save {ticket} never settled"
+    return got[0]
+
+
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_a_write_handed_over_while_held_starts_only_once_the_hold_ends(
+    tmp_path: Path, ends: str
+) -> None:
+    """A save written by several nodes' writers: the writer thread looks at the job handed
+    over inside ``holding`` and waits again without starting it; it starts once the block
+    ends, on either path (pitstop.core.ranks.copies)."""
+    session = SaveSession(tmp_path, background=True)
+    watched = session._cond = _Watched()
+    ran: list[int] = []
+    try:
+        ticket = session.begin(1, "step_000000000001.pitstop", None)
+        session.hand_over(lambda: ran.append(1), None)  # not held: it runs
+        assert _settled(session, ticket) is SaveStatus.PUBLISHED
+        raises = pytest.raises(RuntimeError) if ends == "raises" else contextlib.nullcontext()
+        with raises, session.holding(True):
+            ticket = session.begin(2, "step_000000000002.pitstop", None)
+            with watched:  # the writer wakes for the job only once this lets go
+                session.hand_over(lambda: ran.append(2), None)
+                watched.writer_waits.clear()
+            assert watched.writer_waits.wait(TIMEOUT)  # it looked, and waits again
+            assert ran == [1]
+            if ends == "raises":
+                raise RuntimeError("a round failed")
+        assert _settled(session, ticket) is SaveStatus.PUBLISHED
+        assert ran == [1, 2]
+    finally:
+        assert session.close() is None
+
+
+def test_a_job_handed_over_before_the_hold_is_not_held(
+    tmp_path: Path, writer_gate: WriterGate
+) -> None:
+    """The previous save's job, not yet taken when the next save's call holds its own, still
+    runs (the next save's plan waits for it: holding it would never end)."""
+    session = SaveSession(tmp_path, background=True)
+    ran: list[int] = []
+    try:
+        ticket = session.begin(1, "step_000000000001.pitstop", None)
+        session.hand_over(lambda: ran.append(1), None)  # the writer waits at its gate
+        with session.holding(True):
+            writer_gate.open()
+            assert _settled(session, ticket) is SaveStatus.PUBLISHED
+        assert ran == [1]
+    finally:
+        assert session.close() is None

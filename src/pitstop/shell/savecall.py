@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 
 from pitstop.core.ranks import CallInput, DirectoryGroups, merge_inputs, stop_origin
+from pitstop.core.ranks.copies import copy_role
 from pitstop.core.records import Policy, Progress, SaveReason
 from pitstop.core.saving.schedule import Call, foresees_write
 from pitstop.shell.checkpoint import call_input
@@ -202,12 +203,14 @@ class SaveCalls:
         self, groups: DirectoryGroups, write: Callable[[Any], int], follow: Callable[[], object]
     ) -> int:
         """Every rank's part to every directory's writer, which plans rank 0's decision on its
-        own directory (``follow``; rank 0 planned it already: agreed first, so that a failed
-        background save of any writer's is raised everywhere before any copy is written) and
-        writes its copy (``write``); the save counts once every copy is published (agreed)."""
-        ranks = self.ranks
-        ranks.each(lambda: follow() if groups.writes(ranks.rank) and not ranks.leader else None)
-        return gather_to_writers(ranks, groups, rank_state(self.live), write) or 0
+        own directory (``follow``, in that round: its outcome agreed before any copy is
+        written) and writes its copy (``write``); the save counts once every copy is published
+        (agreed). The roles are the core's (:func:`copy_role`): a background write is held
+        until that last round has passed here, when several writers write."""
+        role = copy_role(groups, self.ranks.rank)
+        first = follow if role.follows else (lambda: None)
+        with self.saver.session.holding(role.holds):
+            return gather_to_writers(self.ranks, groups, rank_state(self.live), write, first) or 0
 
     def _quick(
         self, each: Callable[[], CallInput], decide: Callable[[CallInput], bool]

@@ -8,7 +8,9 @@
 # the step and the file. Deferred copies (overlap mode) are taken by whichever thread needs
 # them first: the writer when it gets to them, or the loop at its next optimizer step — so the
 # loop never waits for a writer thread that has not been scheduled yet; a Ctrl-C while the loop
-# makes them is raised there, the save abandoned (undone by the next call). A Ctrl-C while close()
+# makes them is raised there, the save abandoned (undone by the next call). A job handed over
+# while the call holds it (holding: a save written by several nodes' writers, until its last
+# round) waits for the call to let go. A Ctrl-C while close()
 # waits for the writer does not stop the writer: close waits on, then raises it; a second one is
 # raised at once, with the save still in flight, so the directory must stay locked
 # (may_release) until a later close() has waited for it.
@@ -22,10 +24,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,8 @@ class SaveSession:
         self._copy: Copy | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._holding = False  # a job handed over now waits for the end of :meth:`holding`
+        self._held = 0  # the ticket of the job that waits (0: none)
 
     @property
     def state(self) -> Session:
@@ -164,7 +169,22 @@ class SaveSession:
             self._state = advance(self._state, Event.DEFER if copy else Event.CAPTURED)
             self._copy = copy
             self._job = (self._state.ticket, write)
+            self._held = self._state.ticket if self._holding else 0
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def holding(self, hold: bool) -> Iterator[None]:
+        """``hold``: the writer starts no job handed over inside this block before the block
+        ends, on any path (a save's last round passed: pitstop.core.ranks.copies); an earlier
+        save's job is never held."""
+        with self._cond:
+            self._holding = hold
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holding, self._held = False, 0
+                self._cond.notify_all()
 
     def _start_writer(self) -> threading.Thread:
         thread = threading.Thread(target=_work, args=(self,), name="pitstop-writer", daemon=True)
@@ -280,7 +300,7 @@ class SaveSession:
 
     def _next_job(self) -> tuple[int, Callable[[], None]] | None:
         with self._cond:
-            while self._job is None and not self._stopping:
+            while (self._job is None or self._job[0] == self._held) and not self._stopping:
                 self._cond.wait()
             job, self._job = self._job, None
             return job

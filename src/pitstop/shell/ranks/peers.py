@@ -7,8 +7,8 @@
 # directory_groups). Every rank then removes its own probe — after the second round, so that no
 # rank looks for a probe already gone. Each group's lowest rank writes its directory's copy of
 # every checkpoint: every rank's own part (RNG streams, per-rank components) reaches every writer
-# (an all-gather of the packed parts, where one directory needs a gather to rank 0 alone), and the
-# save counts once every writer has published it (the outcome agreed in one more round). A copy
+# (an all-gather, where one directory needs a gather to rank 0 alone; the writers' plans agreed in
+# it), and the save counts once every writer has published it (agreed in one more round). A copy
 # sent with ``stream`` (every catch-up copy) travels over a direct TCP stream when both
 # writers agree to one (pitstop.shell.ranks.stream), PIECE bytes at a time, one piece in memory
 # on each side (the kernel's socket buffers overlap them); header and trailer stay on the group,
@@ -121,12 +121,15 @@ def probe_groups(
 
 
 def gather_to_writers(
-    ranks: Ranks, groups: DirectoryGroups, value: object, work: Callable[[list[Any]], T]
+    ranks: Ranks,
+    groups: DirectoryGroups,
+    value: object,
+    work: Callable[[list[Any]], T],
+    first: Callable[[], object] = lambda: None,
 ) -> T | None:
-    """Every rank: every rank's state tree (``value``) to every writer, which runs
-    ``work(trees)`` (its own tree as it is, the others unpacked: storage sharing intact); the
-    outcome is agreed, so one writer's failure is raised on every rank. ``None`` off writers."""
-    packed = ranks.all_gather_each(lambda: pack_state(value), box=PART_BOX)
+    """Every rank: ``first()``, then every rank's tree (``value``) to every writer (agreed), which
+    runs ``work(trees)`` (its own as it is, the rest unpacked), agreed too; ``None`` off writers."""
+    packed = ranks.all_gather_each(lambda: (first(), pack_state(value))[1], box=PART_BOX)
     writes = groups.writes(ranks.rank)
 
     def write() -> T | None:
