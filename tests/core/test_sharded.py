@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name
+from pitstop.core.naming import MAX_STEP, NOT_A_CHECKPOINT, checkpoint_name
 from pitstop.core.sharding.layoutwire import layout_from_wire, layout_to_wire
 from pitstop.core.sharding.sharded import (
     LiveValue,
@@ -22,6 +22,8 @@ from pitstop.core.sharding.sharded import (
     file_problem,
     files_for,
     fresh_optimizers,
+    guess_holds,
+    guessed_first,
     layout_differences,
     parse_sharded_name,
     sharded_name,
@@ -268,3 +270,21 @@ def test_every_difference_is_listed_within_the_components_loaded() -> None:
     assert layout_differences(layout(), lr_as_tensor) == [
         "optimizer.param_groups.0.lr: the checkpoint holds not a tensor here"
     ]
+
+
+@given(st.integers(0, MAX_STEP), st.text(max_size=30))
+def test_a_rank_guesses_only_a_plain_sharded_name_and_uses_it_for_that_candidate_alone(
+    step: int, other: str
+) -> None:
+    """The start before rank 0's order: a pointer's link is trusted as a guess only as a plain
+    ``step_<digits>`` name (never a path, a file or a foreign name), and the start serves the
+    candidate of that very name only."""
+    name = sharded_name(step)
+    assert guessed_first(name) == name
+    for hostile in (f"../{name}", f"{name}/", f"/x/{name}", checkpoint_name(step), name + "x"):
+        assert guessed_first(hostile) is None
+    guessed = guessed_first(other)
+    assert guessed == (other if isinstance(parse_sharded_name(other), int) else None)
+    assert guess_holds(name, name)
+    assert not guess_holds(None, name)
+    assert guess_holds(name, other) == (other == name)

@@ -53,7 +53,8 @@ from pitstop.shell.nodes import choose_across, choose_path_across, fetch_for_rea
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import choose_sharded_across, choose_sharded_path_across
-from pitstop.shell.sharded.choice import choose_sharded, plan_of
+from pitstop.shell.sharded.candidate import plan_of
+from pitstop.shell.sharded.choice import choose_sharded
 from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,

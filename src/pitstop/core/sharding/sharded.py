@@ -17,7 +17,9 @@
 # verified once, by one of the ranks that read it (share_checks: ranks read bits of many files —
 # replicated values are stored once — so each checking all it reads would read the checkpoint
 # about once per rank). What is live is compared with what is stored before any tensor is
-# touched, every difference listed.
+# touched, every difference listed. A resume's ranks may start checking the checkpoint their
+# pointer links to before rank 0's resume order arrives (guessed_first: a plain sharded name
+# only); the start is used only for the candidate it guessed (guess_holds), else dropped.
 # How: frozen records and pure functions; the shell turns DCP's objects into these and back.
 
 """Sharded (DCP) checkpoint directories: their names, layout records and pure checks."""
@@ -46,6 +48,8 @@ __all__ = [
     "file_problem",
     "files_for",
     "fresh_optimizers",
+    "guess_holds",
+    "guessed_first",
     "layout_differences",
     "parse_sharded_name",
     "regions_for",
@@ -258,6 +262,21 @@ def early_checks(layout: ShardedLayout, rank: int, world_size: int) -> tuple[str
     if layout.world_size != world_size:
         return ()
     return tuple(sorted(f.name for f in layout.files if f.rank == rank))
+
+
+def guessed_first(target: str) -> str | None:
+    """The sharded checkpoint a rank starts checking before rank 0's resume order arrives:
+    the one its pointer links to (``target``, as read from the link, untrusted) — only a
+    plain ``step_<digits>`` name; ``None`` for anything else (a file, a path, a foreign
+    name), and the rank waits for the order instead."""
+    return target if isinstance(parse_sharded_name(target), int) else None
+
+
+def guess_holds(guessed: str | None, candidate: str) -> bool:
+    """Whether the start on ``guessed`` (:func:`guessed_first`) serves ``candidate``, the
+    checkpoint the ranks try now: the same name only (else it is dropped, and the candidate
+    read as if nothing had been guessed)."""
+    return guessed is not None and guessed == candidate
 
 
 def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:
