@@ -12,12 +12,15 @@ from hypothesis import strategies as st
 
 from pitstop.core.naming import MAX_STEP, NOT_A_CHECKPOINT, checkpoint_name
 from pitstop.core.sharding.layoutwire import layout_from_wire, layout_to_wire
+from pitstop.core.sharding.shardcover import DIRECTORIES
 from pitstop.core.sharding.sharded import (
+    FRESH_OPTIMIZERS,
     LiveValue,
     ShardedLayout,
     ShardFile,
     StoredChunk,
     StoredValue,
+    adopts_in_copy_round,
     early_checks,
     file_problem,
     files_for,
@@ -26,6 +29,7 @@ from pitstop.core.sharding.sharded import (
     guessed_first,
     layout_differences,
     parse_sharded_name,
+    sharded_meta,
     sharded_name,
     share_checks,
     writer_checks,
@@ -288,3 +292,30 @@ def test_a_rank_guesses_only_a_plain_sharded_name_and_uses_it_for_that_candidate
     assert guess_holds(name, name)
     assert not guess_holds(None, name)
     assert guess_holds(name, other) == (other == name)
+
+
+@given(st.booleans(), st.booleans(), st.booleans())
+def test_rank_0_adopts_in_the_copy_s_round_only_where_it_ends_the_resume_of_one_plain_directory(
+    checked: bool, one: bool, plain: bool
+) -> None:
+    """The schedule rides the copy's round only where that round ends the resume (a checked
+    read), in one directory every rank shares, whose adopting reads and writes nothing."""
+    folded = adopts_in_copy_round(
+        checked_read=checked, one_directory=one, adopting_reads_nothing=plain
+    )
+    assert folded == (checked and one and plain)
+
+
+@given(
+    st.dictionaries(st.sampled_from(["a", "b"]), st.integers()),
+    st.lists(st.sampled_from(["optimizer", "other"]), unique=True),
+    st.lists(st.lists(st.integers(0, 7), min_size=1), max_size=3),
+)
+def test_a_sharded_manifest_s_meta_names_its_fresh_optimizers_and_homes_only_when_there_are(
+    meta: dict[str, object], fresh: list[str], homes: list[list[int]]
+) -> None:
+    out = sharded_meta(dict(meta), fresh, homes)
+    assert {k: v for k, v in out.items() if k in meta} == meta
+    assert fresh_optimizers(out) == tuple(fresh)
+    assert (FRESH_OPTIMIZERS in out) == bool(fresh)
+    assert out.get(DIRECTORIES, []) == homes

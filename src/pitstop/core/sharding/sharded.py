@@ -32,7 +32,7 @@ from typing import Final
 import attrs
 
 from pitstop.core.naming import parse_sharded_name, sharded_name
-from pitstop.core.sharding.shardcover import cover_problem, paths_problem
+from pitstop.core.sharding.shardcover import DIRECTORIES, cover_problem, paths_problem
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "ShardedLayout",
     "StoredChunk",
     "StoredValue",
+    "adopts_in_copy_round",
     "cover_problem",
     "early_checks",
     "file_problem",
@@ -53,6 +54,7 @@ __all__ = [
     "layout_differences",
     "parse_sharded_name",
     "regions_for",
+    "sharded_meta",
     "sharded_name",
     "share_checks",
     "writer_checks",
@@ -279,6 +281,18 @@ def guess_holds(guessed: str | None, candidate: str) -> bool:
     return guessed is not None and guessed == candidate
 
 
+def adopts_in_copy_round(
+    *, checked_read: bool, one_directory: bool, adopting_reads_nothing: bool
+) -> bool:
+    """Whether rank 0 works out its schedule after a sharded resume inside the round that
+    agrees every rank's copy, and keeps it after with no round of its own: only where that
+    round ends the resume (a ``checked_read``: the copy is the last step that can fail, so a
+    failed resume never turns the first save's refusal off), in ``one_directory`` every rank
+    shares (rank 0 its one writer), whose adopting ``reads_nothing`` (a plain local
+    directory: not a tiered one, not an object store). Elsewhere it has a round of its own."""
+    return checked_read and one_directory and adopting_reads_nothing
+
+
 def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:
     """Whether every file some rank reads (``reads[r]``: rank ``r``'s) is read by the rank
     that wrote it too — so that each rank's :func:`writer_checks` verify them all."""
@@ -289,6 +303,16 @@ def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:
         for names in read
         for n in names
     )
+
+
+def sharded_meta(
+    meta: dict[str, object], fresh: Sequence[str], homes: Sequence[Sequence[int]] = ()
+) -> dict[str, object]:
+    """A sharded checkpoint's manifest ``meta`` naming the optimizers that had no state when
+    its save began (``fresh``, under :data:`FRESH_OPTIMIZERS`), and the ranks sharing each
+    directory (``homes``, under ``DIRECTORIES``: where they do not all share one)."""
+    meta = {**meta, DIRECTORIES: [list(g) for g in homes]} if homes else meta
+    return {**meta, FRESH_OPTIMIZERS: list(fresh)} if fresh else meta
 
 
 def fresh_optimizers(meta: Mapping[str, object]) -> tuple[str, ...]:

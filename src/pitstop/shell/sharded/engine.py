@@ -273,6 +273,7 @@ def read_sharded(
     ema: nn.Module | None = None,
     checked: Checked | None = None,
     before: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
     directory, all or nothing (the ``ema`` only when the checkpoint holds one).
@@ -293,12 +294,13 @@ def read_sharded(
     verified): the state is applied, then its tensors copied in; DCP reads nothing.
     ``before``: run on every rank just before the apply, agreed in the same round (a
     resume's restore of the replicated state: the caller undoes it when this raises).
+    ``after``: run on every rank just after a ``checked`` read's copy, agreed in its round.
     """
     root = Path(directory)
     if checked is not None:
         if chosen is None:
             raise ValueError("a checked read is applied with the plan it was checked with")
-        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema, before)
+        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema, before, after)
         return chosen.layout
     with FreshOptimizers(optimizers) as fresh:
         if chosen is not None:
@@ -331,10 +333,12 @@ def _apply_checked(
     checked: Checked,
     ema: nn.Module | None,
     before: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
 ) -> None:
     """Every rank: apply ``chosen``'s state — its tensors the live ones, unwritten yet, its
     other values as read — all or nothing (each optimizer's own state and groups kept by
-    reference); then the checked read's tensors copied into the live ones."""
+    reference); then the checked read's tensors copied into the live ones (and ``after()``,
+    in the same round)."""
     with FreshOptimizers(optimizers) as fresh:
         _, stored_fresh, state = _chosen(root, chosen)  # it fits: the resume checked it
         kept = _Kept(state, optimizers, only=())  # no tensor is written before the copy
@@ -346,7 +350,8 @@ def _apply_checked(
             checked.close()
             kept.put_back()
             raise
-        ranks.each(checked.copy)  # verified on every rank: only an I/O error stops it
+        copy = checked.copy if after is None else partial(_then, checked.copy, after)
+        ranks.each(copy)  # verified on every rank: only an I/O error stops it
         fresh.keep()
 
 
