@@ -20,7 +20,7 @@ from pitstop.core.sharding.sharded import (
     ShardFile,
     StoredChunk,
     StoredValue,
-    adopts_in_copy_round,
+    adopts_without_round,
     early_checks,
     file_problem,
     files_for,
@@ -298,9 +298,10 @@ def test_a_rank_guesses_only_a_plain_sharded_name_and_uses_it_for_that_candidate
 def test_rank_0_adopts_in_the_copy_s_round_only_where_it_ends_the_resume_of_one_plain_directory(
     checked: bool, one: bool, plain: bool
 ) -> None:
-    """The schedule rides the copy's round only where that round ends the resume (a checked
-    read), in one directory every rank shares, whose adopting reads and writes nothing."""
-    folded = adopts_in_copy_round(
+    """The schedule needs no round of its own only where the copy's round ends the resume (a
+    checked read), in one directory every rank shares, whose adopting reads and writes
+    nothing."""
+    folded = adopts_without_round(
         checked_read=checked, one_directory=one, adopting_reads_nothing=plain
     )
     assert folded == (checked and one and plain)

@@ -149,7 +149,7 @@ def test_a_resume_that_checks_its_own_files_takes_four_rounds(
     straight: Run, tmp_path: Path
 ) -> None:
     """Rank 0's settle with the resume order, the checks with the comparison, the restore with
-    the apply, and the copy with rank 0's schedule: four of pitstop's collectives on every
+    the apply and rank 0's schedule, and the copy: four of pitstop's collectives on every
     rank."""
     again = train(copy_run(straight, tmp_path), tmp_path / "again")
     for rank in range(2):

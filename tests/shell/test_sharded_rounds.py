@@ -57,12 +57,13 @@ def test_a_fault_comparing_the_chosen_checkpoint_is_raised_with_nothing_touched(
         assert again.resume().step == 2  # and the same checkpoint resumes once it compares
 
 
-def test_rank_0_s_schedule_moves_on_in_the_copy_s_round_only_once_the_copy_succeeded(
+def test_rank_0_s_schedule_moves_on_without_a_round_only_once_the_copy_succeeded(
     group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The copy (the last step that can fail) fails: the resume raises and the first save is
-    still refused (the directory held checkpoints at open), rank 0's schedule unmoved. It
-    succeeds: the schedule worked out in that round is kept, and the run saves on."""
+    still refused (the directory held checkpoints at open), rank 0's schedule unmoved though
+    worked out in the apply's round. It succeeds: that schedule is kept, and the run saves
+    on."""
     from pitstop.shell.sharded import rawread
 
     root = tmp_path / "checkpoints"

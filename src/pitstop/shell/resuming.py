@@ -21,7 +21,7 @@
 # restored it (pitstop.shell.state.freshopt). Only a resume that succeeded on every rank moves
 # rank 0's schedule on (the first save's refusal off): after it, in a round of its own — or, where
 # the copy's round ends the resume in one plain local directory (core.sharding.sharded.
-# adopts_in_copy_round), worked out inside that round and kept once it agreed.
+# adopts_without_round), worked out in the apply's round and kept once the copy's agreed.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -46,7 +46,7 @@ from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.s3.objects import is_object_url
 from pitstop.core.schema import STATE
-from pitstop.core.sharding.sharded import adopts_in_copy_round
+from pitstop.core.sharding.sharded import adopts_without_round
 from pitstop.errors import (
     IncompatibleCheckpoint,
     ResumeWarning,
@@ -101,8 +101,8 @@ def resume_from(
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
     """Restore ``live`` from ``source`` on every rank; the path restored and its entry; then
     the ``saver``'s schedule after it, on its writers (``Saver.resumed``) — rank 0's worked
-    out in the copy's round where that round ends the resume (the core's
-    adopts_in_copy_round), else in a round of its own.
+    out in the apply's round and kept once the copy's round agreed, where that round ends the
+    resume (the core's adopts_without_round), else in a round of its own.
 
     ``(None, NO_CHECKPOINT)``: nothing to resume, nothing touched. Raises
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
@@ -114,7 +114,7 @@ def resume_from(
     ``then()`` in it (its result returned on every rank): a sharded choice's resume order
     travels in it.
     """
-    kept: list[Callable[[], None]] = []  # rank 0's schedule, worked out in the copy's round
+    kept: list[Callable[[], None]] = []  # rank 0's schedule, worked out in the apply's round
     adopting = partial(_adopting, saver, kept, ranks.leader) if saver is not None else None
     path, entry, folded = _restored(
         source, strict, live, ranks, directory, may_change, sharded, groups, settle, adopting
@@ -151,8 +151,8 @@ def _restored(
     settle: Callable[[Callable[[], Any] | None], Any] | None,
     adopting: Callable[[CheckpointEntry | NoCheckpoint], None] | None,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint, bool]:
-    """:func:`resume_from`'s restore; and whether ``adopting(entry)`` ran in the copy's round
-    (on every rank: the copy's round ended the resume)."""
+    """:func:`resume_from`'s restore; and whether ``adopting(entry)`` ran in the apply's
+    round (on every rank; the copy's round that ended the resume agreed after it)."""
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with (
         FreshOptimizers(sharded_components(live) if sharded else {}) as fresh,
@@ -226,7 +226,7 @@ def _restored(
         same_world = stored_world_size(meta) == ranks.world_size
         restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
         plain = not isinstance(directory, TieredDirectory)
-        folded = adopting is not None and adopts_in_copy_round(
+        folded = adopting is not None and adopts_without_round(
             checked_read=checked is not None,
             one_directory=groups is None or groups.shared,
             adopting_reads_nothing=plain and not isinstance(directory.storage, RemoteStorage),
@@ -250,7 +250,7 @@ def _restored(
                     ema=live.ema,
                     checked=checked,
                     before=restore.prepare,  # agreed in the apply's round
-                    after=after,  # in the copy's
+                    after=after,  # in its round too; kept once the copy's round agreed
                 )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too

@@ -43,7 +43,7 @@ __all__ = [
     "ShardedLayout",
     "StoredChunk",
     "StoredValue",
-    "adopts_in_copy_round",
+    "adopts_without_round",
     "cover_problem",
     "early_checks",
     "file_problem",
@@ -281,15 +281,16 @@ def guess_holds(guessed: str | None, candidate: str) -> bool:
     return guessed is not None and guessed == candidate
 
 
-def adopts_in_copy_round(
+def adopts_without_round(
     *, checked_read: bool, one_directory: bool, adopting_reads_nothing: bool
 ) -> bool:
-    """Whether rank 0 works out its schedule after a sharded resume inside the round that
-    agrees every rank's copy, and keeps it after with no round of its own: only where that
-    round ends the resume (a ``checked_read``: the copy is the last step that can fail, so a
-    failed resume never turns the first save's refusal off), in ``one_directory`` every rank
-    shares (rank 0 its one writer), whose adopting ``reads_nothing`` (a plain local
-    directory: not a tiered one, not an object store). Elsewhere it has a round of its own."""
+    """Whether rank 0 works out its schedule after a sharded resume in the apply's round and
+    keeps it with no round of its own once the round that agrees every rank's copy agreed:
+    only where that round ends the resume (a ``checked_read``: the copy is the last step that
+    can fail, so a failed resume never turns the first save's refusal off), in
+    ``one_directory`` every rank shares (rank 0 its one writer), whose adopting
+    ``reads_nothing`` (a plain local directory: not a tiered one, not an object store).
+    Elsewhere it has a round of its own after the resume."""
     return checked_read and one_directory and adopting_reads_nothing
 
 

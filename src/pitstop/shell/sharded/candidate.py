@@ -136,7 +136,7 @@ def guess(directory: CheckpointDirectory, pointer: PointerName, ranks: Ranks) ->
         path = storage.path(name)
         seen = _seen(path)
         read = engine.read_layout(path)
-    except (CheckpointCorrupt, OSError, ValueError):
+    except Exception:  # only a guess: the candidate's own read tells what is wrong
         return None
     begun = Started(path, read[0], early_checks(read[0], ranks.rank, ranks.world_size))
     return Guess(path, seen, read, begun)

@@ -15,7 +15,9 @@
 # found a problem; where a rank's state does not fit the layout, the files are verified alone.
 # On object storage each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
-# too), each checked as it arrives; its folder is removed when the candidate is skipped.
+# too), each checked as it arrives; its folder is removed when the candidate is skipped. In a
+# local directory each rank starts on the checkpoint its pointer links to even before the order
+# arrives (pitstop.shell.sharded.candidate.guess), used only if that is the candidate.
 # How: functions over the directory, the ranks and the live state; the resume's reader is a
 # Reading (pitstop.shell.resumeread.ResumeRead is one).
 
