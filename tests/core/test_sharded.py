@@ -10,20 +10,26 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.core.naming import NOT_A_CHECKPOINT, checkpoint_name
+from pitstop.core.naming import MAX_STEP, NOT_A_CHECKPOINT, checkpoint_name
 from pitstop.core.sharding.layoutwire import layout_from_wire, layout_to_wire
+from pitstop.core.sharding.shardcover import DIRECTORIES
 from pitstop.core.sharding.sharded import (
+    FRESH_OPTIMIZERS,
     LiveValue,
     ShardedLayout,
     ShardFile,
     StoredChunk,
     StoredValue,
+    adopts_without_round,
     early_checks,
     file_problem,
     files_for,
     fresh_optimizers,
+    guess_holds,
+    guessed_first,
     layout_differences,
     parse_sharded_name,
+    sharded_meta,
     sharded_name,
     share_checks,
     writer_checks,
@@ -268,3 +274,49 @@ def test_every_difference_is_listed_within_the_components_loaded() -> None:
     assert layout_differences(layout(), lr_as_tensor) == [
         "optimizer.param_groups.0.lr: the checkpoint holds not a tensor here"
     ]
+
+
+@given(st.integers(0, MAX_STEP), st.text(max_size=30))
+def test_a_rank_guesses_only_a_plain_sharded_name_and_uses_it_for_that_candidate_alone(
+    step: int, other: str
+) -> None:
+    """The start before rank 0's order: a pointer's link is trusted as a guess only as a plain
+    ``step_<digits>`` name (never a path, a file or a foreign name), and the start serves the
+    candidate of that very name only."""
+    name = sharded_name(step)
+    assert guessed_first(name) == name
+    for hostile in (f"../{name}", f"{name}/", f"/x/{name}", checkpoint_name(step), name + "x"):
+        assert guessed_first(hostile) is None
+    guessed = guessed_first(other)
+    assert guessed == (other if isinstance(parse_sharded_name(other), int) else None)
+    assert guess_holds(name, name)
+    assert not guess_holds(None, name)
+    assert guess_holds(name, other) == (other == name)
+
+
+@given(st.booleans(), st.booleans(), st.booleans())
+def test_rank_0_adopts_in_the_copy_s_round_only_where_it_ends_the_resume_of_one_plain_directory(
+    checked: bool, one: bool, plain: bool
+) -> None:
+    """The schedule needs no round of its own only where the copy's round ends the resume (a
+    checked read), in one directory every rank shares, whose adopting reads and writes
+    nothing."""
+    folded = adopts_without_round(
+        checked_read=checked, one_directory=one, adopting_reads_nothing=plain
+    )
+    assert folded == (checked and one and plain)
+
+
+@given(
+    st.dictionaries(st.sampled_from(["a", "b"]), st.integers()),
+    st.lists(st.sampled_from(["optimizer", "other"]), unique=True),
+    st.lists(st.lists(st.integers(0, 7), min_size=1), max_size=3),
+)
+def test_a_sharded_manifest_s_meta_names_its_fresh_optimizers_and_homes_only_when_there_are(
+    meta: dict[str, object], fresh: list[str], homes: list[list[int]]
+) -> None:
+    out = sharded_meta(dict(meta), fresh, homes)
+    assert {k: v for k, v in out.items() if k in meta} == meta
+    assert fresh_optimizers(out) == tuple(fresh)
+    assert (FRESH_OPTIMIZERS in out) == bool(fresh)
+    assert out.get(DIRECTORIES, []) == homes

@@ -10,6 +10,7 @@ fallback restores the same state, and a resume reads no tensor with torch.load o
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,78 @@ def test_a_resume_reads_no_tensor_with_torch_load_and_its_fallback_restores_the_
     assert len([v for v in loads if isinstance(v, torch.Tensor)]) >= len(expected)
     for key, value in expected.items():
         assert torch.equal(fallback[key], value), key
+
+
+def test_items_of_a_file_checked_early_are_found_as_its_check_reads_past_them(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The items of the file the rank wrote are found while its check still reads: each once
+    the check's stream has passed it (its pages read), all before the check is waited for."""
+    from pitstop.shell.sharded import filecheck
+
+    root = tmp_path / "checkpoints"
+    expected = save_one(root)
+    calls: list[tuple[str, bool]] = []
+    past, verified = filecheck.Started.read_past, filecheck.Started.verified
+    asked, crc = threading.Event(), filecheck.crc32_update
+
+    def held(*args: Any) -> Any:  # the check reads on only once an item is asked for
+        asked.wait(timeout=60)
+        return crc(*args)
+
+    def reading(self: Any, name: str, end: int) -> None:
+        asked.set()
+        past(self, name, end)
+        calls.append(("past", self._read.get(name, 0) >= end))
+
+    def waiting(self: Any, name: str) -> None:
+        calls.append(("verified", True))
+        verified(self, name)
+
+    monkeypatch.setattr(filecheck, "crc32_update", held)
+    monkeypatch.setattr(filecheck.Started, "read_past", reading)
+    monkeypatch.setattr(filecheck.Started, "verified", waiting)
+    restored = resumed(root)
+    assert ("past", True) in calls, calls
+    assert ("past", False) not in calls, calls
+    assert calls.index(("verified", True)) > max(i for i, c in enumerate(calls) if c[0] == "past")
+    for key, value in expected.items():
+        assert torch.equal(restored[key], value), key
+
+
+def test_nothing_of_a_damaged_file_is_loaded_before_its_check_fails(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every item left to torch.load (a value, or a tensor not found plain): none of the
+    newest checkpoint, whose shard is damaged, is loaded — its check fails first — and the
+    one before is restored."""
+    root = tmp_path / "checkpoints"
+    expected = save_one(root)
+    model, optimizer = sharded_model()
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
+        ckpt.resume()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+        ckpt.save(pitstop.Progress(step=2))
+    shard = next((root / "step_000000000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    loads: list[object] = []
+    real_load = torch.load
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        loads.append(real_load(*args, **kwargs))
+        return loads[-1]
+
+    monkeypatch.setattr(torch, "load", counted)
+    monkeypatch.setattr(rawread, "raw_record", lambda *args: None)
+    model, optimizer = sharded_model(step=False)
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
+        assert ckpt.resume().step == 1
+    tensors = [v for v in loads if isinstance(v, torch.Tensor)]
+    assert len(tensors) == len(expected)  # step 1's alone
+    restored = local_state(model, optimizer)
+    for key, value in expected.items():
+        assert torch.equal(restored[key], value), key

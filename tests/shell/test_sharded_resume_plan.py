@@ -156,3 +156,48 @@ def test_a_damaged_replicated_tree_in_the_newest_manifest_is_found_beside_dcp_s_
     restored = local(model)
     for key, value in first.items():
         assert torch.equal(restored[key], value), key
+
+
+def test_a_start_on_the_checkpoint_last_links_to_serves_that_candidate_alone(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank starts on the checkpoint its pointer links to before rank 0's order comes;
+    ``last`` left on step 1 while step 2 is newest: the start is dropped (its check stopped,
+    its files closed) and step 2 is read as if nothing had been guessed."""
+    from pitstop.shell.sharded import filecheck
+
+    root = tmp_path / "checkpoints"
+    save_two(root)
+    (root / "last").unlink()
+    (root / "last").symlink_to(sharded_name(1))
+    begun: list[Any] = []
+    original = filecheck.Started
+
+    def kept(*args: Any) -> Any:
+        begun.append(original(*args))
+        return begun[-1]
+
+    monkeypatch.setattr(filecheck, "Started", kept)
+    calls, step, _ = resume_counting(root, monkeypatch)
+    assert step == 2
+    assert calls == {"read_layout": 2, "_local_plan": 1}  # the guess's manifest, then step 2's
+    assert [b._directory.name for b in begun] == [sharded_name(1), sharded_name(2)]
+    guessed = begun[0]
+    assert guessed._stopped.is_set()  # closed
+    assert not guessed._thread.is_alive()
+
+
+def test_a_start_whose_manifest_changed_since_it_was_read_is_read_again(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guessed checkpoint's manifest is not the one the start read (another inode, size or
+    time): the start is dropped and the candidate read again, restored as before."""
+    from pitstop.shell.sharded import candidate
+
+    root = tmp_path / "checkpoints"
+    save_two(root)
+    seen = iter([(1,), (2,)])
+    monkeypatch.setattr(candidate, "_seen", lambda path: next(seen))
+    calls, step, _ = resume_counting(root, monkeypatch)
+    assert step == 2
+    assert calls == {"read_layout": 2, "_local_plan": 1}

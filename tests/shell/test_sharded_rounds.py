@@ -55,3 +55,35 @@ def test_a_fault_comparing_the_chosen_checkpoint_is_raised_with_nothing_touched(
         after = model.state_dict()
         assert all(torch.equal(after[n], t) for n, t in before.items())
         assert again.resume().step == 2  # and the same checkpoint resumes once it compares
+
+
+def test_rank_0_s_schedule_moves_on_without_a_round_only_once_the_copy_succeeded(
+    group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy (the last step that can fail) fails: the resume raises and the first save is
+    still refused (the directory held checkpoints at open), rank 0's schedule unmoved though
+    worked out in the apply's round. It succeeds: that schedule is kept, and the run saves
+    on."""
+    from pitstop.shell.sharded import rawread
+
+    root = tmp_path / "checkpoints"
+    model, optimizer = sharded_model()
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as ckpt:
+        ckpt.save(pitstop.Progress(step=2))
+    with pitstop.Checkpointer(root, model=model, state={"optimizer": optimizer}) as again:
+        schedule = again._saver.schedule
+        with monkeypatch.context() as patched:
+
+            def broken(self: Any) -> None:
+                self.close()
+                raise OSError("the disk failed while copying")
+
+            patched.setattr(rawread.Checked, "copy", broken)
+            with pytest.raises(OSError, match="the disk failed while copying"):
+                again.resume()
+        assert again._saver.schedule is schedule
+        with pytest.raises(pitstop.SaveError, match="step 2"):
+            again.save(pitstop.Progress(step=3))
+        assert again.resume().step == 2
+        assert again._saver.schedule is not schedule
+        assert again.save(pitstop.Progress(step=3)).step == 3

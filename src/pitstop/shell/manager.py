@@ -39,7 +39,7 @@ from pitstop.core.session import Request, SaveStatus, settles_first
 from pitstop.core.settings.arguments import CHECKPOINT_PATH, check_path
 from pitstop.errors import PitstopError
 from pitstop.shell.checkpoint import Checkpoint, checked_options, manual_reason, records
-from pitstop.shell.lifetime import close_run, on_writers, settle_on_writers
+from pitstop.shell.lifetime import close_run, settle_on_writers
 from pitstop.shell.opening import hook_optimizer, open_parts
 from pitstop.shell.registration import register_component
 from pitstop.shell.resuming import resume_from
@@ -393,8 +393,8 @@ class Checkpointer:
             may_change=self._config_may_change,
             sharded=self._shards is not None,
             groups=self._groups,
+            saver=self._saver,  # its schedule after it, on its writers
         )
         if path is not None:
             self._resumed_from = path
-        on_writers(self._ranks, self._groups, partial(self._saver.resumed, entry))
         return entry.progress if entry is not NO_CHECKPOINT else Progress()

@@ -18,7 +18,10 @@
 # layout checked on every rank in the same pass (agreed with the files' checks where it was
 # chosen); the restore prepared and the state applied in one round, then the checked tensors copied
 # in from the same open files. An optimizer that had no state has none again unless the resume
-# restored it (pitstop.shell.state.freshopt).
+# restored it (pitstop.shell.state.freshopt). Only a resume that succeeded on every rank moves
+# rank 0's schedule on (the first save's refusal off): after it, in a round of its own — or, where
+# the copy's round ends the resume in one plain local directory (core.sharding.sharded.
+# adopts_without_round), worked out in the apply's round and kept once the copy's agreed.
 # How: functions over the live state, the ranks and the directory; the Checkpointer calls
 # resume_from() and keeps what it returns (the path restored and its entry).
 
@@ -43,17 +46,20 @@ from pitstop.core.ranks import DirectoryGroups, entry_from_wire, entry_to_wire
 from pitstop.core.records import NO_CHECKPOINT, CheckpointEntry, NoCheckpoint, PointerName
 from pitstop.core.s3.objects import is_object_url
 from pitstop.core.schema import STATE
+from pitstop.core.sharding.sharded import adopts_without_round
 from pitstop.errors import (
     IncompatibleCheckpoint,
     ResumeWarning,
 )
 from pitstop.shell.format import fileformat
 from pitstop.shell.format.untrusted import free_later
+from pitstop.shell.lifetime import on_writers
 from pitstop.shell.nodes import choose_across, choose_path_across, fetch_for_readers
 from pitstop.shell.ranks.distributed import Ranks
 from pitstop.shell.resumeread import ResumeRead
 from pitstop.shell.sharded.acrossnodes import choose_sharded_across, choose_sharded_path_across
-from pitstop.shell.sharded.choice import choose_sharded, plan_of
+from pitstop.shell.sharded.candidate import plan_of
+from pitstop.shell.sharded.choice import choose_sharded
 from pitstop.shell.state.capture import (
     LiveState,
     ranked_state,
@@ -65,9 +71,13 @@ from pitstop.shell.state.freshopt import FreshOptimizers
 from pitstop.shell.state.restore import Restore, differences
 from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path
 from pitstop.shell.store.resolve import find_resume, own_pointer
+from pitstop.shell.store.storage import RemoteStorage
+from pitstop.shell.store.tiers import TieredDirectory
 
 if TYPE_CHECKING:
+    from pitstop.shell.saving import Saver
     from pitstop.shell.sharded.engine import ShardedPlan
+
 
 __all__ = ["resume_from"]
 
@@ -87,8 +97,12 @@ def resume_from(
     sharded: bool = False,
     groups: DirectoryGroups | None = None,
     settle: Callable[[Callable[[], Any] | None], Any] | None = None,
+    saver: Saver | None = None,
 ) -> tuple[Path | None, CheckpointEntry | NoCheckpoint]:
-    """Restore ``live`` from ``source`` on every rank; the path restored and its entry.
+    """Restore ``live`` from ``source`` on every rank; the path restored and its entry; then
+    the ``saver``'s schedule after it, on its writers (``Saver.resumed``) — rank 0's worked
+    out in the apply's round and kept once the copy's round agreed, where that round ends the
+    resume (the core's adopts_without_round), else in a round of its own.
 
     ``(None, NO_CHECKPOINT)``: nothing to resume, nothing touched. Raises
     :class:`~pitstop.errors.IncompatibleCheckpoint` listing every rank's differences (each once)
@@ -100,6 +114,45 @@ def resume_from(
     ``then()`` in it (its result returned on every rank): a sharded choice's resume order
     travels in it.
     """
+    kept: list[Callable[[], None]] = []  # rank 0's schedule, worked out in the apply's round
+    adopting = partial(_adopting, saver, kept, ranks.leader) if saver is not None else None
+    path, entry, folded = _restored(
+        source, strict, live, ranks, directory, may_change, sharded, groups, settle, adopting
+    )
+    if folded:  # agreed in the copy's round: kept, nothing left to fail
+        for keep in kept:
+            keep()
+    elif saver is not None:
+        writers = groups or DirectoryGroups.one(ranks.world_size)
+        on_writers(ranks, writers, partial(saver.resumed, entry))
+    return path, entry
+
+
+def _adopting(
+    saver: Saver,
+    kept: list[Callable[[], None]],
+    leader: bool,
+    entry: CheckpointEntry | NoCheckpoint,
+) -> None:
+    """Rank 0: ``saver``'s schedule after resuming from ``entry`` worked out into ``kept``."""
+    if leader:
+        kept.append(saver.resuming(entry))
+
+
+def _restored(
+    source: str | os.PathLike[str],
+    strict: bool,
+    live: LiveState,
+    ranks: Ranks,
+    directory: CheckpointDirectory,
+    may_change: tuple[str, ...],
+    sharded: bool,
+    groups: DirectoryGroups | None,
+    settle: Callable[[Callable[[], Any] | None], Any] | None,
+    adopting: Callable[[CheckpointEntry | NoCheckpoint], None] | None,
+) -> tuple[Path | None, CheckpointEntry | NoCheckpoint, bool]:
+    """:func:`resume_from`'s restore; and whether ``adopting(entry)`` ran in the apply's
+    round (on every rank; the copy's round that ended the resume agreed after it)."""
     # DCP's choice gives an optimizer without state zeroed state: taken away unless restored
     with (
         FreshOptimizers(sharded_components(live) if sharded else {}) as fresh,
@@ -149,7 +202,7 @@ def resume_from(
         if path is None:
             if ranks.leader:
                 log.info("resume: %s holds no checkpoint; starting fresh", directory.path)
-            return None, NO_CHECKPOINT
+            return None, NO_CHECKPOINT, False
         # a chosen plan: a directory, on every rank
         is_directory = plan is not None or ranks.each(partial(is_sharded_path, path))
         if is_directory != sharded:
@@ -172,6 +225,13 @@ def resume_from(
                 log.warning("resume from %s: %s", path.name, difference)
         same_world = stored_world_size(meta) == ranks.world_size
         restore = Restore(target, tree, path, rank=ranks.rank, per_rank=same_world)
+        plain = not isinstance(directory, TieredDirectory)
+        folded = adopting is not None and adopts_without_round(
+            checked_read=checked is not None,
+            one_directory=groups is None or groups.shared,
+            adopting_reads_nothing=plain and not isinstance(directory.storage, RemoteStorage),
+        )
+        after = partial(adopting, entry) if folded and adopting is not None else None
         try:
             if not sharded:
                 ranks.each(restore.prepare)
@@ -190,6 +250,7 @@ def resume_from(
                     ema=live.ema,
                     checked=checked,
                     before=restore.prepare,  # agreed in the apply's round
+                    after=after,  # in its round too; kept once the copy's round agreed
                 )
         except BaseException:
             restore.undo()  # another rank failed: put this one back too
@@ -213,7 +274,7 @@ def resume_from(
         free_later(done_with.clear)
         if ranks.leader:
             _say_resumed(path, entry, listed if pointer is PointerName.LAST else [])
-        return path, entry
+        return path, entry, folded
 
 
 def _settled(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,7 @@ from pitstop.core.saving.schedule import (
     resumed_state,
 )
 from pitstop.core.session import Event, Request, after_raise, left_by_raise, waits_for_uploads
-from pitstop.core.sharding.shardcover import DIRECTORIES
-from pitstop.core.sharding.sharded import FRESH_OPTIMIZERS, ShardedLayout
+from pitstop.core.sharding.sharded import ShardedLayout, sharded_meta
 from pitstop.errors import SaveError
 from pitstop.shell.carryout import carry_out
 from pitstop.shell.session import Reported, SaveSession
@@ -74,15 +73,6 @@ class _Handed:
     decided: ScheduleState
     tree: dict[str, Any]
     meta: dict[str, Any]
-
-
-def _with_fresh(
-    meta: dict[str, Any], fresh: tuple[str, ...], homes: Sequence[Sequence[int]] = ()
-) -> dict[str, Any]:
-    """``meta`` naming the optimizers that had no state when a sharded save began, and the
-    ranks sharing each directory (``homes``: where they do not all share one)."""
-    meta = {**meta, DIRECTORIES: [list(g) for g in homes]} if homes else meta
-    return {**meta, FRESH_OPTIMIZERS: list(fresh)} if fresh else meta
 
 
 class Saver:
@@ -322,11 +312,11 @@ class Saver:
         """Rank 0: every rank's shards are durable in the temp directory: capture the
         replicated state, write the manifest last, publish, then pointers and retention.
         ``fresh``: the optimizers that had no state when the save began; ``homes``: as for
-        ``_with_fresh`` (each file lies in its writing rank's directory)."""
+        ``sharded_meta`` (each file lies in its writing rank's directory)."""
         plan, entry = self._planned_save()
         try:
             tree, meta = capture(self._live, parts, sharded=True)
-            meta = _with_fresh(meta, fresh, homes)
+            meta = sharded_meta(meta, fresh, homes)
             self._session.event(Event.CAPTURED)
             self._directory.publish_sharded(plan, entry, layout, tree, meta, temp=self._temp)
         except BaseException:
@@ -361,7 +351,7 @@ class Saver:
         returns the save's ticket. ``fresh``, ``homes``: as for :meth:`publish_sharded`."""
         handed = self._handed
         assert handed is not None
-        self._handed = attrs.evolve(handed, meta=_with_fresh(handed.meta, fresh, homes))
+        self._handed = attrs.evolve(handed, meta=sharded_meta(handed.meta, fresh, homes))
         self._session.event(Event.CAPTURED)
         self.schedule, self.pointers = handed.decided, handed.plan.pointers
         return self._ticket
@@ -415,15 +405,24 @@ class Saver:
         Resuming is continuing: from now on the checkpoints the directory held when it was
         opened are this run's to replace — only once the resume has succeeded."""
         self._directory.adopt()  # a remote tier's checkpoint resumed from is now local too
-        catalog = self._directory.catalog
-        if isinstance(self._directory, TieredDirectory):
-            self.pointers = self._directory.pointers
-        in_directory = (
-            entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
-        )
-        self.schedule = resumed_state(
-            catalog,
-            in_directory or NO_CHECKPOINT,
-            now=time.monotonic(),
-            step=entry.step if entry is not NO_CHECKPOINT else 0,
-        )
+        self.resuming(entry, adopted=True)()
+
+    def resuming(
+        self, entry: CheckpointEntry | NoCheckpoint, *, adopted: bool = False
+    ) -> Callable[[], None]:
+        """Rank 0: :meth:`resumed` worked out, nothing changed yet; the callable keeps it
+        (assignments only) — ``adopted``: the directory adopted it already; else it adopts it
+        then, and adopting must leave its catalog as it is (a plain local directory's)."""
+        directory, catalog = self._directory, self._directory.catalog
+        tiered = isinstance(directory, TieredDirectory)
+        pointers = directory.pointers if tiered else self.pointers
+        held = entry if entry is not NO_CHECKPOINT and catalog.get(entry.name) == entry else None
+        step = entry.step if entry is not NO_CHECKPOINT else 0
+        schedule = resumed_state(catalog, held or NO_CHECKPOINT, now=time.monotonic(), step=step)
+
+        def keep() -> None:
+            if not adopted:
+                directory.adopt()
+            self.pointers, self.schedule = pointers, schedule
+
+        return keep

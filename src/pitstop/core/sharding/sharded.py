@@ -17,7 +17,9 @@
 # verified once, by one of the ranks that read it (share_checks: ranks read bits of many files —
 # replicated values are stored once — so each checking all it reads would read the checkpoint
 # about once per rank). What is live is compared with what is stored before any tensor is
-# touched, every difference listed.
+# touched, every difference listed. A resume's ranks may start checking the checkpoint their
+# pointer links to before rank 0's resume order arrives (guessed_first: a plain sharded name
+# only); the start is used only for the candidate it guessed (guess_holds), else dropped.
 # How: frozen records and pure functions; the shell turns DCP's objects into these and back.
 
 """Sharded (DCP) checkpoint directories: their names, layout records and pure checks."""
@@ -30,7 +32,7 @@ from typing import Final
 import attrs
 
 from pitstop.core.naming import parse_sharded_name, sharded_name
-from pitstop.core.sharding.shardcover import cover_problem, paths_problem
+from pitstop.core.sharding.shardcover import DIRECTORIES, cover_problem, paths_problem
 from pitstop.errors import CheckpointCorrupt
 
 __all__ = [
@@ -41,14 +43,18 @@ __all__ = [
     "ShardedLayout",
     "StoredChunk",
     "StoredValue",
+    "adopts_without_round",
     "cover_problem",
     "early_checks",
     "file_problem",
     "files_for",
     "fresh_optimizers",
+    "guess_holds",
+    "guessed_first",
     "layout_differences",
     "parse_sharded_name",
     "regions_for",
+    "sharded_meta",
     "sharded_name",
     "share_checks",
     "writer_checks",
@@ -260,6 +266,34 @@ def early_checks(layout: ShardedLayout, rank: int, world_size: int) -> tuple[str
     return tuple(sorted(f.name for f in layout.files if f.rank == rank))
 
 
+def guessed_first(target: str) -> str | None:
+    """The sharded checkpoint a rank starts checking before rank 0's resume order arrives:
+    the one its pointer links to (``target``, as read from the link, untrusted) — only a
+    plain ``step_<digits>`` name; ``None`` for anything else (a file, a path, a foreign
+    name), and the rank waits for the order instead."""
+    return target if isinstance(parse_sharded_name(target), int) else None
+
+
+def guess_holds(guessed: str | None, candidate: str) -> bool:
+    """Whether the start on ``guessed`` (:func:`guessed_first`) serves ``candidate``, the
+    checkpoint the ranks try now: the same name only (else it is dropped, and the candidate
+    read as if nothing had been guessed)."""
+    return guessed is not None and guessed == candidate
+
+
+def adopts_without_round(
+    *, checked_read: bool, one_directory: bool, adopting_reads_nothing: bool
+) -> bool:
+    """Whether rank 0 works out its schedule after a sharded resume in the apply's round and
+    keeps it with no round of its own once the round that agrees every rank's copy agreed:
+    only where that round ends the resume (a ``checked_read``: the copy is the last step that
+    can fail, so a failed resume never turns the first save's refusal off), in
+    ``one_directory`` every rank shares (rank 0 its one writer), whose adopting
+    ``reads_nothing`` (a plain local directory: not a tiered one, not an object store).
+    Elsewhere it has a round of its own after the resume."""
+    return checked_read and one_directory and adopting_reads_nothing
+
+
 def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:
     """Whether every file some rank reads (``reads[r]``: rank ``r``'s) is read by the rank
     that wrote it too — so that each rank's :func:`writer_checks` verify them all."""
@@ -270,6 +304,16 @@ def writers_read(layout: ShardedLayout, reads: Sequence[Iterable[str]]) -> bool:
         for names in read
         for n in names
     )
+
+
+def sharded_meta(
+    meta: dict[str, object], fresh: Sequence[str], homes: Sequence[Sequence[int]] = ()
+) -> dict[str, object]:
+    """A sharded checkpoint's manifest ``meta`` naming the optimizers that had no state when
+    its save began (``fresh``, under :data:`FRESH_OPTIMIZERS`), and the ranks sharing each
+    directory (``homes``, under ``DIRECTORIES``: where they do not all share one)."""
+    meta = {**meta, DIRECTORIES: [list(g) for g in homes]} if homes else meta
+    return {**meta, FRESH_OPTIMIZERS: list(fresh)} if fresh else meta
 
 
 def fresh_optimizers(meta: Mapping[str, object]) -> tuple[str, ...]:

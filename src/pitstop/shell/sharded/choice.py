@@ -15,7 +15,9 @@
 # found a problem; where a rank's state does not fit the layout, the files are verified alone.
 # On object storage each rank downloads, into a local folder of its own, the candidate's
 # manifest, plans its read, then downloads the files its plan names (rank 0: DCP's `.metadata`
-# too), each checked as it arrives; its folder is removed when the candidate is skipped.
+# too), each checked as it arrives; its folder is removed when the candidate is skipped. In a
+# local directory each rank starts on the checkpoint its pointer links to even before the order
+# arrives (pitstop.shell.sharded.candidate.guess), used only if that is the candidate.
 # How: functions over the directory, the ranks and the live state; the resume's reader is a
 # Reading (pitstop.shell.resumeread.ResumeRead is one).
 
@@ -25,27 +27,21 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pitstop.core.compat import Kind
 from pitstop.core.ranks import OK, agree, entry_to_wire
 from pitstop.core.records import PointerName
 from pitstop.core.saving.pointers import resume_order
-from pitstop.core.sharding.sharded import (
-    MANIFEST_NAME,
-    ShardedLayout,
-    early_checks,
-    share_checks,
-    writer_checks,
-    writers_read,
-)
+from pitstop.core.sharding.sharded import MANIFEST_NAME, writer_checks, writers_read
 from pitstop.errors import CheckpointCorrupt, CheckpointNotFound
 from pitstop.shell.ranks.distributed import Ranks, outcome_of, raise_outcome
-from pitstop.shell.state.capture import LiveState, sharded_components
-from pitstop.shell.store.directory import CheckpointDirectory, is_sharded_path, scan
+from pitstop.shell.sharded import candidate
+from pitstop.shell.sharded.candidate import Planned
+from pitstop.shell.state.capture import LiveState
+from pitstop.shell.store.directory import CheckpointDirectory, scan
 from pitstop.shell.store.objectstore import ObjectStorage
 from pitstop.shell.store.sharddir import prefetch, verify_sharded
 from pitstop.shell.store.tiers import TieredDirectory
@@ -55,7 +51,7 @@ if TYPE_CHECKING:
     from pitstop.shell.sharded.filecheck import Started
     from pitstop.shell.sharded.rawread import Checked
 
-__all__ = ["Reading", "choose_sharded", "plan_of"]
+__all__ = ["Reading", "choose_sharded"]
 
 log = logging.getLogger("pitstop")
 
@@ -87,85 +83,10 @@ def _candidates(
     return wires, bool(found.catalog)
 
 
-def plan_of(
-    path: Path,
-    live: LiveState,
-    ranks: Ranks,
-    read: tuple[ShardedLayout, Mapping[str, Any]] | None = None,
-) -> ShardedPlan:
-    """This rank's plan of the sharded checkpoint ``path`` (``read``: its layout and meta)."""
-    from pitstop.shell.sharded.engine import plan_read
-
-    return plan_read(
-        path,
-        live.model,
-        sharded_components(live),
-        rank=ranks.rank,
-        world_size=ranks.world_size,
-        ema=live.ema,
-        read=read,
-    )
-
-
-_Planned = tuple["ShardedPlan | None", str | None]
-"""A candidate's plan on this rank (``None``: a file checkpoint, or a directory this rank
-could not plan), and what went wrong."""
-
-
-def _planned(path: Path, live: LiveState, ranks: Ranks) -> _Planned:
-    """This rank's plan of candidate ``path`` (none for a file checkpoint)."""
-    if not is_sharded_path(path):
-        return None, None
-    try:
-        return plan_of(path, live, ranks), None
-    except (CheckpointCorrupt, OSError) as exc:
-        return None, str(exc)
-
-
-def _started(path: Path, live: LiveState, ranks: Ranks) -> tuple[_Planned, Started | None]:
-    """:func:`_planned`, with the check of the files this rank wrote started as soon as the
-    manifest is read (core.sharding.sharded.early_checks), reading while the rank plans."""
-    from pitstop.shell.sharded import engine
-    from pitstop.shell.sharded.filecheck import Started
-
-    if not is_sharded_path(path):
-        return (None, None), None
-    try:
-        read = engine.read_layout(path)  # once: the plan is made from it
-    except (CheckpointCorrupt, OSError) as exc:
-        return (None, str(exc)), None
-    started = Started(path, read[0], early_checks(read[0], ranks.rank, ranks.world_size))
-    try:
-        return (plan_of(path, live, ranks, read), None), started
-    except (CheckpointCorrupt, OSError) as exc:
-        started.close()
-        return (None, str(exc)), None
-    except BaseException:
-        started.close()
-        raise
-
-
-def _shares(planned: _Planned, reads: list[tuple[str, ...]]) -> tuple[tuple[str, ...], ...] | None:
-    """Which rank verifies which file (``None``: this rank could not read the layout)."""
-    plan = planned[0]
-    if plan is None:
-        return None
-    try:
-        return share_checks(plan.layout, reads)
-    except CheckpointCorrupt:  # another rank's plan names a file this layout lacks
-        return None
-
-
-def _fits(planned: _Planned) -> bool:
-    """Whether this rank planned the candidate's DCP read (its state fits the layout)."""
-    plan = planned[0]
-    return plan is not None and not any(d.kind is Kind.SHAPE for d in plan.differences)
-
-
 def _problem(
     path: Path,
     reading: Reading,
-    planned: _Planned,
+    planned: Planned,
     shares: tuple[tuple[str, ...], ...] | None,
     ranks: Ranks,
     remote: ObjectStorage | None = None,
@@ -268,7 +189,7 @@ def _check_agreed(
 
 
 def _beside(
-    path: Path, reading: Reading, planned: _Planned, started: Started | None
+    path: Path, reading: Reading, planned: Planned, started: Started | None
 ) -> Callable[[], str | None] | None:
     """The manifest's tree read on a thread (where the state fits): its wait. The plan's other
     files hinted to the disk: whole where none was ``started`` (a reshard), else its regions."""
@@ -281,12 +202,12 @@ def _beside(
     if later:  # the disk reads them while the ranks agree
         prefetch(path, later)
     # the manifest's tree, its GIL-bound part off the check
-    return reading.read_beside(path) if _fits(planned) else None
+    return reading.read_beside(path) if candidate.fits(planned) else None
 
 
 def _fetched(
     storage: ObjectStorage, name: str, live: LiveState, ranks: Ranks
-) -> tuple[Path, _Planned]:
+) -> tuple[Path, Planned]:
     """This rank's local folder of candidate ``name`` (fresh: its manifest downloaded) and its
     plan of it."""
     path = storage.path(name)
@@ -295,7 +216,7 @@ def _fetched(
         storage.fetch_files(name, (MANIFEST_NAME,))
     except (CheckpointCorrupt, OSError) as exc:
         return path, (None, str(exc))
-    return path, _planned(path, live, ranks)
+    return path, candidate.planned(path, live, ranks)
 
 
 def choose_sharded(
@@ -313,7 +234,27 @@ def choose_sharded(
     run on every rank with the candidate a checked read verified on that rank, agreed in the
     check's round (what it keeps here and what every rank told, or its error on every rank).
     ``lead``: how rank 0's resume order reaches every rank (default ``ranks.lead``; a resume's
-    folds it into the round that settles the save in flight)."""
+    folds it into the round that settles the save in flight). Meanwhile each rank starts on
+    the checkpoint its pointer links to (pitstop.shell.sharded.candidate.guess)."""
+    guessed = candidate.guess(directory, pointer, ranks)  # the disk reads while the order comes
+    try:
+        return _tried(directory, pointer, reading, live, ranks, compare, lead, guessed)
+    finally:
+        if guessed is not None:  # a start no candidate took
+            guessed.close()
+
+
+def _tried(
+    directory: CheckpointDirectory,
+    pointer: PointerName,
+    reading: Reading,
+    live: LiveState,
+    ranks: Ranks,
+    compare: Compare | None,
+    lead: Callable[[Callable[[], Any]], Any] | None,
+    guessed: candidate.Guess | None,
+) -> tuple[Path | None, tuple[Any, ...] | None, ShardedPlan | None, Checked | None, Compared]:
+    """:func:`choose_sharded`, with this rank's start on a guessed candidate."""
     candidates, any_found = (lead or ranks.lead)(partial(_candidates, directory, pointer))
     storage = directory.storage
     remote = storage if isinstance(storage, ObjectStorage) else None
@@ -332,14 +273,14 @@ def choose_sharded(
             ranks.all_gather(files)
             problems = ranks.all_gather(_problem(path, reading, planned, None, ranks, remote))
         else:  # the files it wrote are read and checked while it plans
-            planned, started = _started(path, live, ranks)
+            planned, started = candidate.started(path, live, ranks, guessed)
             try:
                 beside = _beside(path, reading, planned, started)
             except BaseException:
                 if started is not None:
                     started.close()
                 raise
-            plan, fits = planned[0], _fits(planned)
+            plan, fits = planned[0], candidate.fits(planned)
             files = plan.files if plan is not None else ()
             here = None if compare is None or plan is None else partial(compare, path, plan)
             mine = None  # its own files first: enough where their writers read them all
@@ -365,7 +306,7 @@ def choose_sharded(
             elif streamed and plan is not None:  # each file read, once, by one of its readers
                 if done[0] is not None:
                     done[0].close()
-                shares = _shares(planned, reads)
+                shares = candidate.shares(planned, reads)
                 mine_shared = shares[ranks.rank] if shares is not None else None
                 checks = _checks(plan, mine_shared, ranks)
                 done = _check_round(plan, checks, ranks, beside, here)
@@ -377,7 +318,7 @@ def choose_sharded(
                     done[0].close()
                 if beside is not None:
                     beside()  # read again by the checks below: not at the same time
-                shares = _shares(planned, reads)
+                shares = candidate.shares(planned, reads)
                 problems = ranks.all_gather(_problem(path, reading, planned, shares, ranks))
         found: dict[str, list[int]] = {}
         for rank, problem in enumerate(problems):

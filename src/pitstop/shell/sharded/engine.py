@@ -273,6 +273,7 @@ def read_sharded(
     ema: nn.Module | None = None,
     checked: Checked | None = None,
     before: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
 ) -> ShardedLayout:
     """Every rank: restore the model, ``optimizers`` and the ``ema`` from a sharded checkpoint
     directory, all or nothing (the ``ema`` only when the checkpoint holds one).
@@ -293,12 +294,14 @@ def read_sharded(
     verified): the state is applied, then its tensors copied in; DCP reads nothing.
     ``before``: run on every rank just before the apply, agreed in the same round (a
     resume's restore of the replicated state: the caller undoes it when this raises).
+    ``after``: run on every rank just after a ``checked`` read's apply, in its round (what
+    fails there leaves every tensor as it was).
     """
     root = Path(directory)
     if checked is not None:
         if chosen is None:
             raise ValueError("a checked read is applied with the plan it was checked with")
-        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema, before)
+        _apply_checked(root, model, optimizers, ranks, chosen, checked, ema, before, after)
         return chosen.layout
     with FreshOptimizers(optimizers) as fresh:
         if chosen is not None:
@@ -331,17 +334,19 @@ def _apply_checked(
     checked: Checked,
     ema: nn.Module | None,
     before: Callable[[], object] | None = None,
+    after: Callable[[], object] | None = None,
 ) -> None:
     """Every rank: apply ``chosen``'s state — its tensors the live ones, unwritten yet, its
     other values as read — all or nothing (each optimizer's own state and groups kept by
-    reference); then the checked read's tensors copied into the live ones."""
+    reference; ``after()`` in the same round); then the checked read's tensors copied into the
+    live ones."""
     with FreshOptimizers(optimizers) as fresh:
         _, stored_fresh, state = _chosen(root, chosen)  # it fits: the resume checked it
         kept = _Kept(state, optimizers, only=())  # no tensor is written before the copy
         try:
             live_ema = ema if EMA in state else None
             apply = partial(apply_state, model, optimizers, live_ema, state, stored_fresh)
-            ranks.each(partial(_then, before, apply))  # one round for both
+            ranks.each(partial(_then, before, apply, after))  # one round for all
         except BaseException:
             checked.close()
             kept.put_back()
@@ -350,11 +355,11 @@ def _apply_checked(
         fresh.keep()
 
 
-def _then(before: Callable[[], object] | None, work: Callable[[], object]) -> None:
-    """``before()`` (where there is one), then ``work()``."""
-    if before is not None:
-        before()
-    work()
+def _then(*steps: Callable[[], object] | None) -> None:
+    """Each of ``steps`` in turn (``None``: none there)."""
+    for step in steps:
+        if step is not None:
+            step()
 
 
 def full_state_dict(

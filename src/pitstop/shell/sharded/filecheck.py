@@ -10,7 +10,9 @@
 # (core.sharding.sharded.early_checks says which files). What it found about a file is asked for by
 # name (waiting for it), and only for a file the read needs: a file the plan does not read is
 # checked to no purpose, and its problem never reported; a file whose size has changed since its
-# check (cut while the rank planned) is refused then. Closing stops the thread at its next piece,
+# check (cut while the rank planned) is refused then. How far each file has been read is told as
+# it goes (read_past waits for it), so the caller finds what lies in the pages read so far while
+# the rest is read. Closing stops the thread at its next piece,
 # waits for it, and closes the files; closing twice is harmless.
 # How: functions over a directory and its layout; Started is a context manager whose exit is
 # close(), so the caller's ExitStack that keeps the files open owns it.
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -35,6 +38,9 @@ __all__ = ["PIECE", "Started", "checked_file"]
 
 PIECE: Final = 1 << 20
 """Bytes a file's check reads at a time, into one buffer."""
+
+_LOOK_AGAIN_S: Final = 0.05
+"""How often a wait for the check's progress looks again whether its thread has ended."""
 
 
 def _opened(directory: Path, layout: ShardedLayout, name: str, files: ExitStack) -> int:
@@ -57,10 +63,12 @@ def _check(
     fd: int,
     scratch: bytearray,
     stopped: threading.Event | None = None,
+    read: Callable[[int], None] | None = None,
 ) -> None:
     """Check the open file ``fd`` against ``expected``, read once through ``scratch``;
     CheckpointCorrupt naming what is wrong (OSError where it cannot be read). ``stopped``:
-    set when the caller no longer needs the answer (the read ends at the next piece)."""
+    set when the caller no longer needs the answer (the read ends at the next piece);
+    ``read(at)``: told after each piece how far the file has been read."""
     size, crc = os.fstat(fd).st_size, None
     if size == expected.size:
         crc, at, view = 0, 0, memoryview(scratch)
@@ -69,6 +77,8 @@ def _check(
                 return
             crc = crc32_update(view[:got], crc)
             at += got
+            if read is not None:
+                read(at)
         size = at
     problem = file_problem(expected, size, crc)
     if problem is not None:
@@ -94,6 +104,9 @@ class Started:
         self._files = ExitStack()
         self._stopped = threading.Event()
         self._found: dict[str, BaseException | None] = {}
+        self._read: dict[str, int] = {}  # how far each file has been read
+        self._moved = threading.Condition()
+        self._ended = False
         self.opened: dict[str, int] = {}
         """The descriptor of each file opened (kept open until :meth:`close`)."""
         self.names = tuple(names)
@@ -111,16 +124,37 @@ class Started:
         self._thread.start()
 
     def _run(self, work: list[tuple[ShardFile, int]], scratch: bytearray) -> None:
-        for expected, fd in work:
-            if self._stopped.is_set():
-                return
-            try:
-                _check(self._directory, expected, fd, scratch, self._stopped)
-            except (CheckpointCorrupt, OSError) as exc:
-                self._found[expected.name] = exc
+        try:
+            for expected, fd in work:
+                if self._stopped.is_set():
+                    return
+                told = partial(self._moving, expected.name)
+                try:
+                    _check(self._directory, expected, fd, scratch, self._stopped, told)
+                except (CheckpointCorrupt, OSError) as exc:
+                    self._found[expected.name] = exc
+                else:
+                    if not self._stopped.is_set():  # read to its end
+                        self._found[expected.name] = None
+                self._moving(expected.name, expected.size)
+        finally:
+            self._moving("", 0)  # ended: nobody waits for more
+
+    def _moving(self, name: str, at: int) -> None:
+        with self._moved:
+            if name:
+                self._read[name] = at
             else:
-                if not self._stopped.is_set():  # read to its end
-                    self._found[expected.name] = None
+                self._ended = True
+            self._moved.notify_all()
+
+    def read_past(self, name: str, end: int) -> None:
+        """Wait until the check of ``name`` (one of :attr:`names`) has read its first ``end``
+        bytes — they are in the page cache then — or has ended (checked, failed or
+        stopped), whichever is first; :meth:`verified` says how it ended."""
+        with self._moved:
+            while self._read.get(name, 0) < end and not self._ended:
+                self._moved.wait(_LOOK_AGAIN_S)
 
     def verified(self, name: str) -> None:
         """Wait for the check of ``name`` (one of :attr:`names`); raise what it found wrong —

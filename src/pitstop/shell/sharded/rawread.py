@@ -5,17 +5,16 @@
 # plan, over the metadata rebuilt from pitstop's manifest: pitstop.shell.sharded.engine.plan_read),
 # so no collective of DCP's runs. First each rank checks its share of the files (size, CRC-32:
 # pitstop.shell.sharded.filecheck; the files it wrote on a thread started as soon as it read the
-# manifest, while it planned) and then, for every item it reads, its container (the pages read by
-# then): a torch.save'd tensor is a zip whose central directory, data.pkl and one storage record are
-# parsed — never unpickled: data.pkl's opcodes are only compared with those of a contiguous tensor
-# of the dtype and shape the manifest gives — and the record's size must be numel x itemsize;
-# anything else (another stride, a record stored compressed or past 4 GiB) is loaded with
-# torch.load(weights_only=True) now, and a non-tensor value through the safe planner. Every value is
-# checked before anything is allocated from it. The ranks agree on what they found (one round); only
-# when no rank found a problem are the live tensors written: each record read (pread, from the same
-# open file) into its destination's memory, or into a buffer and copied where the destination is a
-# slice or not on the CPU. A failure after the agreement is an I/O error on verified files; the
-# state is then partly written (said in the error).
+# manifest, while it planned) and, for every item it reads, its container, from pages read by
+# then — an item of a file checked on that thread as soon as the check's stream has passed it,
+# the others once every check ended: a torch.save'd tensor's zip is parsed, never unpickled
+# (pitstop.shell.sharded.torchzip); anything else is loaded with torch.load(weights_only=True),
+# and a non-tensor value through the safe planner — both only once every check passed. Every
+# value is checked before anything is allocated from it. The ranks agree on what they found (one
+# round); only when no rank found a problem are the live tensors written: each record read
+# (pread, from the same open file) into its destination's memory, or into a buffer and copied
+# where the destination is a slice or not on the CPU. A failure after the agreement is an I/O
+# error on verified files; the state is then partly written (said in the error).
 # How: functions over the plan's ReadItems; the files stay open from the check to the copy.
 
 """The resume's read of a sharded checkpoint: checked first, then copied into the live state."""
@@ -25,9 +24,6 @@ from __future__ import annotations
 import ctypes
 import io
 import os
-import pickletools
-import struct
-import sys
 from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
@@ -40,161 +36,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from pitstop.errors import CheckpointCorrupt
 from pitstop.shell.format.untrusted import open_untrusted
 from pitstop.shell.sharded.filecheck import PIECE, Started, checked_file
+from pitstop.shell.sharded.torchzip import raw_record
 
 __all__ = ["Checked", "check_read", "raw_record"]
 
 _LOOK: Final = 4096
 """Bytes read at an item's start and at its end to find its storage record."""
-_EOCD: Final = struct.Struct("<IHHHHIIH")
-_CENTRAL: Final = struct.Struct("<IHHHHHHIIIHHHHHII")
-_LOCAL: Final = struct.Struct("<IHHHHHIIIHH")
-_SKIPPED: Final = frozenset({"BINPUT", "LONG_BINPUT", "MEMOIZE", "PROTO", "FRAME"})
-_INTS: Final = frozenset({"BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"})
-_STRINGS: Final = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8"})
-_TUPLES: Final = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
-_MARK: Final = object()
-
-
-def _records(tail: bytes, length: int) -> dict[str, tuple[int, int, int]] | None:
-    """The records of a zip of ``length`` bytes whose last bytes are ``tail``: name (less the
-    archive's folder) → (local header offset, method, size); ``None`` when its central
-    directory is not all in ``tail``, or is not a plain one (no zip64 sizes)."""
-    if len(tail) < _EOCD.size:
-        return None
-    sig, _, _, _, count, cd_size, cd_at, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
-    if sig != 0x06054B50 or comment or count == 0xFFFF or cd_at == 0xFFFFFFFF:
-        return None
-    base = length - len(tail)  # where tail starts in the zip
-    at = cd_at - base
-    if at < 0 or cd_at + cd_size > length:
-        return None
-    found: dict[str, tuple[int, int, int]] = {}
-    for _ in range(count):
-        if at + _CENTRAL.size > len(tail):
-            return None
-        fields = _CENTRAL.unpack_from(tail, at)
-        sig, method, size, usize = fields[0], fields[4], fields[8], fields[9]
-        name_len, extra_len, comment_len, local = fields[10], fields[11], fields[12], fields[16]
-        name_at = at + _CENTRAL.size
-        if sig != 0x02014B50 or name_at + name_len > len(tail) or size != usize:
-            return None
-        name = tail[name_at : name_at + name_len].decode("utf-8", "replace")
-        found[name.split("/", 1)[-1]] = (local, method, size)
-        at = name_at + name_len + extra_len + comment_len
-    return found
-
-
-def _data(head: bytes, record: tuple[int, int, int], length: int) -> int | None:
-    """Where ``record``'s bytes start in the zip (its local header is in ``head``)."""
-    local, method, size = record
-    if method != 0 or local + _LOCAL.size > len(head):
-        return None
-    fields = _LOCAL.unpack_from(head, local)
-    start = int(local + _LOCAL.size + fields[9] + fields[10])
-    if fields[0] != 0x04034B50 or start + size > length:
-        return None
-    return start
-
-
-def _parsed(pickled: bytes) -> Any:
-    """:func:`_parse`'s value of ``pickled``, remembered (the items of a checkpoint share a
-    few dtypes and shapes)."""
-    if pickled not in _PARSED:
-        if len(_PARSED) >= _REMEMBERED:
-            _PARSED.clear()
-        _PARSED[pickled] = _parse(pickled)
-    return _PARSED[pickled]
-
-
-_REMEMBERED: Final = 1024
-_PARSED: dict[bytes, Any] = {}
-
-
-def _parse(pickled: bytes) -> Any:
-    """The value ``pickled`` describes, built of tuples, ints, strings and ``("global", name)``,
-    ``("persid", value)``, ``("call", f, args)`` — or ``None`` at any other opcode. Nothing is
-    imported or called: opcodes are only read."""
-    stack: list[Any] = []
-    try:
-        for op, arg, _ in pickletools.genops(pickled):
-            name = op.name
-            if name in _SKIPPED:
-                continue
-            if name in _INTS or name in _STRINGS:
-                stack.append(arg)
-            elif name == "GLOBAL":
-                stack.append(("global", arg))
-            elif name == "MARK":
-                stack.append(_MARK)
-            elif name in _TUPLES:
-                n = _TUPLES[name]
-                items = tuple(stack[len(stack) - n :]) if n else ()
-                del stack[len(stack) - n :]
-                stack.append(items)
-            elif name == "TUPLE":
-                mark = len(stack) - 1 - stack[::-1].index(_MARK)
-                items = tuple(stack[mark + 1 :])
-                del stack[mark:]
-                stack.append(items)
-            elif name in ("NEWFALSE", "NEWTRUE"):
-                stack.append(name == "NEWTRUE")
-            elif name == "BINPERSID":
-                stack.append(("persid", stack.pop()))
-            elif name == "REDUCE":
-                args = stack.pop()
-                stack.append(("call", stack.pop(), args))
-            elif name == "STOP":
-                return stack.pop() if len(stack) == 1 else None
-            else:
-                return None
-    except (ValueError, IndexError, TypeError):
-        return None
-    return None
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def raw_record(
-    head: bytes, tail: bytes, length: int, dtype: torch.dtype, shape: tuple[int, ...]
-) -> int | None:
-    """Where the elements of a torch.save'd tensor of ``length`` bytes start (its first and
-    last bytes: ``head``, ``tail``), when it is a contiguous CPU tensor of ``dtype`` and
-    ``shape`` whose storage record holds exactly its elements, little-endian, uncompressed;
-    ``None`` for anything else (the caller loads it with torch.load)."""
-    records = _records(tail, length)
-    storage = torch.storage._dtype_to_storage_type_map().get(dtype)
-    if records is None or storage is None or sys.byteorder != "little":
-        return None
-    numel = 1
-    for size in shape:
-        numel *= size
-    pickle_at = _data(head, records["data.pkl"], length) if "data.pkl" in records else None
-    storage_at = _data(head, records["data/0"], length) if "data/0" in records else None
-    if pickle_at is None or storage_at is None:
-        return None
-    if records["data/0"][2] != numel * torch.empty((), dtype=dtype).element_size():
-        return None
-    if "byteorder" in records:
-        order_at = _data(head, records["byteorder"], length)
-        size = records["byteorder"][2]
-        if order_at is None or head[order_at : order_at + size] != b"little":
-            return None
-    if any(name.startswith("data/") and name != "data/0" for name in records):
-        return None
-    pickled = head[pickle_at : pickle_at + records["data.pkl"][2]]
-    if len(pickled) != records["data.pkl"][2]:
-        return None
-    ordered = ("call", ("global", "collections OrderedDict"), ())
-    persid = ("persid", ("storage", ("global", f"torch {storage}"), "0", "cpu", numel))
-    rebuilt = (persid, 0, tuple(shape), _contiguous(tuple(shape)), False, ordered)
-    expected = ("call", ("global", "torch._utils _rebuild_tensor_v2"), rebuilt)
-    return storage_at if _parsed(pickled) == expected else None
 
 
 def _pread(fd: int, target: Any, position: int) -> None:
@@ -310,14 +157,31 @@ def check_read(
         opened: dict[str, int] = {}
         for name in now:
             opened[name] = checked_file(directory, plan.layout, name, files, scratch)
-        for name in sorted(set(checks) & early):
-            assert started is not None
-            started.verified(name)
+        waited = sorted(set(checks) & early)
         if started is not None:  # its files, open, for the items too
             opened = {**started.opened, **opened}
         checking = False
         storage = plan.planner.metadata.storage_data
-        for item in plan.reads:
+        later = []  # loaded (torch.load, a value) only once its file's check passed
+        for item in _in_read_order(plan.reads, storage, started):
+            info = storage[item.storage_index]
+            name = info.relative_path
+            if started is None or name not in started.opened:  # read once the checks end
+                later.append(item)
+                continue
+            started.read_past(name, info.offset + info.length)  # its pages read by now
+            try:
+                if not _check_item(directory, plan, item, info, opened[name], checked, raw=True):
+                    later.append(item)
+            except Exception:  # a check's problem first, as if the checks had ended before
+                checking = True
+                _verified(started, waited)
+                checking = False
+                raise
+        checking = True
+        _verified(started, waited)
+        checking = False
+        for item in later:
             info = storage[item.storage_index]
             name = info.relative_path
             if name not in opened:
@@ -340,14 +204,49 @@ def check_read(
     return checked, None, False
 
 
+def _in_read_order(reads: Any, storage: Any, started: Started | None) -> list[Any]:
+    """``reads`` in the order their pages arrive: those in the files ``started`` checks by
+    file (in its order) and offset, then the others (other ranks' files: not read ahead of
+    the check's stream)."""
+    order = {name: i for i, name in enumerate(started.names)} if started is not None else {}
+    last = len(order)
+
+    def key(item: Any) -> tuple[int, int]:
+        info = storage[item.storage_index]
+        return order.get(
+            info.relative_path, last
+        ), info.offset if info.relative_path in order else 0
+
+    return sorted(reads, key=key)
+
+
+def _verified(started: Started | None, names: Collection[str]) -> None:
+    """Wait for the check of each of ``names`` (begun early, by ``started``), raise the first
+    problem found."""
+    for name in names:
+        assert started is not None
+        started.verified(name)
+
+
 def _check_item(
-    directory: Path, plan: Any, item: ReadItem, info: Any, fd: int, checked: Checked
-) -> None:
-    """Find ``item`` (where ``info`` says, in the file open as ``fd``) for ``checked``."""
+    directory: Path,
+    plan: Any,
+    item: ReadItem,
+    info: Any,
+    fd: int,
+    checked: Checked,
+    *,
+    raw: bool = False,
+) -> bool:
+    """Find ``item`` (where ``info`` says, in the file open as ``fd``) for ``checked``;
+    whether it did (``raw``: only where its elements lie plain in the file — a value or a
+    tensor torch.load must read is left for later)."""
     length = info.length
     if item.type == LoadItemType.BYTE_IO:
+        if raw:
+            return False
         plan.planner.load_bytes(item, io.BytesIO(os.pread(fd, length, info.offset)))
-        return
+        return True
     md = plan.planner.metadata.state_dict_metadata[item.storage_index.fqn]
     chunk = next(c for c in md.chunks if c.offsets == item.storage_index.offset)
     dtype, shape = md.properties.dtype, tuple(chunk.sizes)
@@ -357,9 +256,12 @@ def _check_item(
     at = raw_record(head, tail, length, dtype, shape)
     if at is not None:
         checked._raw.append((item, fd, info.offset + at, dtype, shape))
-        return
+        return True
+    if raw:
+        return False
     data = os.pread(fd, length, info.offset)
     loaded = torch.load(cast(IO[bytes], _Bytes(data)), map_location="cpu", weights_only=True)
     if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != shape:
         raise CheckpointCorrupt(f"{directory}: {info.relative_path} holds no {shape} tensor there")
     checked._loaded.append((item, loaded))
+    return True
